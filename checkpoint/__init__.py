@@ -1,0 +1,1 @@
+"""Asynchronous, distributed checkpointing built on torch.distributed.checkpoint."""

@@ -1,0 +1,1 @@
+"""Placement engine: pure placement policies and a trace simulator (see issue 4)."""
