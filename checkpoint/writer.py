@@ -1,0 +1,176 @@
+"""A DCP StorageWriter: per-chunk xxh3 checksums, optional lz4, fsync, manifest written last.
+
+Layout of a checkpoint directory (compatible with DCP's ``FileSystemReader`` when
+uncompressed): data files ``__<rank>_<n>.distcp``, DCP's pickled ``.metadata``, and
+``cachemw-manifest.json`` holding per-chunk checksums and codecs. The manifest is the commit
+mark: it is written by the coordinator last, after every rank's files are fsynced (DCP calls
+``finish`` only once all ranks' ``write_data`` results are in), through temp + fsync + rename.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from torch.futures import Future
+from typing import Any, Callable
+
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from .chunk_codec import StoredItem, write_chunk
+from .planner import item_key
+from .storage_io import Location
+
+MANIFEST_NAME = "cachemw-manifest.json"
+METADATA_NAME = ".metadata"
+DCP_VERSION = "1.0.0"
+MANIFEST_FORMAT = "cachemw-checkpoint/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterConfig:
+    """``compression``: None or "lz4"; ``thread_count``: files written in parallel per rank."""
+
+    compression: str | None = None
+    frame_bytes: int = 1 << 20
+    thread_count: int = 2
+    sync_files: bool = True
+
+    def __post_init__(self) -> None:
+        if self.compression not in (None, "lz4"):
+            raise ValueError(f"compression must be None or 'lz4', got {self.compression!r}")
+        if self.thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {self.thread_count}")
+        if not 4096 <= self.frame_bytes < 1 << 31:
+            raise ValueError(f"frame_bytes must be in [4096, 2**31), got {self.frame_bytes}")
+
+
+def bucket_items(items: list[WriteItem], buckets: int) -> list[list[WriteItem]]:
+    """Spread items over ``buckets`` files, largest first to the lightest file."""
+    out: list[list[WriteItem]] = [[] for _ in range(max(1, min(buckets, len(items))))]
+    load = [0] * len(out)
+    for item in sorted(items, key=lambda i: -(i.tensor_storage_size() or 1)):
+        k = load.index(min(load))
+        out[k].append(item)
+        load[k] += item.tensor_storage_size() or 1
+    return [b for b in out if b]
+
+
+class CachemwStorageWriter(StorageWriter):
+    """Usable on its own: ``dcp.save(sd, storage_writer=CachemwStorageWriter(path))``."""
+
+    def __init__(self, path: str | os.PathLike | None = None, *, compression: str | None = None,
+                 frame_bytes: int = 1 << 20, thread_count: int = 2, sync_files: bool = True,
+                 manifest_extra: dict | None = None,
+                 on_file_durable: Callable[[str], None] | None = None) -> None:
+        super().__init__()
+        self.config = WriterConfig(compression, frame_bytes, thread_count, sync_files)
+        self.location = Location(path) if path is not None else None
+        self.manifest_extra = dict(manifest_extra or {})
+        self.on_file_durable = on_file_durable
+        self.rank = 0
+        self.save_id = uuid.uuid4().hex
+        self.files_written: list[str] = []
+
+    # -- StorageWriter protocol -------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.location = Location(checkpoint_id)
+        if self.location is None:
+            raise ValueError("CachemwStorageWriter needs a path or a checkpoint_id")
+        self.save_id = uuid.uuid4().hex
+        self.files_written = []
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.rank = kwargs.get("rank") or 0
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.location.makedirs()
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data if isinstance(plan.storage_data, str) else f"__{self.rank}_"
+        buckets = bucket_items(list(plan.items), self.config.thread_count)
+        jobs = [(f"{prefix}{n}.distcp", [(item, planner.resolve_data(item)) for item in bucket])
+                for n, bucket in enumerate(buckets)]
+        if len(jobs) <= 1:
+            results = [self._write_file(rel, pairs) for rel, pairs in jobs]
+        else:
+            with ThreadPoolExecutor(len(jobs), thread_name_prefix="cachemw-write") as pool:
+                results = list(pool.map(lambda job: self._write_file(*job), jobs))
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result([r for rs in results for r in rs])
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        flat = [wr for rank_results in results for wr in rank_results]
+        stored: dict[str, StoredItem] = {item_key(wr.index): wr.storage_data for wr in flat}
+        metadata.version = DCP_VERSION
+        metadata.storage_data = {
+            wr.index: _StorageInfo(wr.storage_data.relative_path, wr.storage_data.offset, wr.storage_data.length)
+            for wr in flat
+        }
+        metadata.storage_meta = self.storage_meta()
+        self.location.write_atomic(METADATA_NAME, pickle.dumps(metadata))
+        files: dict[str, int] = {}
+        for item in stored.values():
+            files[item.relative_path] = max(files.get(item.relative_path, 0), item.offset + item.length)
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "save_id": self.save_id,
+            "created": time.time(),
+            "compression": self.config.compression,
+            "files": files,
+            "items": {k: v.to_json() for k, v in sorted(stored.items())},
+            "extra": self.manifest_extra,
+        }
+        self.location.write_atomic(MANIFEST_NAME, json.dumps(manifest).encode())
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.location.url if self.location else None, save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # -- internals --------------------------------------------------------------------------
+    def _write_file(self, rel: str, pairs: list[tuple[WriteItem, Any]]) -> list[WriteResult]:
+        codec = self.config.compression or "raw"
+        out = self.location.open(rel, "wb")
+        results = []
+        try:
+            for item, data in pairs:
+                stored = write_chunk(out, rel, out.tell(), data, codec, self.config.frame_bytes)
+                results.append(WriteResult(index=item.index, size_in_bytes=stored.length, storage_data=stored))
+        finally:
+            if self.config.sync_files:
+                self.location.close_durably(out)
+            else:
+                out.close()
+        self.files_written.append(rel)
+        if self.on_file_durable is not None:
+            self.on_file_durable(rel)
+        return results
+
+
+def read_manifest(location: Location) -> dict | None:
+    """The manifest of a checkpoint directory, or None if it is not committed."""
+    try:
+        data = location.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        return None
+    manifest = json.loads(data)
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"{location.url}: unknown manifest format {manifest.get('format')!r}")
+    return manifest
