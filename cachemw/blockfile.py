@@ -1,0 +1,158 @@
+"""On-disk format of one cached block: the data, then a checksum per page, then a trailer.
+
+    [data: L bytes][xxh3-64 of each 16 KiB page: 8 bytes x n][trailer: 40 bytes]
+
+Data comes first so a whole-block read is one ``read(L)`` straight into the bytes returned
+to the caller (no copy) and is verified with the one whole-data checksum in the trailer; a
+range read touches only the pages it needs and verifies those against their checksums. Every read verifies what it returns, so a flipped bit, a truncated file or a
+foreign file in a tier directory is detected, never served.
+"""
+from __future__ import annotations
+
+import os
+import struct
+
+import xxhash
+
+MAGIC = b"CMWB"
+FORMAT_VERSION = 1
+PAGE_SIZE = 16 * 1024
+# magic, format, data_len, page_size, n_pages, hash of the page table, hash of all the data
+_TRAILER = struct.Struct("<4sIQIIQQ")
+TRAILER_SIZE = _TRAILER.size
+_hash = xxhash.xxh3_64_intdigest
+
+
+class CorruptBlock(OSError):
+    """A cached block failed verification; the caller drops it and refetches from the source."""
+
+
+def n_pages(length: int, page_size: int = PAGE_SIZE) -> int:
+    return max(1, -(-length // page_size))
+
+
+def tail_size(length: int, page_size: int = PAGE_SIZE) -> int:
+    return 8 * n_pages(length, page_size) + TRAILER_SIZE
+
+
+def encode_tail(data: bytes | memoryview, page_size: int = PAGE_SIZE) -> bytes:
+    """Checksum table and trailer for ``data``."""
+    view = memoryview(data)
+    length = len(view)
+    n = n_pages(length, page_size)
+    table = struct.pack(f"<{n}Q", *(_hash(view[i * page_size:(i + 1) * page_size]) for i in range(n)))
+    return table + _TRAILER.pack(MAGIC, FORMAT_VERSION, length, page_size, n, _hash(table), _hash(view))
+
+
+def data_length(file_size: int, where: str = "block") -> int:
+    """The data length of a block file of ``file_size`` bytes (the inverse of the layout)."""
+    n = max(1, -(-(file_size - TRAILER_SIZE) // (PAGE_SIZE + 8)))
+    for pages in (n - 1, n, n + 1):
+        length = file_size - TRAILER_SIZE - 8 * pages
+        if pages >= 1 and length >= 0 and n_pages(length) == pages:
+            return length
+    raise CorruptBlock(f"{where}: {file_size} bytes is not the size of any block file")
+
+
+def _parse_tail(tail: bytes, length: int, page_size: int, where: str) -> tuple[tuple[int, ...], int]:
+    """(page checksums, whole-data checksum) from a block's tail, checked for consistency."""
+    n = n_pages(length, page_size)
+    if len(tail) != 8 * n + TRAILER_SIZE:
+        raise CorruptBlock(f"{where}: block has {len(tail) - 8 * n - TRAILER_SIZE:+d} bytes of "
+                           f"unexpected length (truncated or overwritten)")
+    magic, fmt, dlen, psize, npg, thash, dhash = _TRAILER.unpack_from(tail, 8 * n)
+    if magic != MAGIC or fmt != FORMAT_VERSION:
+        raise CorruptBlock(f"{where}: not a cachemw block (bad trailer)")
+    if (dlen, psize, npg) != (length, page_size, n):
+        raise CorruptBlock(f"{where}: trailer says {dlen} bytes/{psize} pages/{npg}, "
+                           f"expected {length}/{page_size}/{n}")
+    table = tail[:8 * n]
+    if _hash(table) != thash:
+        raise CorruptBlock(f"{where}: checksum table corrupted")
+    return struct.unpack(f"<{n}Q", table), dhash
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    data = os.read(fd, n)
+    if len(data) == n or not data:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < n:
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def read_block(path: str, length: int, page_size: int = PAGE_SIZE) -> bytes | None:
+    """The whole block at ``path`` (``length`` data bytes), verified; None if absent."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        data = _read_exact(fd, length)
+        tail = _read_exact(fd, tail_size(length, page_size) + 1)
+    finally:
+        os.close(fd)
+    if len(data) != length:
+        raise CorruptBlock(f"{path}: block truncated ({len(data)} of {length} bytes)")
+    _, data_hash = _parse_tail(tail, length, page_size, path)
+    if _hash(data) != data_hash:
+        raise CorruptBlock(f"{path}: checksum mismatch")
+    return data
+
+
+def read_range(path: str, length: int, start: int, end: int, page_size: int = PAGE_SIZE) -> bytes | None:
+    """Bytes ``[start, end)`` of the block at ``path``, verifying only the pages touched."""
+    if start <= 0 and end >= length:
+        return read_block(path, length, page_size)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        first, last = start // page_size, (max(end, start + 1) - 1) // page_size
+        lo = first * page_size
+        data = os.pread(fd, min(length, (last + 1) * page_size) - lo, lo)
+        tail = os.pread(fd, tail_size(length, page_size) + 1, length)
+    finally:
+        os.close(fd)
+    sums, _ = _parse_tail(tail, length, page_size, path)
+    view = memoryview(data)
+    if len(view) != min(length, (last + 1) * page_size) - lo:
+        raise CorruptBlock(f"{path}: block truncated")
+    for i in range(first, last + 1):
+        if _hash(view[(i - first) * page_size:(i - first + 1) * page_size]) != sums[i]:
+            raise CorruptBlock(f"{path}: checksum mismatch in page {i}")
+    return bytes(view[start - lo:end - lo])
+
+
+def write_block(path: str, data: bytes | memoryview, page_size: int = PAGE_SIZE) -> int:
+    """Write a block atomically (temp file in the same directory, then rename).
+
+    Returns the bytes it occupies. A crash leaves at most a ``*.tmp`` file, which the
+    tier sweeps on start; readers never see a partial block.
+    """
+    tail = encode_tail(data, page_size)
+    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.write(fd, tail)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return len(data) + len(tail)

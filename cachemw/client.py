@@ -1,0 +1,268 @@
+"""A process's link to its node daemon: leases for misses, batched access reports.
+
+Never imports Ray (a forked DataLoader worker cannot use its parent's Ray connection).
+Fork-safe: a child process opens its own connection instead of sharing its parent's.
+Never hangs: every wait on the daemon is bounded; an unreachable daemon turns misses into
+direct reads from the source, counted as ``fallbacks`` and logged once, not per read, and
+the link is retried every few seconds.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import multiprocessing.util
+import os
+import socket
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection, answer_challenge
+
+from .node import CLIENT_COUNTERS
+from .protocol import DaemonAddress, lookup
+from .tiers.directory import DirectoryTier
+
+log = logging.getLogger("cachemw.client")
+
+RETRY_SECONDS = 2.0
+
+_clients: "weakref.WeakSet[DaemonClient]" = weakref.WeakSet()
+
+
+def _flush_all() -> None:
+    for client in list(_clients):
+        client.flush()
+
+
+atexit.register(_flush_all)
+
+
+def _reset_all_in_child() -> None:
+    for client in list(_clients):
+        client._reset_after_fork()
+
+
+os.register_at_fork(after_in_child=_reset_all_in_child)
+
+
+def is_main_process() -> bool:
+    return multiprocessing.parent_process() is None
+
+
+class DaemonUnavailable(ConnectionError):
+    """The node daemon could not be reached (the caller falls back to the source)."""
+
+
+class DaemonClient:
+    def __init__(self, runtime_dir: str, *, autostart: bool = True, timeout: float = 60.0,
+                 report_interval: float = 0.5, daemon_config: dict | None = None) -> None:
+        self.runtime_dir = runtime_dir
+        self.autostart = autostart
+        self.timeout = timeout
+        self.report_interval = report_interval
+        self.daemon_config = daemon_config or {}
+        self._lock = threading.RLock()
+        self._reset_after_fork()
+        _clients.add(self)
+
+    def _reset_after_fork(self) -> None:
+        self._pid = os.getpid()
+        self._conn: Connection | None = None
+        self._address: DaemonAddress | None = None
+        self._tiers: list[DirectoryTier] = []
+        self._next_try = 0.0
+        self._warned = False
+        self.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
+        self._unsent = dict.fromkeys(CLIENT_COUNTERS, 0)
+        self._tier_hit_bytes: dict[str, int] = {}
+        self._accesses: list[tuple[str, str]] = []
+        self._last_flush = time.monotonic()
+        self._lock = threading.RLock()
+
+    # -- connection ------------------------------------------------------------------
+
+    def tiers(self) -> list[DirectoryTier]:
+        """Tier directories to read hits from, fastest first (known even if the daemon died)."""
+        if not self._tiers:
+            self._connect()
+        return self._tiers
+
+    def connected(self) -> bool:
+        return self._connect() is not None
+
+    def _connect(self) -> Connection | None:
+        if self._conn is not None:
+            return self._conn
+        now = time.monotonic()
+        if now < self._next_try:
+            return None
+        with self._lock:
+            if self._conn is not None:
+                return self._conn
+            self._next_try = now + RETRY_SECONDS
+            address = lookup(self.runtime_dir)
+            if address is None and self.autostart and is_main_process():
+                from .embedded import ensure_embedded_daemon
+
+                address = ensure_embedded_daemon(self.runtime_dir, self.daemon_config)
+            if address is None:
+                self._unreachable("no daemon runs (start one with `cachemw start`)")
+                return None
+            self._set_tiers(address)
+            try:
+                self._conn = self._open(address)
+            except (OSError, EOFError, DaemonUnavailable) as exc:
+                self._unreachable(f"{address.socket}: {exc}")
+                return None
+            if self._warned:
+                log.warning("cachemw daemon reachable again at %s", address.socket)
+                self._warned = False
+            return self._conn
+
+    def _set_tiers(self, address: DaemonAddress) -> None:
+        if address != self._address:
+            self._address = address
+            self._tiers = [DirectoryTier(t["name"], t["path"]) for t in address.tiers]
+
+    def _open(self, address: DaemonAddress) -> Connection:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(5.0)
+            sock.connect(address.socket)
+            sock.setblocking(True)
+        except OSError:
+            sock.close()
+            raise
+        conn = Connection(sock.detach())
+        try:
+            if not conn.poll(5.0):
+                raise DaemonUnavailable("daemon did not answer the handshake")
+            answer_challenge(conn, address.authkey)
+            conn.send(("hello", os.getpid()))
+            self._recv(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _recv(self, conn: Connection):
+        if not conn.poll(self.timeout):
+            raise DaemonUnavailable(f"daemon did not answer within {self.timeout} s")
+        reply = conn.recv()
+        if reply[0] == "error":
+            raise DaemonUnavailable(f"daemon error: {reply[1]}")
+        return reply
+
+    def _unreachable(self, why: str) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except OSError:
+                pass
+            self._conn = None
+        if not self._warned:
+            log.warning("cachemw daemon unreachable (%s); misses read the source directly, "
+                        "counted as fallbacks", why)
+            self._warned = True
+
+    def _call(self, *msg):
+        """Send a request and return the reply; None if the daemon is unreachable."""
+        if os.getpid() != self._pid:
+            self._reset_after_fork()
+        conn = self._connect()
+        if conn is None:
+            return None
+        with self._lock:
+            try:
+                conn.send(msg)
+                return self._recv(conn)
+            except (OSError, EOFError, DaemonUnavailable) as exc:
+                self._unreachable(str(exc) or type(exc).__name__)
+                return None
+
+    def _send(self, *msg) -> bool:
+        if os.getpid() != self._pid:
+            self._reset_after_fork()
+        conn = self._connect()
+        if conn is None:
+            return False
+        with self._lock:
+            try:
+                conn.send(msg)
+                return True
+            except (OSError, EOFError) as exc:
+                self._unreachable(str(exc) or type(exc).__name__)
+                return False
+
+    # -- requests ----------------------------------------------------------------------
+
+    def lease(self, key: str, nbytes: int, url: str) -> tuple[str, str | None] | None:
+        reply = self._call("lease", key, nbytes, url)
+        return None if reply is None else (reply[0], reply[1])
+
+    def filled(self, key: str, tier: str, stored: int) -> None:
+        self._send("filled", key, tier, stored)
+
+    def abort(self, key: str, reason: str) -> None:
+        self._send("abort", key, reason)
+
+    def drop(self, key: str, reason: str) -> None:
+        self._send("drop", key, reason)
+
+    def invalidate(self, url: str) -> None:
+        self._send("invalidate", url)
+
+    def daemon_stats(self) -> dict | None:
+        self.flush()
+        reply = self._call("stats")
+        return None if reply is None else reply[1]
+
+    # -- counters and access reports ----------------------------------------------------
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+        self._unsent[name] += n
+
+    def hit(self, key: str, tier: str, nbytes: int) -> None:
+        self.counters["hits"] += 1
+        self.counters["hit_bytes"] += nbytes
+        self._unsent["hits"] += 1
+        self._unsent["hit_bytes"] += nbytes
+        self._tier_hit_bytes[tier] = self._tier_hit_bytes.get(tier, 0) + nbytes
+        self._accesses.append((key, tier))
+        if len(self._accesses) >= 4096 or time.monotonic() - self._last_flush > self.report_interval:
+            self.flush()
+
+    def maybe_flush(self) -> None:
+        if time.monotonic() - self._last_flush > self.report_interval:
+            self.flush()
+
+    def flush(self) -> None:
+        if os.getpid() != self._pid:
+            return
+        self._last_flush = time.monotonic()
+        if not self._accesses and not any(self._unsent.values()):
+            return
+        counters = {k: v for k, v in self._unsent.items() if v}
+        counters["tier_hit_bytes"] = self._tier_hit_bytes
+        if self._send("report", counters, self._accesses):
+            self._unsent = dict.fromkeys(CLIENT_COUNTERS, 0)
+            self._tier_hit_bytes = {}
+            self._accesses = []
+        elif len(self._accesses) > 65536:  # daemon gone for long: keep counters, drop recency
+            self._accesses = []
+
+    def close(self) -> None:
+        self.flush()
+        with self._lock:
+            if self._conn is not None:
+                try:
+                    self._conn.close()
+                except OSError:
+                    pass
+                self._conn = None
+
+
+# multiprocessing children (DataLoader workers) skip atexit: flush through its finalizers.
+multiprocessing.util.Finalize(None, _flush_all, exitpriority=10)

@@ -1,0 +1,275 @@
+"""``cachemw``: an fsspec filesystem that reads any other fsspec filesystem through the
+node's tiered cache.
+
+    fsspec.open("cachemw::s3://bucket/train/x.bin")          # chained, any target
+    fsspec.open("cachemw:///lustre/train/x.bin")             # shorthand for a local/PFS path
+    fsspec.filesystem("cachemw", target_protocol="file", validate="immutable")
+
+Reads go through the cache (blocks of ``block_size``; smaller files whole); metadata is
+cached under the same policy (``validate``: immutable | ttl | always). Writes go straight
+to the target and invalidate what was cached of the paths they touch.
+
+Registered through the ``fsspec.specs`` entry point: no ``import cachemw`` needed. Never
+imports Ray, so it works in forked DataLoader workers.
+"""
+from __future__ import annotations
+
+import logging
+
+import fsspec
+from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
+
+try:  # fsspec >= 2025.x marks filesystems layered over another one (fills in the path)
+    from fsspec.implementations.chained import ChainedFileSystem as _Base
+except ImportError:  # pragma: no cover - older fsspec
+    _Base = AbstractFileSystem
+
+from .client import DaemonClient
+from .config import CacheOptions
+from .metadata import MetadataCache
+from .reader import BlockReader
+from .tiers.source import ChangedSourceError, SourceTier
+
+log = logging.getLogger("cachemw.fs")
+
+
+class CacheFileSystem(_Base):
+    protocol = "cachemw"
+
+    def __init__(self, target_protocol: str | None = None, target_options: dict | None = None,
+                 fs: AbstractFileSystem | None = None, *, validate: str | None = None,
+                 ttl: float | None = None, block_size: int | str | None = None,
+                 autostart: bool | None = None, runtime_dir: str | None = None,
+                 daemon_options: dict | None = None, fo: str | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if fs is not None and target_protocol is not None:
+            raise ValueError("target_protocol: give either fs or target_protocol, not both")
+        self.options = CacheOptions.build(validate=validate, ttl=ttl, block_size=block_size,
+                                          autostart=autostart, runtime_dir=runtime_dir)
+        if fs is None:
+            fs = fsspec.filesystem(target_protocol or "file", **(target_options or {}))
+        self.target = fs
+        self.client = DaemonClient(self.options.runtime_dir, autostart=self.options.autostart,
+                                   report_interval=self.options.report_interval,
+                                   daemon_config=daemon_options)
+        self.meta = MetadataCache(fs, self.options.validate, self.options.ttl, self._meta_dir)
+        self.reader = BlockReader(SourceTier(fs), self.client, self.options.block_size)
+
+        def _strip_protocol(path):  # per instance: the target decides what a path is
+            return fs._strip_protocol(type(self)._strip_protocol(path))
+
+        self._strip_protocol = _strip_protocol
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]
+        path = fsspec.utils.stringify_path(path)
+        if path.startswith("cachemw::"):
+            path = path[len("cachemw::"):]
+        elif path.startswith("cachemw://"):
+            path = path[len("cachemw://"):]
+        return path
+
+    def _meta_dir(self) -> str | None:
+        self.client.tiers()
+        address = self.client._address
+        return None if address is None else address.meta_dir
+
+    def unstrip_protocol(self, name: str) -> str:
+        return f"cachemw::{self.target.unstrip_protocol(name)}"
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        path = self._strip_protocol(path)
+        meta = self.meta.file(path)
+        start, end = _clip(start, end, meta.size)
+        try:
+            return self.reader.read(meta, start, end)
+        except ChangedSourceError:
+            self.meta.forget(path)
+            meta = self.meta.file(path)
+            start, end = _clip(start, end, meta.size)
+            return self.reader.read(meta, start, end)
+        except FileNotFoundError:
+            self.meta.forget(path)
+            raise
+
+    def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None,
+              **kwargs):
+        path = self._strip_protocol(path)
+        if "r" in mode and "+" not in mode:
+            meta = self.meta.file(path)
+            return CachedFile(self, path, meta, block_size=block_size,
+                              cache_type=kwargs.pop("cache_type", "none"),
+                              cache_options=cache_options)
+        f = self.target.open(path, mode, block_size=block_size, autocommit=autocommit,
+                             cache_options=cache_options, **kwargs)
+        return _InvalidatingWriter(f, lambda: self._written(path))
+
+    def info(self, path, **kwargs):
+        return self.meta.info(self._strip_protocol(path))
+
+    def ls(self, path, detail=True, **kwargs):
+        listing = self.meta.ls(self._strip_protocol(path))
+        return listing if detail else [e["name"] for e in listing]
+
+    def created(self, path):
+        return self.target.created(self._strip_protocol(path))
+
+    def modified(self, path):
+        return self.target.modified(self._strip_protocol(path))
+
+    # -- writes: through to the target, then invalidate ---------------------------------
+
+    def _written(self, path: str) -> None:
+        url = self.target.unstrip_protocol(path)
+        self.meta.forget_tree(path)
+        self.client.invalidate(url)
+
+    def _written_tree(self, path: str) -> None:
+        self.meta.forget_tree(path)
+        self.client.invalidate(self.target.unstrip_protocol(path))
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        path = self._strip_protocol(path)
+        try:
+            self.target.pipe_file(path, value, mode=mode, **kwargs)
+        finally:
+            self._written(path)
+
+    def rm_file(self, path):
+        path = self._strip_protocol(path)
+        try:
+            self.target.rm_file(path)
+        finally:
+            self._written(path)
+
+    def rm(self, path, recursive=False, maxdepth=None):
+        paths = self._strip_protocol(path)
+        paths = paths if isinstance(paths, list) else [paths]
+        try:
+            self.target.rm(paths, recursive=recursive, maxdepth=maxdepth)
+        finally:
+            for p in paths:
+                self._written_tree(p)
+
+    def mkdir(self, path, create_parents=True, **kwargs):
+        path = self._strip_protocol(path)
+        try:
+            self.target.mkdir(path, create_parents=create_parents, **kwargs)
+        finally:
+            self.meta.forget_tree(path)
+
+    def makedirs(self, path, exist_ok=False):
+        path = self._strip_protocol(path)
+        try:
+            self.target.makedirs(path, exist_ok=exist_ok)
+        finally:
+            self.meta.forget_tree(path)
+
+    def rmdir(self, path):
+        path = self._strip_protocol(path)
+        try:
+            self.target.rmdir(path)
+        finally:
+            self.meta.forget_tree(path)
+
+    def cp_file(self, path1, path2, **kwargs):
+        path1, path2 = self._strip_protocol(path1), self._strip_protocol(path2)
+        try:
+            self.target.cp_file(path1, path2, **kwargs)
+        finally:
+            self._written(path2)
+
+    def mv(self, path1, path2, recursive=False, maxdepth=None, **kwargs):
+        p1, p2 = self._strip_protocol(path1), self._strip_protocol(path2)
+        try:
+            self.target.mv(p1, p2, recursive=recursive, maxdepth=maxdepth, **kwargs)
+        finally:
+            for p in (p1 if isinstance(p1, list) else [p1]):
+                self._written_tree(p)
+            for p in (p2 if isinstance(p2, list) else [p2]):
+                self._written_tree(p)
+
+    def put_file(self, lpath, rpath, callback=fsspec.callbacks.DEFAULT_CALLBACK, mode="overwrite",
+                 **kwargs):
+        rpath = self._strip_protocol(rpath)
+        try:
+            self.target.put_file(lpath, rpath, callback=callback, mode=mode, **kwargs)
+        finally:
+            self._written(rpath)
+
+    def touch(self, path, truncate=True, **kwargs):
+        path = self._strip_protocol(path)
+        try:
+            self.target.touch(path, truncate=truncate, **kwargs)
+        finally:
+            self._written(path)
+
+    # -- cache control and visibility ---------------------------------------------------
+
+    def invalidate_cache(self, path=None):
+        if path is None:
+            self.meta = MetadataCache(self.target, self.options.validate, self.options.ttl,
+                                      self._meta_dir)
+        else:
+            self.meta.forget_tree(self._strip_protocol(path))
+
+    def stats(self) -> dict:
+        """This process's counters (hits, misses, fallbacks, ...)."""
+        return dict(self.client.counters)
+
+
+def _clip(start, end, size):
+    start = 0 if start is None else (max(size + start, 0) if start < 0 else min(start, size))
+    end = size if end is None else (max(size + end, 0) if end < 0 else min(end, size))
+    return start, end
+
+
+class CachedFile(AbstractBufferedFile):
+    """A read-only file whose bytes come from the cache; ``cache_type="none"`` by default
+    because the tiers already are the cache (fsspec's readahead would only re-copy)."""
+
+    def __init__(self, fs: CacheFileSystem, path: str, meta, **kwargs) -> None:
+        self.meta = meta
+        super().__init__(fs, path, mode="rb", size=meta.size, **kwargs)
+
+    def _fetch_range(self, start, end):
+        start, end = _clip(start, end, self.meta.size)
+        return self.fs.reader.read(self.meta, start, end)
+
+
+class _InvalidatingWriter:
+    """Wraps the target's writable file: invalidates the cache once the file is closed."""
+
+    def __init__(self, f, on_close) -> None:
+        self._f = f
+        self._on_close = on_close
+        self._closed = False
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._f.close()
+        finally:
+            self._on_close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __del__(self):
+        try:
+            if not self._closed and not self._f.closed:
+                self.close()
+        except Exception:
+            pass

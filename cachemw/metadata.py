@@ -1,0 +1,178 @@
+"""Metadata (``info`` and ``ls``) of the source, cached under the validation policy.
+
+A metadata storm (millions of ``stat``/``HEAD`` calls every epoch) is half of what stalls
+training on a PFS, so metadata is cached like data: in the process (a dict) and for the
+whole node (one small record file per path in the daemon's ``meta`` directory, so a new
+DataLoader worker does not ask the source again, and an ``immutable`` dataset stays
+readable once warmed even if the source goes away).
+
+Policies: ``immutable`` never asks the source again once a path is known; ``ttl`` asks
+again after ``ttl`` seconds; ``always`` asks on every open/read.
+
+Record files are pickles in a 0700 directory that also holds the daemon's secret: anyone
+able to write them already controls the daemon.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import posixpath
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .keys import path_key, version_token
+
+
+@dataclass(frozen=True)
+class FileMeta:
+    """What a read needs to know of a source file, captured at one moment."""
+
+    path: str
+    url: str
+    size: int
+    version: str
+    info: dict
+
+
+class MetadataCache:
+    def __init__(self, target, validate: str, ttl: float, meta_dir: Callable[[], str | None]) -> None:
+        self.target = target
+        self.validate = validate
+        self.ttl = ttl
+        self._meta_dir = meta_dir
+        self._infos: dict[str, tuple[dict, float]] = {}
+        self._files: dict[str, tuple[FileMeta, float]] = {}
+        self._listings: dict[str, tuple[list[dict], float]] = {}
+        self.source_calls = 0
+
+    def _fresh(self, fetched: float) -> bool:
+        if self.validate == "immutable":
+            return True
+        if self.validate == "always":
+            return False
+        return time.time() - fetched < self.ttl
+
+    # -- node-shared records -------------------------------------------------------
+
+    def _record_path(self, kind: str, path: str) -> str | None:
+        meta_dir = self._meta_dir()
+        if meta_dir is None:
+            return None
+        key = path_key(f"{kind}\0{path}")
+        return f"{meta_dir}/{key[:2]}/{key}"
+
+    def _load_shared(self, kind: str, path: str):
+        rec = self._record_path(kind, path)
+        if rec is None:
+            return None
+        try:
+            with open(rec, "rb") as f:
+                stored_path, value, fetched = pickle.load(f)
+        except FileNotFoundError:
+            return None
+        except Exception:  # torn or foreign record: ignore it, it will be rewritten
+            return None
+        if stored_path != path or not self._fresh(fetched):
+            return None
+        return value, fetched
+
+    def _store_shared(self, kind: str, path: str, value, fetched: float) -> None:
+        rec = self._record_path(kind, path)
+        if rec is None or self.validate == "always":
+            return
+        try:
+            os.makedirs(os.path.dirname(rec), mode=0o700, exist_ok=True)
+            tmp = f"{rec}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                pickle.dump((path, value, fetched), f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.rename(tmp, rec)
+        except OSError:
+            pass  # metadata sharing is an optimisation; never fail a read for it
+
+    def _drop_shared(self, kind: str, path: str) -> None:
+        rec = self._record_path(kind, path)
+        if rec is not None:
+            try:
+                os.unlink(rec)
+            except OSError:
+                pass
+
+    # -- info ------------------------------------------------------------------------
+
+    def info(self, path: str) -> dict:
+        hit = self._infos.get(path)
+        if hit is not None and self._fresh(hit[1]):
+            return hit[0]
+        shared = self._load_shared("info", path) if self.validate != "always" else None
+        if shared is not None:
+            self._infos[path] = shared
+            return shared[0]
+        self.source_calls += 1
+        try:
+            info = self.target.info(path)
+        except FileNotFoundError:
+            self.forget(path)
+            raise
+        now = time.time()
+        self._infos[path] = (info, now)
+        self._store_shared("info", path, info, now)
+        return info
+
+    def file(self, path: str) -> FileMeta:
+        """The file's metadata for reading; raises FileNotFoundError / IsADirectoryError."""
+        hit = self._files.get(path)
+        if hit is not None and self._fresh(hit[1]):
+            return hit[0]
+        info = self.info(path)
+        if info.get("type", "file") == "directory":
+            raise IsADirectoryError(f"{path}: is a directory")
+        meta = FileMeta(path, self.target.unstrip_protocol(path), int(info["size"]),
+                        version_token(info), info)
+        self._files[path] = (meta, self._infos[path][1])
+        return meta
+
+    # -- ls --------------------------------------------------------------------------
+
+    def ls(self, path: str) -> list[dict]:
+        hit = self._listings.get(path)
+        if hit is not None and self._fresh(hit[1]):
+            return hit[0]
+        shared = self._load_shared("ls", path) if self.validate != "always" else None
+        if shared is None:
+            self.source_calls += 1
+            listing = self.target.ls(path, detail=True)
+            shared = (listing, time.time())
+            self._store_shared("ls", path, listing, shared[1])
+        listing, fetched = shared
+        self._listings[path] = shared
+        for entry in listing:  # prime per-file info: listing a dataset costs one call
+            name = entry.get("name")
+            if name and entry.get("type") == "file" and name != path:
+                self._infos.setdefault(name, (entry, fetched))
+        return listing
+
+    # -- invalidation ------------------------------------------------------------------
+
+    def forget(self, path: str) -> None:
+        """Drop what is known of ``path`` here and node-wide (it was written or deleted)."""
+        for table in (self._infos, self._files, self._listings):
+            table.pop(path, None)
+        self._drop_shared("info", path)
+        self._drop_shared("ls", path)
+
+    def forget_tree(self, path: str) -> None:
+        """Drop ``path``, everything cached under it, and the listings of its ancestors."""
+        prefix = path.rstrip("/") + "/"
+        for table in (self._infos, self._files, self._listings):
+            for p in [p for p in table if p.startswith(prefix)]:
+                self.forget(p)
+        self.forget(path)
+        parent = path
+        while True:
+            up = posixpath.dirname(parent.rstrip("/"))
+            if not up or up == parent:
+                break
+            self.forget(up)
+            parent = up
+        self.forget(self.target.root_marker or "/")

@@ -1,0 +1,163 @@
+"""The daemon's local socket: serves one NodeCache to the processes of its node.
+
+One thread accepts, one thread serves each client connection (clients are the few
+processes of one node: trainer ranks, DataLoader workers, the CLI). Every connection must
+answer an HMAC challenge with the daemon's secret before anything else is read.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from multiprocessing.connection import Connection, deliver_challenge
+
+from .node import NodeCache
+from .protocol import REPLY_OPS
+
+log = logging.getLogger("cachemw.server")
+
+
+class SocketServer:
+    def __init__(self, node: NodeCache, path: str, authkey: bytes, *, on_shutdown=None) -> None:
+        self.node = node
+        self.path = path
+        self.authkey = authkey
+        self.on_shutdown = on_shutdown
+        self._sock: socket.socket | None = None
+        self._closing = threading.Event()
+        self._conns: set[Connection] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def start(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        sock.listen(128)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._accept_loop, name="cachemw-accept", daemon=True)
+        self._thread.start()
+
+    def _after_fork_in_child(self) -> None:
+        # A forked DataLoader worker must not keep our listening socket alive after we die.
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+
+    def close(self) -> None:
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.close()
+            except OSError:
+                pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), name="cachemw-conn",
+                             daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        conn = None
+        try:
+            conn = Connection(client.detach())
+            deliver_challenge(conn, self.authkey)
+        except Exception as exc:  # wrong secret, timeout, garbage: drop the connection
+            log.warning("rejected a connection on %s: %s", self.path, exc)
+            if conn is not None:
+                conn.close()
+            return
+        with self._lock:
+            self._conns.add(conn)
+        try:
+            self._loop(conn)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            self.node.release(conn)
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _loop(self, conn: Connection) -> None:
+        node = self.node
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return
+            op, args = msg[0], msg[1:]
+            try:
+                if op == "lease":
+                    reply = node.lease(args[0], args[1], args[2], conn)
+                elif op == "filled":
+                    node.filled(args[0], args[1], args[2], conn)
+                    continue
+                elif op == "abort":
+                    node.abort(args[0], args[1], conn)
+                    continue
+                elif op == "report":
+                    node.report(args[0], args[1])
+                    continue
+                elif op == "drop":
+                    node.drop(args[0], args[1])
+                    continue
+                elif op == "invalidate":
+                    node.invalidate(args[0])
+                    continue
+                elif op == "hello":
+                    reply = ("ok", node.config.node_id, os.getpid())
+                elif op == "stats":
+                    reply = ("ok", node.stats())
+                elif op == "ping":
+                    reply = ("pong",)
+                elif op == "shutdown":
+                    conn.send(("ok",))
+                    if self.on_shutdown is not None:
+                        threading.Thread(target=self.on_shutdown, daemon=True).start()
+                    continue
+                else:
+                    reply = ("error", f"unknown op {op!r}")
+            except Exception as exc:
+                log.exception("request %r failed", op)
+                if op not in REPLY_OPS:
+                    continue
+                reply = ("error", f"{type(exc).__name__}: {exc}")
+            try:
+                conn.send(reply)
+            except (OSError, ValueError):
+                return

@@ -1,0 +1,73 @@
+"""NodeService: a node cache served on the node's local socket.
+
+This is the body of every daemon: the embedded one started inside a trainer process and
+the Ray actor started by ``cachemw start`` run the same thing. It takes the runtime dir's
+lock (one daemon per node), re-indexes the tiers, starts the socket server and eviction,
+and publishes its address for clients.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from .config import DaemonConfig
+from .node import NodeCache
+from .protocol import SOCKET, DaemonAddress, DaemonLock, ensure_private_dir, publish, unpublish
+from .server import SocketServer
+
+log = logging.getLogger("cachemw.daemon")
+
+
+class DaemonAlreadyRunning(RuntimeError):
+    """Another live daemon holds this runtime dir."""
+
+
+class NodeService:
+    def __init__(self, config: DaemonConfig, *, kind: str = "embedded", policy=None) -> None:
+        self.config = config
+        self.kind = kind
+        ensure_private_dir(config.runtime_dir)
+        self._lock = DaemonLock(config.runtime_dir)
+        if not self._lock.acquire():
+            raise DaemonAlreadyRunning(f"a cachemw daemon already runs for {config.runtime_dir}")
+        os.register_at_fork(after_in_child=self._forget_lock_in_child)
+        self.stopped = threading.Event()
+        try:
+            self.node = NodeCache(config, policy=policy)
+            secret = os.urandom(32)
+            sock = os.path.join(config.runtime_dir, SOCKET)
+            self.server = SocketServer(self.node, sock, secret, on_shutdown=self.close)
+            self.server.start()
+            self.node.start_maintenance()
+            meta_dir = os.path.join(config.tiers[-1].path, "meta")
+            ensure_private_dir(meta_dir)
+            self.address = DaemonAddress(
+                node_id=config.node_id, pid=os.getpid(), socket=sock, secret=secret.hex(),
+                tiers=tuple(self.node.tier_dirs()), meta_dir=meta_dir, kind=kind,
+            )
+            publish(config.runtime_dir, self.address)
+        except BaseException:
+            self._lock.release()
+            raise
+        log.info("cachemw %s daemon for node %s serving %s", kind, config.node_id, sock)
+
+    def _forget_lock_in_child(self) -> None:
+        # The child's copy of the lock fd must not keep the lock alive after we exit.
+        fd = self._lock._fd
+        self._lock._fd = None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self.stopped.is_set():
+            return
+        self.stopped.set()
+        unpublish(self.config.runtime_dir, os.getpid())
+        self.server.close()
+        self.node.close()
+        self._lock.release()
+        log.info("cachemw daemon for node %s stopped", self.config.node_id)
