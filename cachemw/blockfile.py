@@ -95,7 +95,7 @@ def read_block(path: str, length: int, page_size: int = PAGE_SIZE) -> bytes | No
         return None
     try:
         data = _read_exact(fd, length)
-        tail = _read_exact(fd, tail_size(length, page_size) + 1)
+        tail = os.read(fd, tail_size(length, page_size) + 1)  # +1: detect trailing garbage
     finally:
         os.close(fd)
     if len(data) != length:

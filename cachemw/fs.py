@@ -56,6 +56,8 @@ class CacheFileSystem(_Base):
         self.reader = BlockReader(SourceTier(fs), self.client, self.options.block_size)
 
         def _strip_protocol(path):  # per instance: the target decides what a path is
+            if isinstance(path, (list, tuple)):
+                return [_strip_protocol(p) for p in path]
             return fs._strip_protocol(type(self)._strip_protocol(path))
 
         self._strip_protocol = _strip_protocol
