@@ -1,1 +1,2 @@
-"""Placement engine: pure placement policies and a trace simulator (see issue 4)."""
+"""Placement engine (provisional docstring)."""
+from .simulator import SimResult, simulate

@@ -1,0 +1,200 @@
+"""Policies that know the future: clairvoyant (announced order) and Belady's MIN (offline).
+
+Both evict the cached block whose next read is furthest away, and do not admit a missed
+block whose own next read is further than that of every block it would displace (MIN with
+bypass). With unit-size blocks this is Belady's optimum: no policy has fewer misses on the
+same trace. With blocks of different sizes minimising misses is NP-hard, and MIN is the
+standard near-optimal reference used for scoring.
+
+* ``BeladyPolicy`` gets the whole trace up front (``prepare``) and precomputes, for every
+  position, the position of the same key's next read: O(n) time and memory, then
+  O(log n) per access. It is only for scoring: a real system never knows all of the future.
+* ``ClairvoyantPolicy`` gets the future as a sampler announces it (``announce``), e.g. one
+  epoch at a time, as NoPFS derives it from the shuffle seed. Blocks with no announced next
+  read rank after all announced ones; among them the older entry goes first, and a missed
+  block without an announced next read never displaces another (so between announcements
+  it keeps a stable subset, which is optimal under uniform reshuffles).
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Deque, Dict, Hashable, List, Sequence
+
+from .policies import Policy
+
+#: Next-use value of a block that is never read again (or not within the announced order).
+NEVER = 1 << 62
+
+
+def next_uses(keys: Sequence[Hashable]) -> List[int]:
+    """For each position ``i``, the next position ``j > i`` with ``keys[j] == keys[i]``,
+    or NEVER. One backward pass."""
+    out = [NEVER] * len(keys)
+    last: Dict[Hashable, int] = {}
+    for i in range(len(keys) - 1, -1, -1):
+        k = keys[i]
+        out[i] = last.get(k, NEVER)
+        last[k] = i
+    return out
+
+
+class _FurthestFirst(Policy):
+    """Cache state shared by the two: cached key -> next use, and a max-heap on next use.
+
+    Heap entries are ``(-next_use, seq, key)``; an entry is live iff ``self.next[key]`` still
+    equals its next use and its ``seq`` matches (stale entries are skipped when popped).
+    """
+
+    def reset(self, capacity: int) -> None:
+        super().reset(capacity)
+        self.next: Dict[Hashable, int] = {}
+        self._seqs: Dict[Hashable, int] = {}
+        self._heap: list = []
+        self._seq = 0
+
+    def _push(self, key: Hashable, nu: int) -> None:
+        self._seq += 1
+        self.next[key] = nu
+        self._seqs[key] = self._seq
+        heapq.heappush(self._heap, (-nu, self._seq, key))
+        if len(self._heap) > 4 * len(self.sizes) + 64:
+            seqs, nxt = self._seqs, self.next
+            self._heap = [(-nxt[k], seqs[k], k) for k in self.sizes]
+            heapq.heapify(self._heap)
+
+    def _place(self, key: Hashable, size: int, nu: int, hit: bool) -> bool:
+        """Update the cache for one read whose key is next needed at ``nu``."""
+        if hit:
+            self._push(key, nu)
+            return True
+        if size > self.capacity:
+            return False
+        need = self.used + size - self.capacity
+        if need > 0 and not self._make_room(need, nu):
+            return False
+        self.sizes[key] = size
+        self.used += size
+        self._push(key, nu)
+        return False
+
+    def _make_room(self, need: int, nu: int) -> bool:
+        heap, seqs, sizes = self._heap, self._seqs, self.sizes
+        taken = []
+        while need > 0 and heap:
+            neg, seq, victim = heapq.heappop(heap)
+            if seqs.get(victim) != seq:
+                continue
+            if -neg <= nu:  # the victim is needed no later than the newcomer: bypass
+                heapq.heappush(heap, (neg, seq, victim))
+                for entry in taken:
+                    heapq.heappush(heap, entry)
+                return False
+            taken.append((neg, seq, victim))
+            need -= sizes[victim]
+        if need > 0:
+            for entry in taken:
+                heapq.heappush(heap, entry)
+            return False
+        for _, _, victim in taken:
+            self.used -= sizes.pop(victim)
+            del seqs[victim], self.next[victim]
+            self.evicted.append(victim)
+        return True
+
+    def discard(self, key: Hashable) -> None:
+        size = self.sizes.pop(key, None)
+        if size is not None:
+            self.used -= size
+            del self._seqs[key], self.next[key]
+
+
+class BeladyPolicy(_FurthestFirst):
+    """Belady's MIN with bypass; needs the whole trace through :meth:`prepare`."""
+
+    name = "belady"
+    needs_future = True
+
+    def reset(self, capacity: int) -> None:
+        super().reset(capacity)
+        self._nu: List[int] = []
+        self._pos = 0
+
+    def prepare(self, keys: Sequence[Hashable], sizes: Sequence[int]) -> None:
+        self._nu = next_uses(keys)
+        self._pos = 0
+
+    def access(self, key: Hashable, size: int) -> bool:
+        pos = self._pos
+        if pos >= len(self._nu):
+            raise ValueError("trace is longer than the one given to prepare()")
+        self._pos = pos + 1
+        return self._place(key, size, self._nu[pos], key in self.sizes)
+
+
+class ClairvoyantPolicy(_FurthestFirst):
+    """Furthest-next-use over the announced order (NoPFS-style), for a live system.
+
+    The announced order is a stream of keys; access number ``i`` (counting from the first
+    access after :meth:`reset`) is expected to be announced position ``i``. Reads slightly
+    out of order (several loader workers) are tolerated: a key's next use is the first of
+    its announced positions after the current access count.
+    """
+
+    name = "clairvoyant"
+    uses_announced = True
+    #: How many positions early a read may come and still consume its announced position.
+    slack = 1024
+
+    def reset(self, capacity: int) -> None:
+        super().reset(capacity)
+        self._future: Dict[Hashable, Deque[int]] = {}
+        self._announced = 0
+        self._cursor = 0
+
+    @property
+    def announced_until(self) -> int:
+        """Number of accesses announced so far (positions ``0 .. announced_until - 1``)."""
+        return self._announced
+
+    @property
+    def cursor(self) -> int:
+        """Number of accesses seen so far."""
+        return self._cursor
+
+    def announce(self, keys: Sequence[Hashable]) -> None:
+        future, nxt = self._future, self.next
+        pos = self._announced
+        for key in keys:
+            q = future.get(key)
+            if q is None:
+                q = future[key] = deque()
+            if not q and nxt.get(key) == NEVER:
+                self._push(key, pos)  # a cached block without a known next use gets one
+            q.append(pos)
+            pos += 1
+        self._announced = pos
+
+    def next_use(self, key: Hashable) -> int:
+        """Announced position of ``key``'s next read at or after the cursor, or NEVER."""
+        q = self._future.get(key)
+        cursor = self._cursor
+        while q and q[0] < cursor:
+            q.popleft()
+        return q[0] if q else NEVER
+
+    def access(self, key: Hashable, size: int) -> bool:
+        q = self._future.get(key)
+        cursor = self._cursor
+        self._cursor = cursor + 1
+        if q:
+            while q and q[0] < cursor:
+                q.popleft()  # announced reads that did not happen where expected
+            if q and q[0] <= cursor + self.slack:
+                q.popleft()  # this read consumes its announced position
+            nu = q[0] if q else NEVER
+            if not q:
+                del self._future[key]
+        else:
+            nu = NEVER
+        return self._place(key, size, nu, key in self.sizes)
