@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .chunk_codec import StoredItem, byte_view, checksum, decode
 from .errors import ChecksumError, CheckpointNotFoundError
 from .planner import item_key
-from .storage_io import Location
+from .storage_io import Location, as_location
 from .writer import METADATA_NAME, read_manifest
 
 
@@ -62,17 +62,17 @@ def _read_exact(f: IO[bytes], view) -> None:
 class CachemwStorageReader(StorageReader):
     """Usable on its own: ``dcp.load(sd, storage_reader=CachemwStorageReader(path))``."""
 
-    def __init__(self, path: str | os.PathLike | None = None, *, thread_count: int = 2,
+    def __init__(self, path: str | os.PathLike | Location | None = None, *, thread_count: int = 2,
                  verify: bool = True, require_manifest: bool = True) -> None:
         super().__init__()
         self.config = ReaderConfig(thread_count, verify, require_manifest)
-        self.location = Location(path) if path is not None else None
+        self.location = as_location(path) if path is not None else None
         self.manifest: dict | None = None
         self.stored: dict[str, StoredItem] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.location = Location(checkpoint_id)
+            self.location = as_location(checkpoint_id)
         if self.location is None:
             raise ValueError("CachemwStorageReader needs a path or a checkpoint_id")
 

@@ -133,3 +133,7 @@ class Location:
                 self.fs.rm_file(self.join(rel))
         except FileNotFoundError:
             pass
+
+
+def as_location(where: "str | os.PathLike | Location") -> Location:
+    return where if isinstance(where, Location) else Location(where)

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .chunk_codec import StoredItem, write_chunk
 from .planner import item_key
-from .storage_io import Location
+from .storage_io import Location, as_location
 
 MANIFEST_NAME = "cachemw-manifest.json"
 METADATA_NAME = ".metadata"
@@ -66,13 +66,13 @@ def bucket_items(items: list[WriteItem], buckets: int) -> list[list[WriteItem]]:
 class CachemwStorageWriter(StorageWriter):
     """Usable on its own: ``dcp.save(sd, storage_writer=CachemwStorageWriter(path))``."""
 
-    def __init__(self, path: str | os.PathLike | None = None, *, compression: str | None = None,
+    def __init__(self, path: str | os.PathLike | Location | None = None, *, compression: str | None = None,
                  frame_bytes: int = 1 << 20, thread_count: int = 2, sync_files: bool = True,
                  manifest_extra: dict | None = None,
                  on_file_durable: Callable[[str], None] | None = None) -> None:
         super().__init__()
         self.config = WriterConfig(compression, frame_bytes, thread_count, sync_files)
-        self.location = Location(path) if path is not None else None
+        self.location = as_location(path) if path is not None else None
         self.manifest_extra = dict(manifest_extra or {})
         self.on_file_durable = on_file_durable
         self.rank = 0
@@ -82,7 +82,7 @@ class CachemwStorageWriter(StorageWriter):
     # -- StorageWriter protocol -------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.location = Location(checkpoint_id)
+            self.location = as_location(checkpoint_id)
         if self.location is None:
             raise ValueError("CachemwStorageWriter needs a path or a checkpoint_id")
         self.save_id = uuid.uuid4().hex

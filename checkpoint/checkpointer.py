@@ -1,0 +1,345 @@
+"""The Checkpointer: snapshot in the training loop, write and commit in the background.
+
+``save`` blocks only for the snapshot (``BufferStager``); one worker thread per Checkpointer
+then runs ``dcp.save`` with the spreading planner and the checksummed writer, on a private
+gloo group (``Coordinator``), so background collectives never touch the training group and
+run in the same order on every rank. With ``fast_root`` the save is written to the node-local
+fast tier first and drained to ``root`` file by file; the handle reports both commits.
+
+Order of a commit: every rank's files fsynced -> DCP gathers the results (the barrier) -> the
+coordinator writes ``.metadata`` then the manifest (temp, fsync, rename) -> ``latest`` moves ->
+retention -> watchers are notified. Any failure, on any rank, fails the handle on every rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import watch as watch_channel
+from .chunk_plan import DEFAULT_CHUNK_BYTES
+from .coordination import Coordinator
+from .errors import CheckpointBusyError, ChecksumError, CheckpointNotFoundError
+from .handle import SaveHandle
+from .layout import CheckpointDir, step_dir_name
+from .planner import SpreadSavePlanner
+from .reader import CachemwStorageReader
+from .stager import BufferStager
+from .state_tree import apply_loaded, prepare_for_load, to_state_dict
+from .storage_io import Location
+from .tiers import Drainer
+from .writer import MANIFEST_NAME, METADATA_NAME, CachemwStorageWriter
+
+log = logging.getLogger(__name__)
+BUSY_POLICIES = ("wait", "refuse")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointerConfig:
+    """Options of a Checkpointer (all keyword arguments of its constructor)."""
+
+    keep_last: int | None = None
+    compression: str | None = None
+    fast_root: str | None = None
+    fast_keep_last: int = 1
+    if_busy: str = "wait"
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    thread_count: int = 2
+    device: str = "cpu"
+    memory_budget: int | None = None
+    stale_after_s: float = 3600.0
+    collective_timeout_s: float = 600.0
+    watch_poll_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {self.keep_last}")
+        if self.fast_keep_last < 1:
+            raise ValueError(f"fast_keep_last must be >= 1, got {self.fast_keep_last}")
+        if self.if_busy not in BUSY_POLICIES:
+            raise ValueError(f"if_busy must be one of {BUSY_POLICIES}, got {self.if_busy!r}")
+        if self.compression not in (None, "lz4"):
+            raise ValueError(f"compression must be None or 'lz4', got {self.compression!r}")
+        for name in ("chunk_bytes", "thread_count", "stale_after_s", "collective_timeout_s", "watch_poll_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "CheckpointerConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown Checkpointer option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+def unwrap(exc: CheckpointException, world_size: int) -> Exception:
+    """DCP's CheckpointException (a BaseException) as one ordinary exception, the same on every rank."""
+    failures = exc.failures
+    rank = min(failures)
+    first = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+    if world_size == 1 and isinstance(first, Exception):
+        return first
+    text = f"checkpoint failed on rank(s) {sorted(failures)}; rank {rank}: {type(first).__name__}: {first}"
+    if isinstance(first, ChecksumError):
+        return ChecksumError(text)
+    if isinstance(first, OSError):
+        return OSError(first.errno, text)
+    return RuntimeError(text)
+
+
+class Checkpointer:
+    """Asynchronous, distributed, tiered checkpoints of a training state under ``root``."""
+
+    def __init__(self, root: str, *, keep_last: int | None = None, compression: str | None = None,
+                 process_group: Any = None, fast_root: str | None = None, **options: Any) -> None:
+        self.config = CheckpointerConfig.from_kwargs(keep_last=keep_last, compression=compression,
+                                                     fast_root=fast_root, **options)
+        self.root = CheckpointDir(Location(root))
+        self.fast = CheckpointDir(Location(fast_root)) if fast_root is not None else None
+        self.coord = Coordinator(process_group, self.config.collective_timeout_s)
+        self.stager = BufferStager(device=self.config.device, memory_budget=self.config.memory_budget)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachemw-ckpt")
+        self._handles: list[SaveHandle] = []
+        self._lock = threading.Lock()
+        self._channel = watch_channel.channel_dir(self.root.location.url, fast_root)
+        if self.coord.is_coordinator:
+            self.root.location.makedirs()
+            self.root.sweep(self.config.stale_after_s)
+        if self.fast is not None:
+            self.fast.location.makedirs()
+            self.fast.sweep(self.config.stale_after_s)
+
+    # -- saving -----------------------------------------------------------------------------
+    def save(self, step: int, state: dict, *, if_busy: str | None = None) -> SaveHandle:
+        """Snapshot ``state`` and return; write, commit and drain in the background."""
+        policy = if_busy or self.config.if_busy
+        if policy not in BUSY_POLICIES:
+            raise ValueError(f"if_busy must be one of {BUSY_POLICIES}, got {policy!r}")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        with self._lock:
+            busy = [h for h in self._handles if not h.done()]
+            if busy and policy == "refuse":
+                if not self.coord.no_dist:  # still take part in the vote, so the others refuse too
+                    self._worker.submit(self._run, step, None, SaveHandle(step))
+                raise CheckpointBusyError(f"save of step {step} refused: step {busy[-1].step} is still writing")
+            for h in busy:
+                h._durable.wait()
+            staged = self.stager.stage(to_state_dict(state))
+            self.stager.synchronize_staging()
+            handle = SaveHandle(step)
+            self._handles = [h for h in self._handles if not h.done() or h.exception() is not None] + [handle]
+            self._worker.submit(self._run, step, staged, handle)
+            return handle
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for every pending save; raise the first failure not yet raised by ``wait``."""
+        with self._lock:
+            handles, self._handles = list(self._handles), []
+        for h in handles:
+            h._wait(h._durable, timeout) if h.exception() is None else None
+        for h in handles:
+            if h.exception() is not None:
+                raise h.exception()
+
+    def _run(self, step: int, staged: dict | None, handle: SaveHandle) -> None:
+        name = None
+        try:
+            if not self.coord.no_dist:
+                votes = self.coord.all_gather(staged is not None)
+                if not all(votes):
+                    refused = [r for r, v in enumerate(votes) if not v]
+                    raise CheckpointBusyError(f"save of step {step} refused on rank(s) {refused}: "
+                                              "the previous save was still writing there")
+            if staged is None:
+                return
+            name = self.coord.broadcast(step_dir_name(step, uuid.uuid4().hex))
+            handle.path = self.root.location.child(name).url
+            self._write(step, name, staged, handle)
+            handle._set_durable()
+        except CheckpointException as exc:
+            self._cleanup(name)
+            handle._fail(unwrap(exc, self.coord.world_size))
+        except Exception as exc:  # reported through the handle; training goes on
+            self._cleanup(name)
+            handle._fail(exc)
+        finally:
+            staged = None
+
+    def _write(self, step: int, name: str, staged: dict, handle: SaveHandle) -> None:
+        first = self.fast or self.root
+        error = None
+        try:
+            if self.coord.is_coordinator or self.fast is not None:
+                first.begin(name)
+            if self.fast is not None:
+                if self.coord.is_coordinator:
+                    self.root.begin(name)
+                self.root.location.makedirs(name)
+        except Exception as exc:
+            error = exc
+        self.coord.agree(error)
+        drainer = Drainer(first.location.child(name), self.root.location.child(name)) if self.fast else None
+        writer = CachemwStorageWriter(
+            first.location.child(name), compression=self.config.compression, thread_count=self.config.thread_count,
+            manifest_extra={"step": step, "world_size": self.coord.world_size},
+            on_file_durable=drainer.submit if drainer else None)
+        try:
+            dcp.save(staged, storage_writer=writer, planner=SpreadSavePlanner(chunk_bytes=self.config.chunk_bytes),
+                     process_group=self.coord.group, no_dist=self.coord.no_dist)
+        except BaseException:
+            if drainer is not None:
+                drainer.wait_quietly()
+            raise
+        staged.clear()
+        if self.fast is not None:
+            if self.coord.is_coordinator:
+                self._publish(self.fast, name, step, "memory", self.config.fast_keep_last)
+            handle._set_fast()
+            error = None
+            try:
+                drainer.wait()
+            except Exception as exc:
+                error = exc
+            self.coord.agree(error)
+            error = None
+            if self.coord.is_coordinator:
+                try:
+                    src, dst = self.fast.location.child(name), self.root.location.child(name)
+                    dst.write_atomic(METADATA_NAME, src.read_bytes(METADATA_NAME))
+                    dst.write_atomic(MANIFEST_NAME, src.read_bytes(MANIFEST_NAME))  # the commit, last
+                except Exception as exc:
+                    error = exc
+            self.coord.agree(error)
+        error = None
+        if self.coord.is_coordinator:
+            try:
+                self._publish(self.root, name, step, "root", self.config.keep_last)
+            except Exception as exc:
+                error = exc
+        self.coord.agree(error)
+
+    def _publish(self, tier: CheckpointDir, name: str, step: int, level: str, keep_last: int | None) -> None:
+        """After a commit in ``tier``: move ``latest``, apply retention, tell the watchers."""
+        tier.mark_latest(name)
+        removed = tier.retain(keep_last)
+        if removed:
+            log.info("retention removed %s from %s", removed, tier.location.url)
+        watch_channel.notify(self._channel, {"step": step, "name": name, "level": level})
+
+    def _cleanup(self, name: str | None) -> None:
+        """Remove what a failed save left uncommitted (best effort, coordinator only)."""
+        if name is None or not self.coord.is_coordinator:
+            return
+        for tier in (self.fast, self.root):
+            if tier is not None and tier.manifest(name) is None:
+                try:
+                    tier.remove(name)
+                except OSError:
+                    log.warning("could not remove partial checkpoint %s in %s", name, tier.location.url)
+
+    # -- loading ----------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first (in the fast tier or at the root)."""
+        steps = {e.step for e in self.root.committed()}
+        if self.fast is not None:
+            steps |= {e.step for e in self.fast.committed()}
+        return sorted(steps)
+
+    def _choose(self, step: int | None) -> tuple[int, str, bool]:
+        """(step, directory name, committed at root) of the checkpoint to load, chosen by rank 0."""
+        candidates = [e for e in [self.root.find(step), self.fast.find(step) if self.fast else None] if e]
+        if not candidates:
+            raise CheckpointNotFoundError(f"no committed checkpoint{'' if step is None else f' of step {step}'} "
+                                          f"under {self.root.location.url}")
+        best = max(candidates, key=lambda e: (e.step, e.created))
+        return best.step, best.name, self.root.manifest(best.name) is not None
+
+    def load(self, state: dict, step: int | None = None) -> int:
+        """Load in place into ``state`` (newest committed step by default); return the step."""
+        self.wait_quietly()
+        choice = None
+        if self.coord.is_coordinator:
+            try:
+                choice = self._choose(step)
+            except CheckpointNotFoundError as exc:
+                choice = exc
+        choice = self.coord.broadcast(choice)
+        if isinstance(choice, Exception):
+            raise choice
+        step, name, at_root = choice
+        fast_ok = self.fast is not None and self.fast.complete(name)
+        fast_ok = all(self.coord.all_gather(fast_ok))
+        tiers = ([self.fast] if fast_ok else []) + ([self.root] if at_root else [])
+        if not tiers:
+            raise CheckpointNotFoundError(f"checkpoint {name} is not complete in any tier reachable by every rank")
+        prepare_for_load(state)
+        loaded = to_state_dict(state)
+        for i, tier in enumerate(tiers):
+            try:
+                dcp.load(loaded, storage_reader=CachemwStorageReader(tier.location.child(name),
+                                                                     thread_count=self.config.thread_count),
+                         process_group=self.coord.group, no_dist=self.coord.no_dist)
+                break
+            except CheckpointException as exc:
+                error = unwrap(exc, self.coord.world_size)
+                if i == len(tiers) - 1:
+                    raise error from None
+                log.warning("loading %s from %s failed (%s); trying the next tier", name, tier.location.url, error)
+        apply_loaded(state, loaded)
+        return step
+
+    def watch(self, state: dict, *, poll_interval: float | None = None, after: int | None = -1,
+              timeout: float | None = None) -> Iterator[int]:
+        """Yield each newly committed step after loading it into ``state`` (fast tier first).
+
+        Blocks on a node-local notification socket; polls the directories only every
+        ``poll_interval`` seconds (default ``watch_poll_s``) as a fallback. ``after``: the last
+        step already held (-1: load the newest committed step at once). Stops after ``timeout``
+        seconds without a new step (None: never).
+        """
+        import time
+
+        poll = poll_interval or self.config.watch_poll_s
+        last = after if after is not None else -1
+        with watch_channel.Listener(self._channel) as listener:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                steps = self.steps()
+                if steps and steps[-1] > last:
+                    try:
+                        last = self.load(state, steps[-1])
+                    except (CheckpointNotFoundError, FileNotFoundError, OSError) as exc:
+                        log.info("watch: step %s vanished before it was loaded (%s)", steps[-1], exc)
+                        continue
+                    yield last
+                    deadline = None if timeout is None else time.monotonic() + timeout
+                    continue
+                wait = poll if deadline is None else min(poll, deadline - time.monotonic())
+                if wait <= 0:
+                    return
+                listener.receive(wait)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def wait_quietly(self) -> None:
+        """Wait for pending saves without raising (their handles report failures)."""
+        for h in list(self._handles):
+            h._durable.wait()
+
+    def close(self) -> None:
+        self.wait_quietly()
+        self._worker.shutdown(wait=True)
+        self.stager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,68 @@
+"""Collectives for background checkpoint work, on a dedicated gloo group, never the training one.
+
+Running a collective on the training process group from a background thread interleaves with
+the training loop's own collectives and deadlocks (FIELD-NOTES). Each Checkpointer therefore
+creates its own gloo group over the same ranks at construction, in the main thread, where
+every rank calls it in the same order; all background collectives of one Checkpointer then run
+on one worker thread, in the same order on every rank. Without an initialized process group
+everything degrades to a single process (``no_dist``).
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+
+class Coordinator:
+    """Rank info and small object collectives on a private gloo group."""
+
+    def __init__(self, process_group: Any = None, timeout_s: float = 600.0) -> None:
+        if dist.is_available() and dist.is_initialized():
+            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+            # new_group is itself collective over the default group: every rank calls it here.
+            self.group = dist.new_group(ranks=ranks, backend="gloo",
+                                        timeout=datetime.timedelta(seconds=timeout_s))
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+            self.no_dist = False
+        else:
+            self.group, self.rank, self.world_size, self.no_dist = None, 0, 1, True
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.no_dist:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """The coordinator's ``obj`` on every rank."""
+        if self.no_dist:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def agree(self, error: BaseException | None) -> None:
+        """Raise on every rank if any rank passes an exception; else return.
+
+        In one process the exception itself is raised. With several ranks every rank raises
+        the same ``RuntimeError`` naming the failed ranks and the first failure (chained to
+        the local exception where there is one), so no rank goes on alone.
+        """
+        if self.no_dist:
+            if error is not None:
+                raise error
+            return
+        report = None if error is None else f"{type(error).__name__}: {error}"
+        reports = self.all_gather(report)
+        failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
+        if failed:
+            rank, text = failed[0]
+            raise RuntimeError(f"checkpoint failed on rank(s) {[r for r, _ in failed]}; rank {rank}: {text}") from error

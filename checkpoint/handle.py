@@ -1,0 +1,72 @@
+"""The handle of one asynchronous save: two commit levels and one outcome.
+
+``fast`` is set when the checkpoint is committed in the fast node-local tier (or at the root
+when there is no fast tier), ``durable`` when it is committed at the root. A failure sets both
+events and is raised by every ``wait``, so a waiter never blocks on a save that died.
+"""
+from __future__ import annotations
+
+import threading
+
+
+class SaveHandle:
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.path: str | None = None  # root directory of the checkpoint once known
+        self._fast = threading.Event()
+        self._durable = threading.Event()
+        self._error: BaseException | None = None
+        self._fast_ok = False
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "durable" if self.durable else "in memory" if self.in_memory else "writing"
+        return f"SaveHandle(step={self.step}, {state})"
+
+    @property
+    def in_memory(self) -> bool:
+        """Committed in the fast tier (readable by ``load`` on this node)."""
+        return self._fast_ok
+
+    @property
+    def durable(self) -> bool:
+        """Committed at the root."""
+        return self._durable.is_set() and self._error is None
+
+    def done(self) -> bool:
+        """True once the save is durable or has failed."""
+        return self._durable.is_set()
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until durable at the root; raise the save's exception if it failed."""
+        self._wait(self._durable, timeout)
+
+    def wait_in_memory(self, timeout: float | None = None) -> None:
+        """Block until committed in the fast tier (a later failure to drain does not count)."""
+        if not self._fast.wait(timeout):
+            raise TimeoutError(f"checkpoint of step {self.step} not in memory within {timeout} s")
+        if not self._fast_ok and self._error is not None:
+            raise self._error
+
+    def _wait(self, event: threading.Event, timeout: float | None) -> None:
+        if not event.wait(timeout):
+            raise TimeoutError(f"checkpoint of step {self.step} not committed within {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    # -- set by the checkpointer's worker ------------------------------------------------------
+    def _set_fast(self) -> None:
+        self._fast_ok = True
+        self._fast.set()
+
+    def _set_durable(self) -> None:
+        self._fast_ok = True
+        self._fast.set()
+        self._durable.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._fast.set()
+        self._durable.set()

@@ -1,0 +1,153 @@
+"""The directory of checkpoints: naming, committed steps, ``latest``, retention, sweeping.
+
+Each save writes into its own directory ``step_<012d step>-<save id>``, so two savers (or a
+retried save of the same step) never write the same file. A directory is committed when its
+manifest exists (written last); anything else is in flight or the leftover of a crash.
+``latest`` names the newest committed directory and moves only after the commit. Retention
+runs after ``latest`` moves and never deletes the newest committed checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import time
+
+from .storage_io import Location
+from .writer import MANIFEST_NAME
+
+STEP_DIR = re.compile(r"^step_(\d{12})-([0-9a-f]{8})$")
+OWNER_NAME = ".owner.json"
+LATEST_NAME = "latest"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    step: int
+    name: str
+    created: float
+
+
+def step_dir_name(step: int, save_id: str) -> str:
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step_{step:012d}-{save_id[:8]}"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class CheckpointDir:
+    """Checkpoints under one ``Location`` (the root, or a fast tier)."""
+
+    def __init__(self, location: Location) -> None:
+        self.location = location
+
+    def step_dirs(self) -> list[tuple[int, str]]:
+        out = []
+        for name in self.location.listdir():
+            m = STEP_DIR.match(name)
+            if m:
+                out.append((int(m.group(1)), name))
+        return sorted(out)
+
+    def manifest(self, name: str) -> dict | None:
+        try:
+            return json.loads(self.location.read_bytes(f"{name}/{MANIFEST_NAME}"))
+        except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+            return None
+
+    def committed(self) -> list[Entry]:
+        """Committed checkpoints, oldest first (ties on step broken by commit time)."""
+        out = []
+        for step, name in self.step_dirs():
+            manifest = self.manifest(name)
+            if manifest is not None:
+                out.append(Entry(step, name, float(manifest.get("created", 0.0))))
+        return sorted(out, key=lambda e: (e.step, e.created))
+
+    def find(self, step: int | None = None) -> Entry | None:
+        entries = [e for e in self.committed() if step is None or e.step == step]
+        return entries[-1] if entries else None
+
+    def complete(self, name: str) -> bool:
+        """True if ``name`` is committed here and holds every data file its manifest lists."""
+        manifest = self.manifest(name)
+        if manifest is None:
+            return False
+        try:
+            return all(self.location.size(f"{name}/{rel}") == size for rel, size in manifest["files"].items())
+        except (FileNotFoundError, OSError):
+            return False
+
+    def begin(self, name: str) -> None:
+        """Create the directory of a save and record who writes it (for the sweeper)."""
+        self.location.makedirs(name)
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        self.location.child(name).write_atomic(OWNER_NAME, json.dumps(owner).encode())
+
+    def mark_latest(self, name: str) -> None:
+        self.location.write_atomic(LATEST_NAME, name.encode())
+
+    def latest(self) -> str | None:
+        try:
+            return self.location.read_bytes(LATEST_NAME).decode().strip() or None
+        except FileNotFoundError:
+            return None
+
+    def retain(self, keep_last: int | None) -> list[str]:
+        """Delete committed checkpoints beyond the newest ``keep_last`` steps; return their names.
+
+        Also drops older duplicates of one step. The newest committed checkpoint is never
+        deleted, whatever ``keep_last`` says.
+        """
+        entries = self.committed()
+        if not entries:
+            return []
+        newest_per_step: dict[int, Entry] = {}
+        for e in entries:
+            newest_per_step[e.step] = e
+        keep_steps = sorted(newest_per_step)
+        if keep_last is not None:
+            keep_steps = keep_steps[-max(1, keep_last):]
+        keep = {newest_per_step[s].name for s in keep_steps} | {entries[-1].name}
+        doomed = [e.name for e in entries if e.name not in keep]
+        for name in doomed:
+            # Uncommit first, so a half-deleted directory is never mistaken for a checkpoint.
+            self.location.remove_file(f"{name}/{MANIFEST_NAME}")
+            self.location.remove_tree(name)
+        return doomed
+
+    def sweep(self, stale_after_s: float) -> list[str]:
+        """Remove uncommitted directories whose writer is dead (same host) or that are stale."""
+        removed = []
+        host, now = socket.gethostname(), time.time()
+        for _, name in self.step_dirs():
+            if self.manifest(name) is not None:
+                continue
+            try:
+                owner = json.loads(self.location.read_bytes(f"{name}/{OWNER_NAME}"))
+            except (FileNotFoundError, json.JSONDecodeError):
+                owner = None
+            if owner is not None and owner.get("host") == host:
+                dead = not pid_alive(int(owner.get("pid", 0)))
+            else:
+                started = owner.get("started") if owner else self.location.mtime(name)
+                dead = started is not None and now - float(started) > stale_after_s
+            if dead:
+                self.location.remove_tree(name)
+                removed.append(name)
+        return removed
+
+    def remove(self, name: str) -> None:
+        self.location.remove_file(f"{name}/{MANIFEST_NAME}")
+        self.location.remove_tree(name)

@@ -1,0 +1,55 @@
+"""Turning a user's state (tensors, modules, optimizers, plain values, nested) into a DCP
+state dict, and applying a loaded one back.
+
+DCP loads in place into tensors, but plain values and optimizer hyper-parameters are replaced,
+not mutated, so after ``dcp.load`` they are written back: objects through their own
+``load_state_dict``, plain values by assignment into the user's dict.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def to_state_dict(state: Any) -> Any:
+    """A DCP-ready copy of the structure (tensors are shared, not copied)."""
+    if isinstance(state, torch.Tensor):
+        return state
+    if is_stateful(state):
+        return to_state_dict(state.state_dict())
+    if isinstance(state, dict):
+        return {k: to_state_dict(v) for k, v in state.items()}
+    return state
+
+
+def prepare_for_load(state: Any) -> None:
+    """Give optimizers their state tensors before loading (a fresh optimizer has none)."""
+    if isinstance(state, torch.optim.Optimizer):
+        if not state.state:
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            _init_optim_state(state)
+    elif isinstance(state, dict):
+        for v in state.values():
+            prepare_for_load(v)
+
+
+def apply_loaded(state: dict, loaded: dict) -> None:
+    """Write what DCP loaded into ``loaded`` (built by ``to_state_dict(state)``) back into ``state``."""
+    for key, value in state.items():
+        if key not in loaded:
+            continue
+        if isinstance(value, torch.Tensor):
+            if loaded[key] is not value:
+                value.copy_(loaded[key])
+        elif is_stateful(value):
+            value.load_state_dict(loaded[key])
+        elif isinstance(value, dict) and isinstance(loaded[key], dict):
+            apply_loaded(value, loaded[key])
+        else:
+            state[key] = loaded[key]

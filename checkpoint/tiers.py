@@ -1,0 +1,59 @@
+"""Draining a checkpoint from the fast node-local tier to the root, file by file.
+
+A save writes into the fast tier (e.g. /dev/shm) and each data file, once complete there, is
+copied to the root while the rest is still being written, so committing at the root costs
+little more than writing to it directly. Only data files are drained here; the coordinator
+copies ``.metadata`` and then the manifest after every rank's files are durable at the root.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .storage_io import Location
+
+COPY_BLOCK = 8 << 20
+
+
+def copy_file(src: Location, dst: Location, rel: str) -> None:
+    """Copy ``src/rel`` to ``dst/rel`` and make it durable at ``dst``."""
+    if src.local and dst.local:
+        with open(src.join(rel), "rb") as fin, open(dst.join(rel), "wb") as fout:
+            shutil.copyfileobj(fin, fout, COPY_BLOCK)
+            fout.flush()
+            os.fsync(fout.fileno())
+        return
+    with src.open(rel, "rb") as fin:
+        fout = dst.open(rel, "wb")
+        try:
+            shutil.copyfileobj(fin, fout, COPY_BLOCK)
+        finally:
+            dst.close_durably(fout)
+
+
+class Drainer:
+    """Copies files of one save from ``src`` to ``dst`` in the background, as they complete."""
+
+    def __init__(self, src: Location, dst: Location, threads: int = 2) -> None:
+        self.src, self.dst = src, dst
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="cachemw-drain")
+        self._futures: list[Future] = []
+
+    def submit(self, rel: str) -> None:
+        self._futures.append(self._pool.submit(copy_file, self.src, self.dst, rel))
+
+    def wait(self) -> None:
+        """Block until every submitted copy is durable; raise the first failure."""
+        try:
+            for fut in self._futures:
+                fut.result()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def wait_quietly(self) -> None:
+        """Wait for the copies already started, ignoring their failures (the save failed anyway)."""
+        try:
+            self.wait()
+        except Exception:
+            pass
