@@ -4,8 +4,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 
 import pytest
+from fsspec.implementations.local import LocalFileSystem
 
 # Every test session gets its own runtime dir, so the daemon a test starts (embedded or
 # Ray) never meets a user's real daemon or another session's.
@@ -49,3 +51,141 @@ def dataset(tmp_path):
     (root / "big.bin").write_bytes(big)
     files[str(root / "big.bin")] = big
     return root, files
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers of the cache behaviour tests (tests/test_cache_*.py): a daemon in a separate
+# process, a target filesystem that logs the calls it gets, and daemon stats over the socket.
+
+_DAEMON_SCRIPT = r"""
+import json, sys, time
+from cachemw.config import DaemonConfig
+from cachemw.service import NodeService
+service = NodeService(DaemonConfig.build(**json.loads(sys.argv[1])))
+print("ready", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def daemon_stats(runtime_dir: str) -> dict:
+    """The stats of the daemon serving ``runtime_dir``, asked over its socket by a fresh client."""
+    from cachemw.client import DaemonClient
+
+    client = DaemonClient(runtime_dir, autostart=False, timeout=10.0)
+    try:
+        stats = client.daemon_stats()
+    finally:
+        client.close()
+    assert stats is not None, f"no daemon answers for {runtime_dir}"
+    return stats
+
+
+@pytest.fixture
+def spawn_daemon(tmp_path):
+    """Start a real node daemon (cachemw.service.NodeService) in its own process.
+
+    ``spawn_daemon(runtime_dir, **DaemonConfig.build kwargs)`` returns the Popen once the
+    daemon has published its address. Every daemon still alive at teardown is SIGKILLed.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from cachemw.protocol import lookup
+
+    procs = []
+
+    def start(runtime_dir: str, **config):
+        log = open(tmp_path / f"daemon-{len(procs)}.log", "w")
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _DAEMON_SCRIPT, json.dumps(dict(runtime_dir=runtime_dir, **config))],
+            stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        log.close()
+        procs.append(proc)
+
+        def ready():
+            if proc.poll() is not None:
+                pytest.fail(f"daemon exited with {proc.returncode}: "
+                            f"{(tmp_path / f'daemon-{len(procs) - 1}.log').read_text()}")
+            address = lookup(runtime_dir)
+            return address is not None and address.pid == proc.pid
+
+        wait_for(ready, 30, what="the daemon to publish its address")
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+_call_depth = threading.local()
+
+
+def _counted(name):
+    base = getattr(LocalFileSystem, name)
+
+    def method(self, *args, **kwargs):
+        depth = getattr(_call_depth, "n", 0)
+        if depth == 0:  # count what the caller asks, not the target's own inner calls
+            with open(self.log_path, "a") as f:
+                f.write(f"{name} {args[0] if args else ''}\n")
+        _call_depth.n = depth + 1
+        try:
+            return base(self, *args, **kwargs)
+        finally:
+            _call_depth.n = depth
+
+    method.__name__ = name
+    return method
+
+
+class CountingLocalFileSystem(LocalFileSystem):
+    """A local filesystem that appends one line per outermost ``info``/``ls``/``cat_file``/
+    ``_open`` call to a log file, so calls made from any process (forked or spawned
+    workers) can be counted. Picklable: the log path is its storage option."""
+
+    cachable = False
+
+    def __init__(self, log_path: str, **kwargs):
+        super().__init__(**kwargs)
+        self.log_path = log_path
+
+    info = _counted("info")
+    ls = _counted("ls")
+    cat_file = _counted("cat_file")
+    _open = _counted("_open")
+
+    def calls(self, name: str | None = None) -> list[str]:
+        """The logged calls (``"op path"`` lines), of one op if given."""
+        try:
+            with open(self.log_path) as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return []
+        return [line for line in lines if name is None or line.split(" ", 1)[0] == name]
+
+    def reset(self) -> None:
+        open(self.log_path, "w").close()
+
+
+@pytest.fixture
+def counting_target(tmp_path):
+    """A local target filesystem that counts the calls it gets (across processes)."""
+    return CountingLocalFileSystem(str(tmp_path / "target-calls.log"))
