@@ -28,6 +28,7 @@ log = logging.getLogger("cachemw.client")
 RETRY_SECONDS = 2.0
 
 _clients: "weakref.WeakSet[DaemonClient]" = weakref.WeakSet()
+_exit_hook_pid = 0
 
 
 def _flush_all() -> None:
@@ -35,7 +36,17 @@ def _flush_all() -> None:
         client.flush()
 
 
-atexit.register(_flush_all)
+def _ensure_exit_hook() -> None:
+    """Flush access reports when this process exits, whatever kind of process it is.
+
+    multiprocessing children (DataLoader workers) skip atexit and clear the finalizer
+    registry when they start, so the hook is registered on first use in each process.
+    """
+    global _exit_hook_pid
+    if _exit_hook_pid != os.getpid():
+        _exit_hook_pid = os.getpid()
+        atexit.register(_flush_all)
+        multiprocessing.util.Finalize(None, _flush_all, exitpriority=10)
 
 
 def _reset_all_in_child() -> None:
@@ -221,10 +232,13 @@ class DaemonClient:
     # -- counters and access reports ----------------------------------------------------
 
     def count(self, name: str, n: int = 1) -> None:
+        _ensure_exit_hook()
         self.counters[name] += n
         self._unsent[name] += n
 
     def hit(self, key: str, tier: str, nbytes: int) -> None:
+        if _exit_hook_pid != self._pid:
+            _ensure_exit_hook()
         self.counters["hits"] += 1
         self.counters["hit_bytes"] += nbytes
         self._unsent["hits"] += 1
@@ -263,6 +277,3 @@ class DaemonClient:
                     pass
                 self._conn = None
 
-
-# multiprocessing children (DataLoader workers) skip atexit: flush through its finalizers.
-multiprocessing.util.Finalize(None, _flush_all, exitpriority=10)

@@ -16,38 +16,43 @@ from .service import DaemonAlreadyRunning, NodeService
 
 log = logging.getLogger("cachemw.embedded")
 
-_service: NodeService | None = None
+_services: dict[str, NodeService] = {}  # by runtime dir
 _lock = threading.Lock()
 
 
 def ensure_embedded_daemon(runtime_dir: str, options: dict | None = None) -> DaemonAddress | None:
     """Start an embedded daemon for ``runtime_dir`` unless one runs; return its address."""
-    global _service
     with _lock:
-        if _service is not None and not _service.stopped.is_set():
-            return _service.address
+        service = _services.get(runtime_dir)
+        if service is not None and not service.stopped.is_set():
+            return service.address
         if DaemonLock(runtime_dir).held_by_someone():
             return lookup(runtime_dir)  # another process's daemon (may still be starting)
         try:
             config = DaemonConfig.build(runtime_dir=runtime_dir, **(options or {}))
-            _service = NodeService(config, kind="embedded")
+            service = NodeService(config, kind="embedded")
         except DaemonAlreadyRunning:
             return lookup(runtime_dir)
         except (OSError, ValueError) as exc:
             log.warning("could not start an embedded cachemw daemon: %s", exc)
             return None
-        atexit.register(stop_embedded_daemon)
-        log.info("started an embedded cachemw daemon (it ends with this process)")
-        return _service.address
+        if not _services:
+            atexit.register(stop_embedded_daemon)
+        _services[runtime_dir] = service
+        log.info("started an embedded cachemw daemon in %s (it ends with this process)",
+                 runtime_dir)
+        return service.address
 
 
-def stop_embedded_daemon() -> None:
-    global _service
+def stop_embedded_daemon(runtime_dir: str | None = None) -> None:
+    """Stop this process's embedded daemon for ``runtime_dir`` (all of them if None)."""
     with _lock:
-        if _service is not None:
-            _service.close()
-            _service = None
+        dirs = list(_services) if runtime_dir is None else [runtime_dir]
+        for d in dirs:
+            service = _services.pop(d, None)
+            if service is not None:
+                service.close()
 
 
-def embedded_service() -> NodeService | None:
-    return _service
+def embedded_service(runtime_dir: str) -> NodeService | None:
+    return _services.get(runtime_dir)

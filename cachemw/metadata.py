@@ -81,11 +81,18 @@ class MetadataCache:
         rec = self._record_path(kind, path)
         if rec is None or self.validate == "always":
             return
+        payload = pickle.dumps((path, value, fetched), protocol=pickle.HIGHEST_PROTOCOL)
+        tmp = f"{rec}.{os.getpid()}.tmp"
         try:
-            os.makedirs(os.path.dirname(rec), mode=0o700, exist_ok=True)
-            tmp = f"{rec}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                pickle.dump((path, value, fetched), f, protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(rec), mode=0o700, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, payload)
+            finally:
+                os.close(fd)
             os.rename(tmp, rec)
         except OSError:
             pass  # metadata sharing is an optimisation; never fail a read for it

@@ -118,7 +118,7 @@ class SocketServer:
         while True:
             try:
                 msg = conn.recv()
-            except (EOFError, OSError):
+            except Exception:  # EOF, reset, or closed under us by close(): the client is gone
                 return
             op, args = msg[0], msg[1:]
             try:

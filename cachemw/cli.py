@@ -1,0 +1,192 @@
+"""The ``cachemw`` command: start/stop/status of daemons, stats, warm, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from .config import default_runtime_dir, parse_size
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _runtime_dir(args) -> str:
+    return args.runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_stats(stats: dict) -> str:
+    c = stats["counters"]
+    lines = [f"node {stats['node_id']} (daemon pid {stats['pid']})",
+             f"  {'tier':<6} {'used':>11} {'capacity':>11} {'blocks':>8} {'hits':>9} "
+             f"{'evictions':>9} {'demoted':>8}  admitting"]
+    for name, t in stats["tiers"].items():
+        lines.append(f"  {name:<6} {_human(t['used_bytes']):>11} {_human(t['capacity_bytes']):>11} "
+                     f"{t['blocks']:>8} {t['hits']:>9} {t['evictions']:>9} {t['demotions']:>8}  "
+                     f"{'yes' if t['admitting'] else 'NO (out of space)'}")
+    total = c["hits"] + c["misses"] + c["fallbacks"] + c["bypassed"]
+    ratio = c["hits"] / total if total else 0.0
+    lines += [
+        f"  reads: {c['hits']} hits, {c['misses']} misses, hit ratio {ratio:.1%}",
+        f"  from source: {_human(c['bytes_from_source'])}; fallbacks (daemon unreachable): "
+        f"{c['fallbacks']}; bypassed (not admitted): {c['bypassed']}",
+        f"  corrupt blocks repaired: {c['corrupt_repaired']}; fill errors: {c['fill_errors']}; "
+        f"blocks re-indexed at start: {c['reindexed']}",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_start(args) -> int:
+    from . import daemon
+
+    options = {k: v for k, v in {
+        "dram_dir": args.dram_dir, "dram_capacity": args.dram_capacity,
+        "nvme_dir": args.nvme_dir, "nvme_capacity": args.nvme_capacity}.items() if v is not None}
+    addresses = daemon.start(args.address, runtime_dir=_runtime_dir(args), **options)
+    for a in addresses:
+        tiers = ", ".join(f"{t['name']}={t['path']} ({_human(t['capacity'])})" for t in a["tiers"])
+        print(f"daemon on node {a['node_id']}: {a['socket']}  tiers: {tiers}")
+    return 0
+
+
+def cmd_stop(args) -> int:
+    from . import daemon
+
+    n = daemon.stop(args.address, runtime_dir=_runtime_dir(args))
+    print(f"stopped {n} daemon(s)")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from . import daemon
+
+    try:
+        nodes = daemon.status(args.address, runtime_dir=_runtime_dir(args))
+    except ConnectionError:
+        nodes = []
+    local = _local_stats(args)
+    if args.json:
+        print(json.dumps({"nodes": nodes, "local": local}, indent=2))
+        return 0 if nodes or local else 1
+    for n in nodes:
+        s = n["stats"]
+        if "error" in s:
+            print(f"node {n['node_id']}: daemon NOT ANSWERING ({s['error']})")
+        else:
+            tiers = ", ".join(f"{k} {_human(t['used_bytes'])}/{_human(t['capacity_bytes'])}"
+                              for k, t in s["tiers"].items())
+            print(f"node {n['node_id']}: daemon pid {s['pid']}, {tiers}")
+    if not nodes:
+        if local is None:
+            print("no cachemw daemon runs (start one with `cachemw start`)")
+            return 1
+        print(f"local {local['node_id']} daemon (not Ray-managed), pid {local['pid']}")
+    return 0
+
+
+def _local_stats(args) -> dict | None:
+    from .client import DaemonClient
+
+    client = DaemonClient(_runtime_dir(args), autostart=False, timeout=10)
+    try:
+        return client.daemon_stats()
+    finally:
+        client.close()
+
+
+def cmd_stats(args) -> int:
+    logging.getLogger("cachemw.client").setLevel(logging.ERROR)
+    stats = _local_stats(args)
+    if stats is None:
+        print(f"no cachemw daemon answers in {_runtime_dir(args)}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
+    return 0
+
+
+def cmd_warm(args) -> int:
+    import fsspec
+    from tqdm import tqdm
+
+    total = 0
+    for url in args.urls:
+        fs, path = fsspec.core.url_to_fs(url if "://" in url or "::" in url else f"cachemw://{url}")
+        files = fs.find(path) if fs.isdir(path) else [path]
+        for f in tqdm(files, desc=f"warming {url}", unit="file", disable=args.quiet):
+            total += len(fs.cat_file(f))
+    print(f"warmed {_human(total)}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cachemw", description=__doc__)
+    p.add_argument("--runtime-dir", help="where the daemon publishes its socket "
+                   "(default: $CACHEMW_RUNTIME_DIR or /dev/shm/cachemw-$UID)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("start", help="start one daemon per Ray node (a local Ray if no --address)")
+    s.add_argument("--address", help="Ray cluster address (default: start a private local one)")
+    s.add_argument("--dram-dir")
+    s.add_argument("--dram-capacity", type=_size)
+    s.add_argument("--nvme-dir")
+    s.add_argument("--nvme-capacity", type=_size)
+    s.set_defaults(func=cmd_start)
+
+    s = sub.add_parser("stop", help="stop the daemons (and the local Ray cachemw started)")
+    s.add_argument("--address")
+    s.set_defaults(func=cmd_stop)
+
+    s = sub.add_parser("status", help="list every node's daemon")
+    s.add_argument("--address")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    s = sub.add_parser("stats", help="this node's cache statistics")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_stats)
+
+    s = sub.add_parser("warm", help="read files or directories through the cache")
+    s.add_argument("urls", nargs="+", help="cachemw::URL, any fsspec URL, or a local path")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=cmd_warm)
+
+    from .bench import add_arguments
+
+    s = sub.add_parser("bench", help="the DLIO-style read benchmark (the main job)")
+    add_arguments(s)
+    s.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"cachemw {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""Node daemons as Ray actors: one per node, named, detached, in namespace ``cachemw``.
+
+Ray places, finds and restarts the daemons; the data plane is the node-local socket and
+the tier files (see service.py), so trainers and DataLoader workers never touch Ray.
+
+``start()`` without an address starts a private local Ray cluster bound to 127.0.0.1 with
+Ray's token authentication on (the token in a 0600 file of the runtime dir); with an
+address it joins the user's cluster as configured by the user's environment.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
+from .config import DaemonConfig, default_runtime_dir
+from .protocol import ensure_private_dir, lookup
+
+log = logging.getLogger("cachemw.daemon")
+
+NAMESPACE = "cachemw"
+ACTOR_PREFIX = "cachemw-daemon-"
+RAY_STATE = "ray.json"
+
+
+class DaemonActor:
+    """The thin actor wrapper around NodeService (the logic lives there and in NodeCache)."""
+
+    def __init__(self, options: dict) -> None:
+        from .service import NodeService
+
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        logging.basicConfig(level=logging.INFO)
+        self.service = NodeService(DaemonConfig.build(node_id=node_id, **options), kind="ray")
+
+    def address(self) -> dict:
+        return asdict(self.service.address)
+
+    def stats(self) -> dict:
+        return self.service.node.stats()
+
+    def stop(self) -> None:
+        self.service.close()
+
+
+def _ray():
+    import ray
+
+    return ray
+
+
+def _ray_state_path(runtime_dir: str) -> str:
+    return os.path.join(runtime_dir, RAY_STATE)
+
+
+def _read_ray_state(runtime_dir: str) -> dict | None:
+    try:
+        with open(_ray_state_path(runtime_dir)) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _start_local_ray(runtime_dir: str) -> dict:
+    """Start a private Ray head on 127.0.0.1 with token auth; remember how to reach it."""
+    ensure_private_dir(runtime_dir)
+    token_path = os.path.join(runtime_dir, "ray-token")
+    if not os.path.exists(token_path):
+        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    port = _free_port()
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path)
+    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    if ray_bin is None:
+        raise RuntimeError("the `ray` command is not installed next to this Python")
+    temp_dir = os.path.join("/tmp", f"cachemw-ray-{os.getuid()}-{port}")
+    cmd = [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+           "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`ray start` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    state = {"address": f"127.0.0.1:{port}", "token_path": token_path, "temp_dir": temp_dir,
+             "started_by_cachemw": True}
+    with open(_ray_state_path(runtime_dir), "w") as f:
+        json.dump(state, f)
+    return state
+
+
+def _stop_local_ray(temp_dir: str) -> None:
+    """Stop the processes of the Ray cluster cachemw started, and only those.
+
+    `ray stop` would stop every Ray cluster of this user on the machine; ours are the
+    processes whose command line names our private temp dir.
+    """
+    import psutil
+
+    procs = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(temp_dir in arg for arg in (p.info["cmdline"] or ())):
+                procs.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def connect(address: str | None = None, runtime_dir: str | None = None, *,
+            start_if_needed: bool = False) -> dict:
+    """ray.init into the cluster: the given one, or the local one cachemw started."""
+    ray = _ray()
+    runtime_dir = runtime_dir or default_runtime_dir()
+    state = None
+    if address is None:
+        state = _read_ray_state(runtime_dir)
+        if state is None or not _ray_alive(state):
+            if not start_if_needed:
+                raise ConnectionError("no cachemw-managed Ray cluster runs; give --address or "
+                                      "run `cachemw start`")
+            state = _start_local_ray(runtime_dir)
+        address = state["address"]
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN_PATH"] = state["token_path"]
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING,
+                 log_to_driver=False)
+    return state or {"address": address, "started_by_cachemw": False}
+
+
+def _ray_alive(state: dict) -> bool:
+    import socket
+
+    host, port = state["address"].rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def start(address: str | None = None, *, runtime_dir: str | None = None, timeout: float = 120,
+          **options) -> list[dict]:
+    """Place one daemon on every alive Ray node (idempotent: existing ones are kept).
+
+    ``options`` are DaemonConfig.build keywords (dram_dir, dram_capacity, nvme_dir,
+    nvme_capacity); each daemon resolves defaults on its own node.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ray = _ray()
+    runtime_dir = runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
+    DaemonConfig.build(runtime_dir=runtime_dir, **options)  # fail early on bad options
+    connect(address, runtime_dir, start_if_needed=address is None)
+    actor_cls = ray.remote(num_cpus=0, max_restarts=-1)(DaemonActor)
+    handles = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        node_id = node["NodeID"]
+        handles[node_id] = actor_cls.options(
+            name=ACTOR_PREFIX + node_id, namespace=NAMESPACE, lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(dict(options, runtime_dir=runtime_dir))
+    refs = {node_id: h.address.remote() for node_id, h in handles.items()}
+    out = []
+    for node_id, ref in refs.items():
+        out.append(ray.get(ref, timeout=timeout))
+    return out
+
+
+def _daemon_handles():
+    ray = _ray()
+    handles = {}
+    for node in ray.nodes():
+        node_id = node["NodeID"]
+        try:
+            handles[node_id] = ray.get_actor(ACTOR_PREFIX + node_id, namespace=NAMESPACE)
+        except ValueError:
+            continue
+    return handles
+
+
+def status(address: str | None = None, *, runtime_dir: str | None = None, timeout: float = 30):
+    """Every node's daemon: its address and stats (None for a daemon that does not answer)."""
+    ray = _ray()
+    connect(address, runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR"))
+    out = []
+    for node_id, handle in _daemon_handles().items():
+        try:
+            stats = ray.get(handle.stats.remote(), timeout=timeout)
+        except Exception as exc:  # a dead or stuck daemon is reported, not raised
+            stats = {"error": f"{type(exc).__name__}: {exc}"}
+        out.append({"node_id": node_id, "stats": stats})
+    return out
+
+
+def stop(address: str | None = None, *, runtime_dir: str | None = None, timeout: float = 30) -> int:
+    """Stop every daemon, and the local Ray cluster if cachemw started it. Returns the count."""
+    ray = _ray()
+    runtime_dir = runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
+    try:
+        state = connect(address, runtime_dir)
+    except ConnectionError:
+        return 0
+    handles = _daemon_handles()
+    for handle in handles.values():
+        try:
+            ray.get(handle.stop.remote(), timeout=timeout)
+        except Exception as exc:
+            log.warning("daemon did not stop cleanly: %s", exc)
+        ray.kill(handle, no_restart=True)
+    ray.shutdown()
+    if address is None and state.get("started_by_cachemw"):
+        _stop_local_ray(state["temp_dir"])
+        try:
+            os.unlink(_ray_state_path(runtime_dir))
+        except FileNotFoundError:
+            pass
+    deadline = time.monotonic() + 10
+    while lookup(runtime_dir) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return len(handles)
