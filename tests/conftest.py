@@ -189,3 +189,22 @@ class CountingLocalFileSystem(LocalFileSystem):
 def counting_target(tmp_path):
     """A local target filesystem that counts the calls it gets (across processes)."""
     return CountingLocalFileSystem(str(tmp_path / "target-calls.log"))
+
+
+@pytest.fixture
+def make_cache_fs(runtime_dir, spawn_daemon):
+    """A private daemon (own process, own runtime dir, default tiers) and a factory of
+    ``cachemw`` filesystems bound to it: ``make_cache_fs(validate=..., fs=target, ...)``."""
+    import fsspec
+
+    started = []
+
+    def make(**options):
+        if not started:
+            started.append(spawn_daemon(runtime_dir))
+        if "fs" not in options:
+            options.setdefault("target_protocol", "file")
+        return fsspec.filesystem("cachemw", autostart=False, runtime_dir=runtime_dir,
+                                 skip_instance_cache=True, **options)
+
+    return make

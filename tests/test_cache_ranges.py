@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import itertools
 
-import fsspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,10 +16,8 @@ _names = itertools.count()
 
 
 @pytest.fixture
-def range_fs(runtime_dir, spawn_daemon):
-    spawn_daemon(runtime_dir)
-    return fsspec.filesystem("cachemw", target_protocol="file", block_size=BS, autostart=False,
-                             runtime_dir=runtime_dir, skip_instance_cache=True)
+def range_fs(make_cache_fs):
+    return make_cache_fs(block_size=BS)
 
 
 def blocks_touched(size: int, start, end) -> int:

@@ -1,0 +1,82 @@
+"""Single flight: 8 processes that read one uncached file at the same moment all get the
+right bytes, and the node fetches each block from the target exactly once."""
+from __future__ import annotations
+
+import multiprocessing
+import random
+
+import fsspec
+import pytest
+
+from conftest import daemon_stats, wait_for
+
+BS = 65536
+NPROC = 8
+
+
+def _reader(fs, paths, barrier, out_dir, rank):
+    barrier.wait(timeout=60)
+    for i, path in enumerate(paths):
+        data = fs.cat_file(path)
+        with open(f"{out_dir}/{rank}-{i}", "wb") as f:
+            f.write(data)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_eight_processes_one_fetch_per_block(runtime_dir, spawn_daemon, counting_target,
+                                             tmp_path, method):
+    spawn_daemon(runtime_dir)
+    rng = random.Random(3)
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {str(src / "small.bin"): rng.randbytes(5000),         # one block, cached whole
+             str(src / "big.bin"): rng.randbytes(3 * BS + 1234)}  # four blocks
+    for path, data in files.items():
+        with open(path, "wb") as f:
+            f.write(data)
+    out = tmp_path / "out"
+    out.mkdir()
+    fs = fsspec.filesystem("cachemw", fs=counting_target, block_size=BS, autostart=False,
+                           runtime_dir=runtime_dir, skip_instance_cache=True)
+    counting_target.reset()
+
+    ctx = multiprocessing.get_context(method)
+    barrier = ctx.Barrier(NPROC)
+    paths = list(files)
+    procs = [ctx.Process(target=_reader, args=(fs, paths, barrier, str(out), r))
+             for r in range(NPROC)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=90)
+        assert [p.exitcode for p in procs] == [0] * NPROC
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    for rank in range(NPROC):
+        for i, path in enumerate(paths):
+            assert (out / f"{rank}-{i}").read_bytes() == files[path], (rank, path)
+
+    fetched = counting_target.calls("cat_file")
+    assert sorted(fetched) == sorted([f"cat_file {paths[0]}"] + [f"cat_file {paths[1]}"] * 4)
+    assert counting_target.calls("_open") == []  # nothing read around the cache
+
+    nblocks = 5
+    # the workers' access reports arrive when they exit: wait until all 8 are in
+    stats = wait_for(lambda: (s := daemon_stats(runtime_dir))["counters"]["hits"]
+                     + s["counters"]["misses"] >= NPROC * nblocks and s, 10,
+                     what="the readers' access reports")
+    c = stats["counters"]
+    assert c["leases"] == nblocks
+    assert c["misses"] == nblocks
+    assert c["fills"] == nblocks
+    assert c["bytes_from_source"] == sum(len(d) for d in files.values())
+    assert c["hits"] == NPROC * nblocks - nblocks
+    assert c["fallbacks"] == c["bypassed"] == c["fill_errors"] == 0
+    assert stats["tiers"]["dram"]["blocks"] == nblocks
+    assert stats["inflight"] == 0

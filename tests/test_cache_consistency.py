@@ -1,0 +1,238 @@
+"""Consistency: a changed source is seen under validate="always" at once and under "ttl"
+after ttl seconds (and not before: the caching is real); "immutable" keeps serving a warmed
+dataset without asking the target, even once the target is gone. Metadata (info/ls) is
+cached under the same policy; writes through the filesystem go to the target and invalidate."""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+from conftest import wait_for
+
+BS = 65536
+TTL = 1.0
+
+
+def write(path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.fixture
+def src(tmp_path):
+    d = tmp_path / "src"
+    d.mkdir()
+    return d
+
+
+def test_always_sees_a_changed_source_immediately(make_cache_fs, src):
+    fs = make_cache_fs(validate="always", block_size=BS)
+    path = str(src / "f.bin")
+    versions = [b"a" * 1000, b"b" * 1000,             # same size
+                b"c" * (2 * BS + 5), b"d" * (BS - 3),  # grows to 3 blocks, shrinks to 1
+                b"e" * 0, b"f" * 17]
+    for data in versions:
+        write(path, data)
+        assert fs.cat_file(path) == data
+        assert fs.cat_file(path, 1, -1) == data[1:-1]
+        with fs.open(path) as f:
+            assert f.read() == data
+        assert fs.cat_file(path) == data  # and it was not a one-off
+
+
+def test_always_detects_a_same_size_rewrite_of_one_block(make_cache_fs, src):
+    fs = make_cache_fs(validate="always", block_size=BS)
+    path = str(src / "f.bin")
+    old = bytes(range(256)) * (3 * BS // 256)
+    write(path, old)
+    assert fs.cat_file(path) == old
+    new = old[:BS + 10] + b"X" + old[BS + 11:]
+    with open(path, "r+b") as f:  # in place: same inode, same size, one byte changed
+        f.seek(BS + 10)
+        f.write(b"X")
+    assert fs.cat_file(path, BS, 2 * BS) == new[BS:2 * BS]
+    assert fs.cat_file(path) == new
+
+
+def test_ttl_serves_the_cached_version_until_ttl_then_the_new_one(make_cache_fs, src):
+    fs = make_cache_fs(validate="ttl", ttl=TTL, block_size=BS)
+    path = str(src / "f.bin")
+    old, new = b"o" * (BS + 100), b"n" * (BS + 100)
+    write(path, old)
+    t0 = time.monotonic()
+    assert fs.cat_file(path) == old
+    write(path, new)
+    # within the ttl the cached version is served: no metadata call, blocks hit
+    assert fs.cat_file(path) == old
+    with fs.open(path) as f:
+        assert f.read() == old
+    assert time.monotonic() - t0 < TTL, "too slow to check the within-ttl read; rerun"
+    time.sleep(max(0.0, t0 + TTL + 0.05 - time.monotonic()))
+    assert fs.cat_file(path) == new
+    with fs.open(path) as f:
+        assert f.read() == new
+
+
+def test_ttl_expiry_seen_by_a_new_filesystem_instance(make_cache_fs, src):
+    """The metadata records are node-wide: a new instance (e.g. a DataLoader worker) also
+    serves the cached version within the ttl and the new one after it."""
+    fs = make_cache_fs(validate="ttl", ttl=TTL, block_size=BS)
+    path = str(src / "f.bin")
+    write(path, b"1" * 5000)
+    t0 = time.monotonic()
+    assert fs.cat_file(path) == b"1" * 5000
+    write(path, b"2" * 5000)
+    assert make_cache_fs(validate="ttl", ttl=TTL, block_size=BS).cat_file(path) == b"1" * 5000
+    assert time.monotonic() - t0 < TTL, "too slow to check the within-ttl read; rerun"
+    time.sleep(max(0.0, t0 + TTL + 0.05 - time.monotonic()))
+    assert make_cache_fs(validate="ttl", ttl=TTL, block_size=BS).cat_file(path) == b"2" * 5000
+
+
+def test_immutable_warmed_dataset_readable_after_target_is_gone(make_cache_fs, dataset,
+                                                                counting_target):
+    root, files = dataset
+    fs = make_cache_fs(validate="immutable", block_size=BS, fs=counting_target)
+    listing = sorted(fs.ls(str(root), detail=False))
+    assert listing == sorted(files)
+    for path, data in files.items():
+        assert fs.cat_file(path) == data
+    shutil.rmtree(root)
+    counting_target.reset()
+
+    again = make_cache_fs(validate="immutable", block_size=BS, fs=counting_target)
+    for f in (fs, again):  # the warm instance, and a new one (node-wide metadata records)
+        assert sorted(f.ls(str(root), detail=False)) == listing
+        for path, data in files.items():
+            assert f.cat_file(path) == data
+            assert f.cat_file(path, 100, 3000) == data[100:3000]
+            with f.open(path) as fh:
+                fh.seek(-10, 2)
+                assert fh.read() == data[-10:]
+            assert f.info(path)["size"] == len(data)
+            assert f.exists(path)
+    assert counting_target.calls() == []  # not one call to the (gone) target
+    nblocks = sum(-(-len(d) // BS) for d in files.values())
+    assert fs.stats()["misses"] == nblocks  # the warming reads only: nothing refetched
+    assert again.stats()["misses"] == 0
+
+
+# -- metadata caching --------------------------------------------------------------------
+
+
+def test_metadata_cached_under_immutable(make_cache_fs, dataset, counting_target):
+    root, files = dataset
+    fs = make_cache_fs(validate="immutable", fs=counting_target)
+    one = next(iter(files))
+    for _ in range(3):
+        assert fs.info(one)["size"] == len(files[one])
+    assert counting_target.calls() == [f"info {one}"]
+    for _ in range(3):
+        assert sorted(fs.ls(str(root), detail=False)) == sorted(files)
+    assert counting_target.calls("ls") == [f"ls {root}"]
+    for path, data in files.items():  # primed by the listing: no info call per file
+        assert fs.info(path)["size"] == len(data)
+    assert sorted(fs.find(str(root))) == sorted(files)
+    assert len(counting_target.calls()) == 2
+    other = make_cache_fs(validate="immutable", fs=counting_target)
+    assert other.info(one)["size"] == len(files[one])
+    assert sorted(other.ls(str(root), detail=False)) == sorted(files)
+    assert len(counting_target.calls()) == 2
+
+
+def test_metadata_cached_under_ttl_then_revalidated(make_cache_fs, dataset, counting_target):
+    root, files = dataset
+    fs = make_cache_fs(validate="ttl", ttl=TTL, fs=counting_target)
+    one = next(iter(files))
+    t0 = time.monotonic()
+    for _ in range(3):
+        fs.info(one)
+        fs.ls(str(root))
+    assert sorted(counting_target.calls()) == [f"info {one}", f"ls {root}"]
+    assert time.monotonic() - t0 < TTL, "too slow to check the within-ttl calls; rerun"
+    time.sleep(max(0.0, t0 + TTL + 0.05 - time.monotonic()))
+    counting_target.reset()
+    write(os.path.join(root, "new.bin"), b"new")
+    assert fs.info(one)["size"] == len(files[one])
+    assert os.path.join(str(root), "new.bin") in fs.ls(str(root), detail=False)
+    assert sorted(counting_target.calls()) == [f"info {one}", f"ls {root}"]
+
+
+def test_metadata_not_cached_under_always(make_cache_fs, dataset, counting_target):
+    root, files = dataset
+    fs = make_cache_fs(validate="always", fs=counting_target)
+    one = next(iter(files))
+    for _ in range(3):
+        fs.info(one)
+        fs.ls(str(root))
+    assert len(counting_target.calls("info")) == 3
+    assert len(counting_target.calls("ls")) == 3
+
+
+# -- writes go through and invalidate ------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["pipe_file", "open_wb", "put_file", "cp_file"])
+def test_write_through_invalidates_under_long_ttl(make_cache_fs, src, tmp_path, how):
+    fs = make_cache_fs(validate="ttl", ttl=3600, block_size=BS)
+    path = str(src / "f.bin")
+    old, new = b"o" * (2 * BS + 7), b"N" * (2 * BS + 7)  # same size: only invalidation helps
+    write(path, old)
+    assert fs.cat_file(path) == old
+    assert fs.cat_file(path, BS, BS + 10) == old[BS:BS + 10]
+    if how == "pipe_file":
+        fs.pipe_file(path, new)
+    elif how == "open_wb":
+        with fs.open(path, "wb") as f:
+            f.write(new)
+    else:
+        other = str(tmp_path / "other.bin")
+        write(other, new)
+        if how == "put_file":
+            fs.put_file(other, path)
+        else:
+            fs.cp_file(other, path)
+    with open(path, "rb") as f:
+        assert f.read() == new  # it went to the target
+    assert fs.cat_file(path) == new
+    assert fs.cat_file(path, BS, BS + 10) == new[BS:BS + 10]
+    assert fs.info(path)["size"] == len(new)
+    # a new instance (another process of the node) does not see the old version either
+    assert make_cache_fs(validate="ttl", ttl=3600, block_size=BS).cat_file(path) == new
+
+
+def test_write_of_a_longer_file_then_rm_under_long_ttl(make_cache_fs, src):
+    fs = make_cache_fs(validate="ttl", ttl=3600, block_size=BS)
+    path = str(src / "f.bin")
+    write(path, b"short")
+    assert fs.cat_file(path) == b"short"
+    assert fs.ls(str(src), detail=False) == [path]
+    fs.pipe_file(path, b"L" * (BS + 1))
+    assert fs.cat_file(path) == b"L" * (BS + 1)
+    assert fs.size(path) == BS + 1
+    fs.pipe_file(str(src / "g.bin"), b"g")
+    assert sorted(fs.ls(str(src), detail=False)) == [path, str(src / "g.bin")]
+    fs.rm(path)
+    assert not os.path.exists(path)
+    with pytest.raises(FileNotFoundError):
+        fs.cat_file(path)
+    assert not fs.exists(path)
+    assert fs.ls(str(src), detail=False) == [str(src / "g.bin")]
+
+
+def test_write_invalidates_the_cached_blocks_in_the_tier(make_cache_fs, src, runtime_dir):
+    """The daemon drops the blocks of a written file (no dead blocks left behind)."""
+    from conftest import daemon_stats
+
+    fs = make_cache_fs(validate="ttl", ttl=3600, block_size=BS)
+    path = str(src / "f.bin")
+    write(path, b"x" * (3 * BS))
+    fs.cat_file(path)
+    assert daemon_stats(runtime_dir)["tiers"]["dram"]["blocks"] == 3
+    fs.pipe_file(path, b"y" * 10)
+    wait_for(lambda: daemon_stats(runtime_dir)["tiers"]["dram"]["blocks"] == 0, 5,
+             what="the written file's blocks to be dropped")
+    assert fs.cat_file(path) == b"y" * 10
+    assert daemon_stats(runtime_dir)["tiers"]["dram"]["blocks"] == 1
