@@ -175,17 +175,16 @@ class Checkpointer:
 
     def _write(self, step: int, name: str, staged: dict, handle: SaveHandle) -> None:
         first = self.fast or self.root
-        error = None
-        try:
+
+        def begin() -> None:
             if self.coord.is_coordinator or self.fast is not None:
                 first.begin(name)
             if self.fast is not None:
                 if self.coord.is_coordinator:
                     self.root.begin(name)
                 self.root.location.makedirs(name)
-        except Exception as exc:
-            error = exc
-        self.coord.agree(error)
+
+        self.coord.run_everywhere(begin)
         drainer = Drainer(first.location.child(name), self.root.location.child(name)) if self.fast else None
         writer = CachemwStorageWriter(
             first.location.child(name), compression=self.config.compression, thread_count=self.config.thread_count,
@@ -203,28 +202,15 @@ class Checkpointer:
             if self.coord.is_coordinator:
                 self._publish(self.fast, name, step, "memory", self.config.fast_keep_last)
             handle._set_fast()
-            error = None
-            try:
-                drainer.wait()
-            except Exception as exc:
-                error = exc
-            self.coord.agree(error)
-            error = None
-            if self.coord.is_coordinator:
-                try:
-                    src, dst = self.fast.location.child(name), self.root.location.child(name)
-                    dst.write_atomic(METADATA_NAME, src.read_bytes(METADATA_NAME))
-                    dst.write_atomic(MANIFEST_NAME, src.read_bytes(MANIFEST_NAME))  # the commit, last
-                except Exception as exc:
-                    error = exc
-            self.coord.agree(error)
-        error = None
-        if self.coord.is_coordinator:
-            try:
-                self._publish(self.root, name, step, "root", self.config.keep_last)
-            except Exception as exc:
-                error = exc
-        self.coord.agree(error)
+            self.coord.run_everywhere(drainer.wait)
+
+            def commit_at_root() -> None:
+                src, dst = self.fast.location.child(name), self.root.location.child(name)
+                dst.write_atomic(METADATA_NAME, src.read_bytes(METADATA_NAME))
+                dst.write_atomic(MANIFEST_NAME, src.read_bytes(MANIFEST_NAME))  # the commit, last
+
+            self.coord.run_on_coordinator(commit_at_root)
+        self.coord.run_on_coordinator(lambda: self._publish(self.root, name, step, "root", self.config.keep_last))
 
     def _publish(self, tier: CheckpointDir, name: str, step: int, level: str, keep_last: int | None) -> None:
         """After a commit in ``tier``: move ``latest``, apply retention, tell the watchers."""

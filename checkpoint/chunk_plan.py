@@ -16,7 +16,7 @@ import math
 from typing import Iterable, Sequence
 
 DEFAULT_CHUNK_BYTES = 64 << 20
-MIN_CHUNK_BYTES = 1 << 20
+MIN_CHUNK_BYTES = 256 << 10  # below this a chunk's header and manifest entry start to matter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,13 +72,18 @@ def chunk_limit(total_replicated: int, world_size: int, chunk_bytes: int, tolera
     return max(MIN_CHUNK_BYTES, min(chunk_bytes, fair_slack))
 
 
-def split_rows(item: ItemSpec, max_bytes: int) -> tuple[ChunkSpec, ...]:
-    """Cut ``item`` along dim 0 into near-equal row ranges of at most ``max_bytes`` each."""
+def split_rows(item: ItemSpec, max_bytes: int, multiple: int = 1) -> tuple[ChunkSpec, ...]:
+    """Cut ``item`` along dim 0 into near-equal row ranges of at most ``max_bytes`` each.
+
+    When it is cut at all, the number of pieces is rounded up to a multiple of ``multiple``
+    (the number of ranks holding it) so that equal pieces can be dealt out evenly.
+    """
     shape = item.shape
     full = ChunkSpec(item.key, tuple(0 for _ in shape), tuple(shape), item.nbytes)
     if not item.splittable or not shape or item.nbytes <= max_bytes or shape[0] <= 1:
         return (full,)
-    pieces = min(shape[0], math.ceil(item.nbytes / max_bytes))
+    pieces = math.ceil(item.nbytes / max_bytes)
+    pieces = min(shape[0], math.ceil(pieces / multiple) * multiple)
     row_bytes = item.nbytes // shape[0]
     base, extra = divmod(shape[0], pieces)
     chunks = []
@@ -129,7 +134,7 @@ def plan_spread(
     limit = chunk_limit(total, world, chunk_bytes, tolerance)
     work: list[tuple[int, str, ChunkSpec, tuple[int, ...]]] = []
     for spec in replicated:
-        for chunk in split_rows(spec, limit):
+        for chunk in split_rows(spec, limit, len(holders[spec.key])):
             work.append((chunk.nbytes, chunk.key + repr(chunk.offsets), chunk, tuple(holders[spec.key])))
     # Largest first; ties broken by key so that every caller computes the same plan.
     work.sort(key=lambda w: (-w[0], w[1]))

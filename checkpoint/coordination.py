@@ -10,7 +10,7 @@ everything degrades to a single process (``no_dist``).
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -66,3 +66,16 @@ class Coordinator:
         if failed:
             rank, text = failed[0]
             raise RuntimeError(f"checkpoint failed on rank(s) {[r for r, _ in failed]}; rank {rank}: {text}") from error
+
+    def run_everywhere(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on every rank, then fail every rank if it failed on any."""
+        error = None
+        try:
+            fn()
+        except Exception as exc:
+            error = exc
+        self.agree(error)
+
+    def run_on_coordinator(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the coordinator only; its failure fails every rank."""
+        self.run_everywhere(fn if self.is_coordinator else (lambda: None))

@@ -9,6 +9,7 @@ offsets), so the checkpoint reshards on load with DCP's own load planner and rea
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import ChainMap
 from typing import Any
 
@@ -39,6 +40,14 @@ def item_key(index: MetadataIndex) -> str:
     if index.offset is None:
         return index.fqn
     return f"{index.fqn}@{','.join(str(int(o)) for o in index.offset)}"
+
+
+def item_nbytes(item: WriteItem) -> int:
+    """Bytes of the chunk an item writes (DCP's ``tensor_storage_size`` counts the whole tensor)."""
+    if item.tensor_data is None:
+        return 0
+    itemsize = torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+    return math.prod(item.tensor_data.chunk.sizes) * itemsize
 
 
 def item_spec(item: WriteItem) -> ItemSpec:

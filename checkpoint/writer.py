@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .chunk_codec import StoredItem, write_chunk
-from .planner import item_key
+from .planner import item_key, item_nbytes
 from .storage_io import Location, as_location
 
 MANIFEST_NAME = "cachemw-manifest.json"
@@ -56,10 +56,10 @@ def bucket_items(items: list[WriteItem], buckets: int) -> list[list[WriteItem]]:
     """Spread items over ``buckets`` files, largest first to the lightest file."""
     out: list[list[WriteItem]] = [[] for _ in range(max(1, min(buckets, len(items))))]
     load = [0] * len(out)
-    for item in sorted(items, key=lambda i: -(i.tensor_storage_size() or 1)):
+    for item in sorted(items, key=lambda i: -(item_nbytes(i) or 1)):
         k = load.index(min(load))
         out[k].append(item)
-        load[k] += item.tensor_storage_size() or 1
+        load[k] += item_nbytes(item) or 1
     return [b for b in out if b]
 
 

@@ -1,0 +1,91 @@
+"""``save(obj, path)`` / ``load(path)``, shaped like ``torch.save`` / ``torch.load``.
+
+For single-process users and for plug-ins such as Lightning's CheckpointIO, which hand over
+one arbitrary nested object and expect it back whole, with no template to load into. Tensors
+go through the same planner, writer and reader as the Checkpointer (chunked, checksummed,
+optionally lz4, manifest last); the rest of the object, with tensors replaced by
+placeholders, is stored as one pickled item, so dict keys, lists and tuples come back exactly
+(DCP's own flattening turns int-keyed dicts into lists).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .checkpointer import unwrap
+from .planner import SpreadSavePlanner
+from .reader import CachemwStorageReader
+from .storage_io import as_location
+from .writer import MANIFEST_NAME, CachemwStorageWriter
+
+SKELETON_KEY = "__cachemw_skeleton__"
+PLACEHOLDER = "\x00cachemw-tensor:"
+
+
+def _split(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = obj.detach()
+        return PLACEHOLDER + key
+    if isinstance(obj, dict):
+        items = [(k, _split(v, tensors)) for k, v in obj.items()]
+        try:
+            return type(obj)(items)
+        except TypeError:  # e.g. defaultdict
+            return dict(items)
+    if isinstance(obj, list):
+        return [_split(v, tensors) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_split(v, tensors) for v in obj)
+    return obj
+
+
+def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, str) and obj.startswith(PLACEHOLDER):
+        return tensors[obj[len(PLACEHOLDER):]]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            obj[k] = _join(v, tensors)
+        return obj
+    if isinstance(obj, list):
+        return [_join(v, tensors) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_join(v, tensors) for v in obj)
+    return obj
+
+
+def save(obj: Any, path: str | os.PathLike, *, compression: str | None = None, thread_count: int = 2) -> None:
+    """Write ``obj`` (any picklable object holding tensors) as a checkpoint directory ``path``."""
+    location = as_location(path)
+    location.makedirs()
+    location.remove_file(MANIFEST_NAME)  # an overwritten checkpoint is uncommitted while it is rewritten
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _split(obj, tensors)
+    # Pickled to bytes so that DCP stores it as one opaque item instead of flattening it.
+    state = {"tensors": tensors, SKELETON_KEY: pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)}
+    writer = CachemwStorageWriter(location, compression=compression, thread_count=thread_count)
+    try:
+        dcp.save(state, storage_writer=writer, planner=SpreadSavePlanner(), no_dist=True)
+    except CheckpointException as exc:
+        raise unwrap(exc, 1) from None
+
+
+def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int = 2) -> Any:
+    """Read back what ``save`` wrote; ``map_location`` as a device moves every tensor there."""
+    # DCP's own "load without a template" (rebuilds the state dict from the metadata).
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    reader = CachemwStorageReader(as_location(path), thread_count=thread_count)
+    try:
+        state = _load_state_dict_from_keys(storage_reader=reader)
+    except CheckpointException as exc:
+        raise unwrap(exc, 1) from None
+    tensors = state.get("tensors", {})
+    if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
+        tensors = {k: v.to(map_location) for k, v in tensors.items()}
+    return _join(pickle.loads(state[SKELETON_KEY]), tensors)
