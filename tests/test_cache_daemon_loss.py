@@ -1,0 +1,113 @@
+"""Losing the daemon costs speed, never a read: with the daemon SIGKILLed mid-epoch every
+read still returns the right bytes (hits from the tier files, misses from the source), the
+fallbacks are counted and logged once; a new daemon re-indexes the tiers and clients
+reconnect to it on their own."""
+from __future__ import annotations
+
+import logging
+
+import fsspec
+import pytest
+
+from conftest import daemon_stats, wait_for
+
+BS = 65536
+
+
+def nblocks(files, paths):
+    return sum(max(1, -(-len(files[p]) // BS)) for p in paths)
+
+
+def new_fs(runtime_dir):
+    return fsspec.filesystem("cachemw", target_protocol="file", block_size=BS, autostart=False,
+                             runtime_dir=runtime_dir, skip_instance_cache=True)
+
+
+def unreachable_warnings(caplog):
+    return [r for r in caplog.records
+            if r.name == "cachemw.client" and "unreachable" in r.getMessage()]
+
+
+@pytest.mark.timeout(90)
+def test_daemon_killed_mid_epoch_then_restarted(runtime_dir, spawn_daemon, dataset, caplog):
+    caplog.set_level(logging.INFO, logger="cachemw")
+    root, files = dataset
+    paths = sorted(files)
+    half, rest = paths[:len(paths) // 2], paths[len(paths) // 2:]
+    daemon = spawn_daemon(runtime_dir)
+    fs = new_fs(runtime_dir)
+
+    for p in half:
+        assert fs.cat_file(p) == files[p]
+    assert fs.stats()["fills"] == nblocks(files, half)
+    assert fs.stats()["fallbacks"] == 0
+    fs.client.flush()  # so the new daemon's counters below hold only what came after the kill
+    wait_for(lambda: daemon_stats(runtime_dir)["counters"]["fills"] == nblocks(files, half), 5,
+             what="the report to the first daemon")
+
+    daemon.kill()
+    daemon.wait(10)
+
+    # the rest of the epoch: misses read the source, each block counted as a fallback
+    for p in rest:
+        assert fs.cat_file(p) == files[p]
+    s = fs.stats()
+    assert s["fallbacks"] == nblocks(files, rest)
+    assert s["fills"] == nblocks(files, half)
+    for p in rest:  # other read paths work too
+        with fs.open(p) as f:
+            f.seek(1000)
+            assert f.read(2000) == files[p][1000:3000]
+        assert fs.cat_ranges([p, p], [0, -10], [10, None]) == [files[p][:10], files[p][-10:]]
+
+    # hits are still served from the tier files: no byte from the source
+    before = dict(fs.stats())
+    for p in half:
+        assert fs.cat_file(p) == files[p]
+    after = fs.stats()
+    assert after["hits"] - before["hits"] == nblocks(files, half)
+    assert after["bytes_from_source"] == before["bytes_from_source"]
+    assert after["fallbacks"] == before["fallbacks"]
+
+    # a process that starts now (a new DataLoader worker) finds the tiers and reads hits too
+    late = new_fs(runtime_dir)
+    for p in half:
+        assert late.cat_file(p) == files[p]
+    assert late.stats()["bytes_from_source"] == 0
+    assert late.stats()["hits"] == nblocks(files, half)
+
+    assert len(unreachable_warnings(caplog)) == 2  # once per client, not per read
+    assert len([r for r in unreachable_warnings(caplog) if r.levelno == logging.WARNING]) == 2
+
+    # a new daemon on the same runtime dir adopts the blocks; the client finds it alone
+    spawn_daemon(runtime_dir)
+    stats = daemon_stats(runtime_dir)
+    assert stats["counters"]["reindexed"] == nblocks(files, half)
+    assert stats["tiers"]["dram"]["blocks"] == nblocks(files, half)
+    wait_for(fs.client.connected, 5, interval=0.2, what="the client to reconnect")
+    fallbacks = fs.stats()["fallbacks"]
+    for p in rest:
+        assert fs.cat_file(p) == files[p]
+    s = fs.stats()
+    assert s["fallbacks"] == fallbacks
+    assert s["fills"] == nblocks(files, paths)
+    fs.client.flush()
+    stats = wait_for(lambda: (d := daemon_stats(runtime_dir))["counters"]["fills"]
+                     == nblocks(files, rest) and d, 5, what="the client's report")
+    assert stats["counters"]["fallbacks"] == fallbacks  # counted while it was gone, reported now
+    assert stats["tiers"]["dram"]["blocks"] == nblocks(files, paths)
+    assert len(unreachable_warnings(caplog)) == 2
+
+
+@pytest.mark.timeout(60)
+def test_no_daemon_at_all_reads_from_source(runtime_dir, dataset, caplog):
+    """autostart=False and no daemon ever: every read succeeds, counted, one warning."""
+    caplog.set_level(logging.WARNING, logger="cachemw")
+    root, files = dataset
+    fs = new_fs(runtime_dir)
+    for _ in range(2):
+        for p, data in files.items():
+            assert fs.cat_file(p) == data
+    assert fs.stats()["fallbacks"] == 2 * nblocks(files, files)
+    assert fs.stats()["hits"] == fs.stats()["fills"] == 0
+    assert len(unreachable_warnings(caplog)) == 1
