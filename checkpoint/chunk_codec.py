@@ -80,6 +80,7 @@ class _Sink(io.RawIOBase):
         self.stored = 0
         self.watch_nbytes = watch_nbytes
         self.data_offset = -1
+        self.error: OSError | None = None  # torch.save masks a failed write with its own error
 
     def writable(self) -> bool:
         return True
@@ -92,7 +93,11 @@ class _Sink(io.RawIOBase):
         n = mv.nbytes
         if n and n == self.watch_nbytes and self.data_offset < 0:
             self.data_offset = self.raw_pos
-        self._put(mv)
+        try:
+            self._put(mv)
+        except OSError as exc:
+            self.error = exc
+            raise
         self.raw_pos += n
         return n
 
@@ -153,11 +158,16 @@ def write_chunk(out: IO[bytes], rel: str, offset: int, data, codec: str, frame_b
     else:
         tensor, nbytes = None, 0
     sink = _FrameSink(out, nbytes, frame_bytes) if codec == "lz4" else _Sink(out, nbytes)
-    if tensor is not None:
-        torch.save(tensor, sink)
-    else:
-        sink.write(data.getbuffer())
-    sink.finish()
+    try:
+        if tensor is not None:
+            torch.save(tensor, sink)
+        else:
+            sink.write(data.getbuffer())
+        sink.finish()
+    except Exception:
+        if sink.error is not None:
+            raise sink.error from None  # e.g. ENOSPC, not torch's "unexpected pos"
+        raise
     return StoredItem(rel, offset, sink.stored, sink.hasher.hexdigest(), codec, sink.raw_pos,
                       sink.data_offset if tensor is not None else -1, nbytes)
 

@@ -1,0 +1,257 @@
+"""The Checkpointer in one process: API, commit, retention, sweep, tiers, busy, failures."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+import torch  # noqa: E402
+
+from cachemw.checkpoint import Checkpointer, CheckpointBusyError, CheckpointNotFoundError, ChecksumError  # noqa: E402
+from cachemw.checkpoint.layout import OWNER_NAME  # noqa: E402
+from cachemw.checkpoint.writer import MANIFEST_NAME  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+def trainer_state(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    return {"model": model, "optim": opt, "extra": {"epoch": seed, "big": torch.randn(512, 256)}}
+
+
+def committed_dirs(root):
+    return sorted(p.name for p in root.iterdir() if (p / MANIFEST_NAME).exists())
+
+
+def test_save_load_roundtrip_modules_optimizers_and_values(tmp_path):
+    state = trainer_state(1)
+    with Checkpointer(str(tmp_path)) as ck:
+        handle = ck.save(5, state)
+        handle.wait(timeout=60)
+        assert handle.done() and handle.durable and handle.in_memory
+        assert ck.steps() == [5]
+        fresh = trainer_state(2)
+        assert ck.load(fresh) == 5
+    for a, b in zip(state["model"].parameters(), fresh["model"].parameters()):
+        assert torch.equal(a, b)
+    sa, sb = state["optim"].state_dict(), fresh["optim"].state_dict()
+    assert torch.equal(sa["state"][0]["exp_avg"], sb["state"][0]["exp_avg"])
+    assert sb["param_groups"][0]["lr"] == 1e-3
+    assert fresh["extra"]["epoch"] == 1 and torch.equal(fresh["extra"]["big"], state["extra"]["big"])
+
+
+def test_snapshot_is_taken_at_save_time(tmp_path):
+    state = {"t": torch.zeros(1000)}
+    with Checkpointer(str(tmp_path)) as ck:
+        handle = ck.save(0, state)
+        state["t"].fill_(7)  # training goes on while the write runs
+        handle.wait(60)
+        out = {"t": torch.ones(1000)}
+        ck.load(out)
+    assert torch.count_nonzero(out["t"]) == 0
+
+
+def test_retention_and_latest(tmp_path):
+    state = {"t": torch.randn(100)}
+    with Checkpointer(str(tmp_path), keep_last=2) as ck:
+        for step in range(5):
+            ck.save(step, state).wait(60)
+        assert ck.steps() == [3, 4]
+        latest = (tmp_path / "latest").read_text()
+        assert latest == committed_dirs(tmp_path)[-1] and latest.startswith("step_000000000004-")
+        out = {"t": torch.zeros(100)}
+        assert ck.load(out, step=3) == 3
+        with pytest.raises(CheckpointNotFoundError):
+            ck.load(out, step=1)
+
+
+def test_partial_dirs_of_dead_writers_are_swept_live_ones_kept(tmp_path):
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, {"t": torch.ones(3)}).wait(60)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for name, pid in (("step_000000000002-deadbeef", dead.pid), ("step_000000000003-aaaaaaaa", os.getpid())):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__0_0.distcp").write_bytes(b"partial")
+        (tmp_path / name / OWNER_NAME).write_text(json.dumps({"host": os.uname().nodename, "pid": pid,
+                                                                "started": time.time()}))
+    with Checkpointer(str(tmp_path)) as ck:
+        assert ck.steps() == [1]
+        assert not (tmp_path / "step_000000000002-deadbeef").exists()
+        assert (tmp_path / "step_000000000003-aaaaaaaa").exists()  # its writer may still be running
+
+
+def gate_writes(ck):
+    """Make every save of ``ck`` wait for the returned event before writing."""
+    gate = threading.Event()
+    original = ck._write
+
+    def gated(*args, **kwargs):
+        gate.wait(30)
+        return original(*args, **kwargs)
+
+    ck._write = gated
+    return gate
+
+
+def test_busy_save_is_refused_or_waits(tmp_path):
+    state = {"t": torch.randn(100)}
+    with Checkpointer(str(tmp_path), if_busy="refuse") as ck:
+        gate = gate_writes(ck)
+        first = ck.save(1, state)
+        with pytest.raises(CheckpointBusyError):
+            ck.save(2, state)
+        assert not first.done()
+        gate.set()
+        first.wait(60)
+        gate.clear()
+        second = ck.save(3, state)
+        threading.Timer(0.2, gate.set).start()
+        third = ck.save(4, state, if_busy="wait")  # blocks until step 3 is written
+        assert second.done()
+        third.wait(60)
+        assert ck.steps() == [1, 3, 4]
+
+
+def test_fast_tier_commits_first_and_load_prefers_it(tmp_path):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    state = {"t": torch.randn(1000, 10)}
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        handle = ck.save(1, state)
+        handle.wait_in_memory(60)
+        assert handle.in_memory
+        handle.wait(60)
+        assert handle.durable
+        name = committed_dirs(root)[0]
+        assert committed_dirs(fast) == [name]
+        # Corrupt the root copy: load reads the fast tier, so it does not notice.
+        corrupt_first_chunk(root / name)
+        out = {"t": torch.zeros(1000, 10)}
+        assert ck.load(out) == 1 and torch.equal(out["t"], state["t"])
+        # Corrupt the fast copy too, after restoring root from nothing: an error names the chunk.
+        corrupt_first_chunk(fast / name)
+        with pytest.raises(ChecksumError, match="t@0,0"):
+            ck.load(out)
+
+
+def test_corrupt_fast_copy_falls_back_to_intact_root_copy(tmp_path):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    state = {"t": torch.randn(1000, 10)}
+    with Checkpointer(str(root), fast_root=str(fast), fast_keep_last=1) as ck:
+        ck.save(1, state).wait(60)
+        corrupt_first_chunk(fast / committed_dirs(fast)[0])
+        out = {"t": torch.zeros(1000, 10)}
+        assert ck.load(out) == 1 and torch.equal(out["t"], state["t"])
+        ck.save(2, state).wait(60)
+        assert len(committed_dirs(fast)) == 1 and len(committed_dirs(root)) == 2
+
+
+def corrupt_first_chunk(directory):
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    item = next(v for k, v in manifest["items"].items() if k.startswith("t@"))
+    path = directory / item["relative_path"]
+    data = bytearray(path.read_bytes())
+    data[item["offset"] + item["length"] - 40] ^= 0x55
+    path.write_bytes(bytes(data))
+
+
+def test_two_savers_into_one_root_never_mix(tmp_path):
+    a_state = {"x": torch.full((300, 100), 1.0), "y": torch.full((300,), 1.0)}
+    b_state = {"x": torch.full((300, 100), 2.0), "y": torch.full((300,), 2.0)}
+    a, b = Checkpointer(str(tmp_path), keep_last=2), Checkpointer(str(tmp_path), keep_last=2)
+
+    def run(ck, state):
+        for step in range(4):
+            ck.save(step, state).wait(60)
+
+    threads = [threading.Thread(target=run, args=(a, a_state)), threading.Thread(target=run, args=(b, b_state))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    reader = Checkpointer(str(tmp_path))
+    for step in reader.steps():
+        out = {"x": torch.zeros(300, 100), "y": torch.zeros(300)}
+        reader.load(out, step=step)
+        value = out["x"][0, 0].item()
+        assert value in (1.0, 2.0)
+        assert torch.all(out["x"] == value) and torch.all(out["y"] == value)
+    for ck in (a, b, reader):
+        ck.close()
+
+
+def test_bad_options_raise_value_error_naming_them(tmp_path):
+    with pytest.raises(ValueError, match="keep_last"):
+        Checkpointer(str(tmp_path), keep_last=0)
+    with pytest.raises(ValueError, match="if_busy"):
+        Checkpointer(str(tmp_path), if_busy="sometimes")
+    with pytest.raises(ValueError, match="frobnicate"):
+        Checkpointer(str(tmp_path), frobnicate=True)
+    with Checkpointer(str(tmp_path)) as ck:
+        with pytest.raises(ValueError, match="step"):
+            ck.save(-1, {})
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_fails_the_handle_not_the_training(tiny_disk):
+    small = {"t": torch.randn(64, 1024)}  # 256 KiB
+    with Checkpointer(str(tiny_disk)) as ck:
+        ck.save(1, small).wait(60)
+        handle = ck.save(2, {"t": torch.randn(1024, 1024)})  # 4 MiB > 2 MiB disk
+        with pytest.raises(OSError) as info:
+            handle.wait(60)
+        assert info.value.errno == 28  # ENOSPC
+        assert ck.steps() == [1]
+        assert [p.name for p in tiny_disk.iterdir() if p.name.startswith("step_")] == committed_dirs(tiny_disk)
+        out = {"t": torch.zeros(64, 1024)}
+        assert ck.load(out) == 1 and torch.equal(out["t"], small["t"])
+        ck.save(3, small).wait(60)  # and the next save works
+        assert ck.steps() == [1, 3]
+
+
+def test_watch_is_told_of_each_commit(tmp_path):
+    root = tmp_path / "root"
+    producer = Checkpointer(str(root))
+    consumer = Checkpointer(str(root))
+    seen = []
+
+    def consume():
+        state = {"t": torch.zeros(10)}
+        for step in consumer.watch(state, poll_interval=30, timeout=20):
+            seen.append((step, state["t"][0].item(), time.monotonic()))
+            if step == 2:
+                return
+
+    watcher = threading.Thread(target=consume)
+    watcher.start()
+    time.sleep(0.5)
+    for step in (1, 2):
+        producer.save(step, {"t": torch.full((10,), float(step))}).wait(60)
+        committed = time.monotonic()
+        time.sleep(0.3)
+    watcher.join(30)
+    assert [s[:2] for s in seen] == [(1, 1.0), (2, 2.0)]
+    assert seen[-1][2] - committed < 5  # told at once, not after the 30 s fallback poll
+    producer.close()
+    consumer.close()
