@@ -21,7 +21,7 @@ import heapq
 from collections import deque
 from typing import Deque, Dict, Hashable, List, Sequence
 
-from .policies import Policy
+from .policies import Policy, pop_victims
 
 #: Next-use value of a block that is never read again (or not within the announced order).
 NEVER = 1 << 62
@@ -39,7 +39,7 @@ def next_uses(keys: Sequence[Hashable]) -> List[int]:
     return out
 
 
-class _FurthestFirst(Policy):
+class FurthestFirst(Policy):
     """Cache state shared by the two: cached key -> next use, and a max-heap on next use.
 
     Heap entries are ``(-next_use, seq, key)``; an entry is live iff ``self.next[key]`` still
@@ -53,7 +53,8 @@ class _FurthestFirst(Policy):
         self._heap: list = []
         self._seq = 0
 
-    def _push(self, key: Hashable, nu: int) -> None:
+    def set_next_use(self, key: Hashable, nu: int) -> None:
+        """Record that cached ``key`` is next read at position ``nu`` (NEVER if unknown)."""
         self._seq += 1
         self.next[key] = nu
         self._seqs[key] = self._seq
@@ -66,8 +67,13 @@ class _FurthestFirst(Policy):
     def _place(self, key: Hashable, size: int, nu: int, hit: bool) -> bool:
         """Update the cache for one read whose key is next needed at ``nu``."""
         if hit:
-            self._push(key, nu)
+            self.set_next_use(key, nu)
             return True
+        self._insert(key, size, nu)
+        return False
+
+    def _insert(self, key: Hashable, size: int, nu: int) -> bool:
+        """Cache ``key`` (next read at ``nu``) if blocks needed after ``nu`` make room."""
         if size > self.capacity:
             return False
         need = self.used + size - self.capacity
@@ -75,41 +81,29 @@ class _FurthestFirst(Policy):
             return False
         self.sizes[key] = size
         self.used += size
-        self._push(key, nu)
-        return False
+        self.set_next_use(key, nu)
+        return True
+
+    def admit_ahead(self, key: Hashable, size: int, pos: int) -> bool:
+        """Prefetch: cache ``key`` before its read at announced position ``pos``, evicting
+        only blocks needed after ``pos``. True if it is cached now."""
+        return key in self.sizes or self._insert(key, size, pos)
 
     def _make_room(self, need: int, nu: int) -> bool:
-        heap, seqs, sizes = self._heap, self._seqs, self.sizes
-        taken = []
-        while need > 0 and heap:
-            neg, seq, victim = heapq.heappop(heap)
-            if seqs.get(victim) != seq:
-                continue
-            if -neg <= nu:  # the victim is needed no later than the newcomer: bypass
-                heapq.heappush(heap, (neg, seq, victim))
-                for entry in taken:
-                    heapq.heappush(heap, entry)
-                return False
-            taken.append((neg, seq, victim))
-            need -= sizes[victim]
-        if need > 0:
-            for entry in taken:
-                heapq.heappush(heap, entry)
+        # A victim must be needed strictly later than the newcomer, else bypass the newcomer.
+        victims = pop_victims(self._heap, self._seqs, self.sizes, need, lambda e: -e[0] > nu)
+        if victims is None:
             return False
-        for _, _, victim in taken:
-            self.used -= sizes.pop(victim)
-            del seqs[victim], self.next[victim]
+        for victim in victims:
+            self.discard(victim)
             self.evicted.append(victim)
         return True
 
-    def discard(self, key: Hashable) -> None:
-        size = self.sizes.pop(key, None)
-        if size is not None:
-            self.used -= size
-            del self._seqs[key], self.next[key]
+    def _forget(self, key: Hashable) -> None:
+        del self._seqs[key], self.next[key]
 
 
-class BeladyPolicy(_FurthestFirst):
+class BeladyPolicy(FurthestFirst):
     """Belady's MIN with bypass; needs the whole trace through :meth:`prepare`."""
 
     name = "belady"
@@ -132,7 +126,7 @@ class BeladyPolicy(_FurthestFirst):
         return self._place(key, size, self._nu[pos], key in self.sizes)
 
 
-class ClairvoyantPolicy(_FurthestFirst):
+class ClairvoyantPolicy(FurthestFirst):
     """Furthest-next-use over the announced order (NoPFS-style), for a live system.
 
     The announced order is a stream of keys; access number ``i`` (counting from the first
@@ -170,7 +164,7 @@ class ClairvoyantPolicy(_FurthestFirst):
             if q is None:
                 q = future[key] = deque()
             if not q and nxt.get(key) == NEVER:
-                self._push(key, pos)  # a cached block without a known next use gets one
+                self.set_next_use(key, pos)  # a cached block without a known next use gets one
             q.append(pos)
             pos += 1
         self._announced = pos

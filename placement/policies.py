@@ -24,9 +24,41 @@ from __future__ import annotations
 import copy
 import heapq
 from collections import OrderedDict
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
 from .specs import check_positive_float, check_positive_int
+
+
+def pop_victims(
+    heap: list, live: Dict[Hashable, int], sizes: Dict[Hashable, int], need: int,
+    evictable: Callable[[tuple], bool],
+) -> Optional[List[Hashable]]:
+    """Pop the best victims off a lazy heap until their sizes add up to ``need`` bytes.
+
+    Heap entries are ``(score, seq, key)``; an entry is live iff ``live[key] == seq`` (stale
+    ones are dropped as met). Every victim must pass ``evictable(entry)``; if one does not,
+    or the heap runs out, all popped live entries go back and the answer is None (nothing is
+    evicted). The caller removes the returned keys from its cache.
+    """
+    taken = []
+    while need > 0 and heap:
+        entry = heapq.heappop(heap)
+        if live.get(entry[2]) != entry[1]:
+            continue  # stale: the block was read again or dropped since this entry
+        if not evictable(entry):
+            heap_push_all(heap, taken + [entry])
+            return None
+        taken.append(entry)
+        need -= sizes[entry[2]]
+    if need > 0:
+        heap_push_all(heap, taken)
+        return None
+    return [entry[2] for entry in taken]
+
+
+def heap_push_all(heap: list, entries: list) -> None:
+    for entry in entries:
+        heapq.heappush(heap, entry)
 
 
 class Policy:
@@ -71,7 +103,13 @@ class Policy:
 
     def discard(self, key: Hashable) -> None:
         """Forget ``key`` as cached (the executor dropped it, e.g. a failed checksum)."""
-        raise NotImplementedError
+        size = self.sizes.pop(key, None)
+        if size is not None:
+            self.used -= size
+            self._forget(key)
+
+    def _forget(self, key: Hashable) -> None:
+        """Drop per-key bookkeeping of a block that left the cache (subclass hook)."""
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.sizes
@@ -105,11 +143,6 @@ class LRUPolicy(Policy):
         self.used = used
         return False
 
-    def discard(self, key: Hashable) -> None:
-        size = self.sizes.pop(key, None)
-        if size is not None:
-            self.used -= size
-
 
 class PinPolicy(Policy):
     """Admit until full, then never evict (CoorDL's MinIO)."""
@@ -123,11 +156,6 @@ class PinPolicy(Policy):
             self.sizes[key] = size
             self.used += size
         return False
-
-    def discard(self, key: Hashable) -> None:
-        size = self.sizes.pop(key, None)
-        if size is not None:
-            self.used -= size
 
 
 class HistoryPolicy(Policy):
@@ -220,31 +248,14 @@ class HistoryPolicy(Policy):
 
     def _make_room(self, need: int, prior: int) -> bool:
         """Evict lowest-count blocks worth ``need`` bytes if ``prior`` beats each of them."""
-        heap, stamp, sizes, ratio = self._heap, self._stamp, self.sizes, self.admit_ratio
-        taken = []
-        while need > 0 and heap:
-            count, seq, victim = heapq.heappop(heap)
-            if stamp.get(victim) != seq:
-                continue  # stale entry: the block was read again or dropped since
-            if prior <= ratio * count:
-                heapq.heappush(heap, (count, seq, victim))
-                for entry in taken:
-                    heapq.heappush(heap, entry)
-                return False
-            taken.append((count, seq, victim))
-            need -= sizes[victim]
-        if need > 0:
-            for entry in taken:
-                heapq.heappush(heap, entry)
+        bar = prior / self.admit_ratio
+        victims = pop_victims(self._heap, self._stamp, self.sizes, need, lambda e: e[0] < bar)
+        if victims is None:
             return False
-        for _, _, victim in taken:
-            self.used -= sizes.pop(victim)
-            del stamp[victim]
+        for victim in victims:
+            self.discard(victim)
             self.evicted.append(victim)
         return True
 
-    def discard(self, key: Hashable) -> None:
-        size = self.sizes.pop(key, None)
-        if size is not None:
-            self.used -= size
-            self._stamp.pop(key, None)
+    def _forget(self, key: Hashable) -> None:
+        self._stamp.pop(key, None)

@@ -70,7 +70,9 @@ class TimeModel:
     batch ``b - prefetch_depth`` is handed to the trainer. Misses are read from ``source``,
     hits from ``cache`` (each a FIFO channel, see TierSpec.service_time). Stall is the time
     the trainer waits for data. A clairvoyant policy additionally prefetches in announced
-    order as far ahead as its cache allows.
+    order, holding at most ``prefetch_fraction`` of the cache in blocks fetched ahead and not
+    yet read (the rest keeps the blocks worth retaining; prefetching further ahead evicts
+    blocks that must then be fetched twice).
     """
 
     source: TierSpec
@@ -78,6 +80,7 @@ class TimeModel:
     compute_per_batch: float
     batch_size: int = 32
     prefetch_depth: int = 2
+    prefetch_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, TierSpec):
@@ -87,3 +90,10 @@ class TimeModel:
         check_positive_float("compute_per_batch", self.compute_per_batch, allow_zero=True)
         check_positive_int("batch_size", self.batch_size)
         check_positive_int("prefetch_depth", self.prefetch_depth)
+        check_positive_float("prefetch_fraction", self.prefetch_fraction)
+        if self.prefetch_fraction > 1:
+            raise ValueError(f"prefetch_fraction must be <= 1, got {self.prefetch_fraction!r}")
+
+    def prefetch_budget(self, capacity: int) -> int:
+        """Bytes the clairvoyant prefetcher may hold fetched but not yet read."""
+        return int(capacity * self.prefetch_fraction)

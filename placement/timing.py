@@ -13,19 +13,17 @@ Why: hit ratio is not what users pay for; idle accelerators are. Two pipelines a
   the cache allows, never evicting a block needed no later than the one it brings in (the
   victim is the block needed furthest in the future). The trainer reads from the cache.
 
-The lower bound on stall for a trace and capacity: the trainer cannot start its last step
-before every byte it needs has come from the source, and the source can only work during
-stalls and the first ``n_batches - 1`` steps. The least source time is that of Belady's
-misses, so ``stall >= source_time(Belady) - (n_batches - 1) * compute_per_batch``; and no
-step starts before the first batch is read: ``stall >= source_time(first batch)``.
+The lower bound on stall for a trace and capacity (see :func:`stall_lower_bound`): the bytes
+that must come from the source (Belady's misses; with blocks of different sizes Belady is a
+near-optimal reference, not a proof), minus what compute time can hide -- and compute
+cannot hide a first read it has not reached yet.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
-from typing import Hashable, List
+from typing import Dict, Hashable, List
 
-from .future import next_uses
+from .future import FurthestFirst, next_uses
 from .policies import Policy
 from .specs import TimeModel
 
@@ -47,15 +45,27 @@ class TimeStats:
 def stall_lower_bound(
     keys: List[Hashable], sizes: List[int], min_misses: int, min_bytes: int, model: TimeModel
 ) -> float:
-    """Least possible stall, given the fewest misses/bytes any policy has on this trace."""
-    src = model.source
-    n_batches = -(-len(keys) // model.batch_size)
-    source_time = min_bytes / src.bandwidth + min_misses * src.latency / src.concurrency
-    first = {}
-    for key, size in zip(keys[: model.batch_size], sizes[: model.batch_size]):
-        first[key] = size
-    first_time = sum(src.service_time(s) for s in first.values())
-    return max(first_time, source_time - (n_batches - 1) * model.compute_per_batch, 0.0)
+    """Least possible stall, given the fewest misses/bytes any policy has on this trace.
+
+    Two bounds, the larger wins. Total: the source works at most during stalls and the first
+    ``n_batches - 1`` steps, so ``stall >= source_time(min_misses, min_bytes) - (n_batches -
+    1) * compute``. Prefix: batch ``j`` cannot start before every block first read in
+    batches ``0..j`` has come from the source, so ``stall >= source_time(those first reads)
+    - j * compute`` for every ``j`` (compute cannot hide fetches it has not yet reached).
+    """
+    src, B, tc = model.source, model.batch_size, model.compute_per_batch
+    n_batches = -(-len(keys) // B)
+    total = min_bytes / src.bandwidth + min_misses * src.latency / src.concurrency
+    best = total - (n_batches - 1) * tc
+    seen = set()
+    first_reads = 0.0
+    for j, lo in enumerate(range(0, len(keys), B)):
+        for key, size in zip(keys[lo : lo + B], sizes[lo : lo + B]):
+            if key not in seen:
+                seen.add(key)
+                first_reads += src.service_time(size)
+        best = max(best, first_reads - j * tc)
+    return max(best, 0.0)
 
 
 def time_replay(
@@ -99,50 +109,17 @@ def _demand_replay(policy: Policy, keys: List[Hashable], sizes: List[int], model
     return TimeStats(hits, bytes_hit, fetches, from_source, evictions, stall, compute, end_prev)
 
 
-class _PrefetchCache:
-    """Cached key -> next needed position, with a lazy max-heap to find the furthest one."""
+class _PrefetchCache(FurthestFirst):
+    """The clairvoyant cache state (next use per block) plus when each block's fetch ends."""
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self.size = {}
-        self.next = {}
-        self.ready = {}  # key -> time its fetch completes
-        self.heap: list = []  # (-next use, seq, key); seq keeps ties in insertion order
-        self.seq = 0
-        self.seqs = {}  # key -> seq of its live heap entry
-        self.evictions = 0
+        super().__init__()
+        self.reset(capacity)
+        self.ready: Dict[Hashable, float] = {}
 
-    def set_next(self, key: Hashable, nu: int) -> None:
-        self.next[key] = nu
-        self.seq += 1
-        self.seqs[key] = self.seq
-        heapq.heappush(self.heap, (-nu, self.seq, key))
-        if len(self.heap) > 4 * len(self.size) + 64:
-            self.heap = [(-self.next[k], self.seqs[k], k) for k in self.size]
-            heapq.heapify(self.heap)
-
-    def room_for(self, size: int, pos: int) -> bool:
-        """Evict blocks needed after ``pos`` (furthest first) until ``size`` fits; False if
-        the blocks needed no later than ``pos`` alone leave too little room."""
-        heap, seqs = self.heap, self.seqs
-        need = self.used + size - self.capacity
-        taken = []
-        while need > 0:
-            while heap and seqs.get(heap[0][2]) != heap[0][1]:
-                heapq.heappop(heap)  # stale entry
-            if not heap or -heap[0][0] <= pos:
-                for entry in taken:
-                    heapq.heappush(heap, entry)
-                return False
-            entry = heapq.heappop(heap)
-            taken.append(entry)
-            need -= self.size[entry[2]]
-        for _, _, victim in taken:
-            del self.next[victim], self.ready[victim], seqs[victim]
-            self.used -= self.size.pop(victim)
-            self.evictions += 1
-        return True
+    def _forget(self, key: Hashable) -> None:
+        super()._forget(key)
+        self.ready.pop(key, None)
 
 
 def _prefetch_replay(keys: List[Hashable], sizes: List[int], capacity: int, model: TimeModel) -> TimeStats:
@@ -154,31 +131,38 @@ def _prefetch_replay(keys: List[Hashable], sizes: List[int], capacity: int, mode
     fetches = from_source = 0
     src_free = cache_free = end_prev = stall = last_event = 0.0
     starts: List[float] = []
+    budget = model.prefetch_budget(capacity)
+    pending: Dict[int, int] = {}  # position -> size of blocks fetched for it, not yet read
+    pending_bytes = 0
     p = 0  # next position the prefetcher looks at
     for b, lo in enumerate(range(0, n, B)):
         hi = min(n, lo + B)
         issue = starts[b - D] if b >= D else 0.0
+        t_batch = None  # when the trainer can start batch b, once all its blocks are fetched
         while True:
-            if p < n and keys[p] in cache.size:
+            if p < n and keys[p] in cache.sizes:
                 p += 1
                 continue
-            t_batch = None
-            if p >= hi:  # every block of batch b is cached or on its way
+            if t_batch is None and p >= hi:  # blocks of batch b stay cached until read
                 ready = issue
                 for key, size in zip(keys[lo:hi], sizes[lo:hi]):
                     cache_free = max(cache_free, issue, cache.ready[key]) + cache_cost(size)
                     ready = max(ready, cache_free)
                 t_batch = max(ready, end_prev)
             start = max(src_free, last_event)
-            if p < n and (t_batch is None or start <= t_batch) and cache.room_for(sizes[p], p):
+            if (
+                p < n
+                and (t_batch is None or start <= t_batch)
+                and (p < hi or pending_bytes + sizes[p] <= budget)
+                and cache.admit_ahead(keys[p], sizes[p], p)
+            ):
                 key, size = keys[p], sizes[p]
                 src_free = start + src_cost(size)
-                cache.size[key] = size
-                cache.used += size
                 cache.ready[key] = src_free
-                cache.set_next(key, p)
                 fetches += 1
                 from_source += size
+                pending[p] = size
+                pending_bytes += size
                 p += 1
                 continue
             if t_batch is None:
@@ -193,9 +177,11 @@ def _prefetch_replay(keys: List[Hashable], sizes: List[int], capacity: int, mode
         last_event = t_batch
         for i in range(lo, hi):  # the trainer has read batch b: next uses move on
             key = keys[i]
+            if i in pending:
+                pending_bytes -= pending.pop(i)
             if cache.next.get(key) == i:
-                cache.set_next(key, nxt[i])
+                cache.set_next_use(key, nxt[i])
     compute = len(starts) * tc
     hits = n - fetches
     bytes_hit = sum(sizes) - from_source
-    return TimeStats(hits, bytes_hit, fetches, from_source, cache.evictions, stall, compute, end_prev)
+    return TimeStats(hits, bytes_hit, fetches, from_source, len(cache.evicted), stall, compute, end_prev)

@@ -1,0 +1,209 @@
+"""The stateful engine a node daemon drives: access events and announced orders in, plans out.
+
+Why a separate object from the policies: a policy only knows "cached or not" over one
+capacity; a node has a tier set (e.g. DRAM then NVMe), and the daemon needs to know *where*
+each block goes and which copy operations to run. The engine keeps one policy over the total
+capacity of the tiers (what to keep) and an exclusive LRU split over the tiers (where):
+a block lives in exactly one tier, the most recently read ones in the fastest tier, older
+ones demoted down the chain, and a block read from a slower tier is promoted.
+
+The engine never performs I/O: it returns :class:`~cachemw.placement.moves.Plan` objects and
+assumes the executor carries them out. If the executor cannot (a failed write, a bad
+checksum), it reports the block gone with :meth:`Engine.drop`.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from .future import ClairvoyantPolicy
+from .moves import Admit, Demote, Evict, Move, Plan, Prefetch, Promote
+from .policies import Policy
+from .registry import make_policy
+from .specs import TierSpec, check_positive_int
+
+
+class Engine:
+    """Placement over one node's tiers (fastest first). See the package docstring."""
+
+    def __init__(
+        self,
+        tiers: Sequence[TierSpec],
+        policy: Union[str, Policy, None] = None,
+        *,
+        announced: bool = False,
+        placement: Optional[Mapping[Hashable, Tuple[str, int]]] = None,
+    ) -> None:
+        tiers = tuple(tiers)
+        if not tiers or not all(isinstance(t, TierSpec) for t in tiers):
+            raise ValueError(f"tiers must be a non-empty sequence of TierSpec, got {tiers!r}")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tiers must have distinct names, got {names!r}")
+        self.tiers = tiers
+        self._index = {t.name: i for i, t in enumerate(tiers)}
+        self.policy = make_policy(policy, announced=announced)
+        self.policy.reset(sum(t.capacity for t in tiers))
+        if self.policy.needs_future:
+            raise ValueError(f"policy {self.policy.name!r} needs the whole future; it is for scoring only")
+        self._lru: List["OrderedDict[Hashable, int]"] = [OrderedDict() for _ in tiers]
+        self._used = [0] * len(tiers)
+        self._where: Dict[Hashable, int] = {}
+        self._order: List[Hashable] = []  # the announced order, by position
+        self._sizes: Dict[Hashable, int] = {}
+        self._scan = 0
+        for key, (tier, size) in (placement or {}).items():
+            self._load(key, tier, size)
+
+    # ---- state -------------------------------------------------------------------------
+    def placement(self) -> Dict[Hashable, str]:
+        """Where each cached block is, by tier name (a copy)."""
+        return {k: self.tiers[i].name for k, i in self._where.items()}
+
+    def used(self) -> Dict[str, int]:
+        """Bytes in use per tier."""
+        return {t.name: u for t, u in zip(self.tiers, self._used)}
+
+    def _load(self, key: Hashable, tier: str, size: int) -> None:
+        """Register a block that is already cached (daemon restart)."""
+        i = self._index.get(tier)
+        if i is None:
+            raise ValueError(f"placement names tier {tier!r}, not one of {list(self._index)}")
+        check_positive_int("placement size", size)
+        if self._used[i] + size > self.tiers[i].capacity:
+            raise ValueError(f"placement overfills tier {tier!r} (capacity {self.tiers[i].capacity})")
+        self.policy.access(key, size)
+        if key not in self.policy:
+            raise ValueError(f"placement holds {key!r}, which policy {self.policy.name!r} would not keep")
+        self._put(key, size, i)
+
+    # ---- daemon entry points -----------------------------------------------------------
+    def announce(self, order: Sequence[Tuple[Hashable, int]]) -> None:
+        """Append ``(key, size)`` reads the sampler will make next, in order."""
+        if not self.policy.uses_announced:
+            raise ValueError(
+                f"policy {self.policy.name!r} ignores announced orders; build the Engine "
+                "with announced=True or policy='clairvoyant'"
+            )
+        keys = []
+        for i, item in enumerate(order):
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise ValueError(f"order[{i}] must be a (key, size) tuple, got {item!r}")
+            key, size = item
+            check_positive_int(f"order[{i}] size", size)
+            keys.append(key)
+            self._sizes[key] = size
+        self._order.extend(keys)
+        self.policy.announce(keys)
+
+    def access(self, key: Hashable, size: int) -> Plan:
+        """One read of ``key`` happened (hit or miss); return the moves it calls for.
+
+        A miss the policy keeps yields ``Admit`` (the executor stores the bytes it just read
+        from the source); a hit in a slower tier yields ``Promote``. Either may be preceded by
+        ``Evict`` (the policy's victims) and ``Demote`` moves that make room.
+        """
+        check_positive_int("size", size)
+        policy = self.policy
+        was = self._where.get(key)
+        policy.access(key, size)
+        moves: List[Move] = self._drain_evictions()
+        if key not in policy:  # bypassed, or dropped again at once
+            if was is not None:
+                moves.append(Evict(key, self._forget(key), self.tiers[was].name))
+            return Plan(tuple(moves))
+        home = self._home(size)
+        if home is None:  # fits in no single tier: do not keep it
+            self.policy.discard(key)
+            if was is not None:
+                moves.append(Evict(key, self._forget(key), self.tiers[was].name))
+            return Plan(tuple(moves))
+        if was == home:
+            self._lru[home].move_to_end(key)
+        elif was is None:
+            self._make_room(home, size, moves)
+            self._put(key, size, home)
+            moves.append(Admit(key, size, self.tiers[home].name))
+        else:
+            self._forget(key)
+            self._make_room(home, size, moves)
+            self._put(key, size, home)
+            moves.append(Promote(key, size, self.tiers[was].name, self.tiers[home].name))
+        return Plan(tuple(moves))
+
+    def _home(self, size: int) -> Optional[int]:
+        """The fastest tier a block of ``size`` bytes fits in (policy capacity is the sum)."""
+        for i, tier in enumerate(self.tiers):
+            if size <= tier.capacity:
+                return i
+        return None
+
+    def prefetch(self, budget_bytes: int) -> Plan:
+        """Prefetch moves for announced reads not cached, in announced order, up to
+        ``budget_bytes``. A block is prefetched only by evicting blocks needed later than it
+        (never one needed sooner). Empty unless the policy is clairvoyant."""
+        check_positive_int("budget_bytes", budget_bytes, allow_zero=True)
+        policy = self.policy
+        if not isinstance(policy, ClairvoyantPolicy):
+            return Plan()
+        moves: List[Move] = []
+        cursor = policy.cursor
+        pos = max(self._scan, cursor)
+        while pos < len(self._order) and budget_bytes > 0:
+            key = self._order[pos]
+            size = self._sizes[key]
+            if key not in policy:
+                home = self._home(size)
+                if home is None or size > budget_bytes or not policy.admit_ahead(key, size, pos):
+                    break
+                moves.extend(self._drain_evictions())
+                self._make_room(home, size, moves)
+                self._put(key, size, home)
+                moves.append(Prefetch(key, size, self.tiers[home].name, pos - cursor))
+                budget_bytes -= size
+            pos += 1
+        self._scan = pos
+        return Plan(tuple(moves))
+
+    def drop(self, key: Hashable) -> None:
+        """The executor lost or discarded ``key`` (bad checksum, failed write)."""
+        if key in self._where:
+            self._forget(key)
+        self.policy.discard(key)
+
+    # ---- tier bookkeeping --------------------------------------------------------------
+    def _put(self, key: Hashable, size: int, i: int) -> None:
+        self._lru[i][key] = size
+        self._used[i] += size
+        self._where[key] = i
+
+    def _forget(self, key: Hashable) -> int:
+        i = self._where.pop(key)
+        size = self._lru[i].pop(key)
+        self._used[i] -= size
+        return size
+
+    def _drain_evictions(self) -> List[Move]:
+        moves: List[Move] = []
+        for victim in self.policy.evicted:
+            if victim in self._where:
+                tier = self.tiers[self._where[victim]].name
+                moves.append(Evict(victim, self._forget(victim), tier))
+        self.policy.evicted.clear()
+        return moves
+
+    def _make_room(self, i: int, size: int, moves: List[Move]) -> None:
+        """Free ``size`` bytes in tier ``i`` by demoting its least recently read blocks down
+        the chain (the slowest tier evicts). Deeper moves come first in ``moves``."""
+        lru = self._lru[i]
+        while self._used[i] + size > self.tiers[i].capacity and lru:
+            victim, vsize = next(iter(lru.items()))
+            if i + 1 < len(self.tiers) and vsize <= self.tiers[i + 1].capacity:
+                self._make_room(i + 1, vsize, moves)
+                self._forget(victim)
+                self._put(victim, vsize, i + 1)
+                moves.append(Demote(victim, vsize, self.tiers[i].name, self.tiers[i + 1].name))
+            else:
+                self._forget(victim)
+                self.policy.discard(victim)
+                moves.append(Evict(victim, vsize, self.tiers[i].name))
