@@ -1,0 +1,204 @@
+"""Tiers: a DRAM tier smaller than the dataset (reads go on, capacity holds, evictions
+counted), a tier that really runs out of space (ENOSPC: reads go on, fill errors counted,
+the tier stops admitting), and an NVMe tier under DRAM (demotion, reads from NVMe, blocks
+surviving a daemon restart)."""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+
+import fsspec
+import pytest
+
+from cachemw import blockfile
+from conftest import daemon_stats, wait_for
+
+BS = 65536
+STORED = BS + blockfile.tail_size(BS)  # bytes a full block occupies in a tier
+NFILES = 24
+
+
+@pytest.fixture
+def blocks_dataset(tmp_path):
+    """NFILES files of exactly one block each."""
+    rng = random.Random(11)
+    root = tmp_path / "src"
+    root.mkdir()
+    files = {}
+    for i in range(NFILES):
+        p = str(root / f"s{i:02d}.bin")
+        files[p] = rng.randbytes(BS)
+        with open(p, "wb") as f:
+            f.write(files[p])
+    return files
+
+
+def new_fs(runtime_dir, **options):
+    return fsspec.filesystem("cachemw", target_protocol="file", block_size=BS, autostart=False,
+                             runtime_dir=runtime_dir, skip_instance_cache=True, **options)
+
+
+def disk_usage(tier_dir: str) -> int:
+    """Bytes of the block files in a tier directory (its metadata records excluded)."""
+    total = 0
+    for sub in os.listdir(tier_dir):
+        if len(sub) == 2:
+            for entry in os.scandir(os.path.join(tier_dir, sub)):
+                total += entry.stat().st_size
+    return total
+
+
+@pytest.mark.timeout(60)
+def test_dram_smaller_than_dataset(runtime_dir, spawn_daemon, blocks_dataset):
+    capacity = 8 * STORED + 100
+    spawn_daemon(runtime_dir, dram_capacity=capacity)
+    fs = new_fs(runtime_dir)
+    dram = fs.client.daemon_stats()["tiers"]["dram"]["path"]
+    for epoch in range(2):
+        for path, data in blocks_dataset.items():
+            assert fs.cat_file(path) == data, (epoch, path)
+            t = fs.client.daemon_stats()["tiers"]["dram"]
+            assert t["used_bytes"] <= t["capacity_bytes"] == capacity
+            assert disk_usage(dram) <= capacity
+    s = fs.stats()
+    assert s["fallbacks"] == 0 and s["fill_errors"] == 0
+    assert s["hits"] + s["misses"] + s["bypassed"] == 2 * NFILES
+    stats = wait_for(lambda: (d := fs.client.daemon_stats())["tiers"]["dram"]["used_bytes"]
+                     <= int(capacity * 0.95) and d, 5, what="eviction below the high watermark")
+    t = stats["tiers"]["dram"]
+    assert t["evictions"] > 0
+    assert t["used_bytes"] == t["blocks"] * STORED == disk_usage(dram)
+    assert stats["counters"]["fills"] - t["evictions"] == t["blocks"]
+
+
+@pytest.mark.xfail(strict=True, reason="bug: node.py NodeCache.lease/_choose_tier reserve the "
+                   "block's data length, filled() charges data + checksum tail: the tier passes "
+                   "its capacity")
+def test_tier_accounting_counts_the_checksum_tail_against_capacity(tmp_path):
+    """Admission reserves a block's data length, but the tier then charges its stored size
+    (data + checksums + trailer): a capacity between the two lets the tier pass its capacity."""
+    from cachemw.config import DaemonConfig, TierConfig
+    from cachemw.node import NodeCache
+
+    capacity = 2 * STORED + BS + 8  # room for 2 stored blocks + a 3rd block's data, not its tail
+    node = NodeCache(DaemonConfig(tiers=(TierConfig("dram", str(tmp_path / "dram"), capacity),),
+                                  runtime_dir=str(tmp_path / "rt")))
+    conn = object()
+    tier = node._tiers["dram"].tier
+    for i in range(3):
+        key = f"{i:02x}" + "0" * 30
+        kind, name = node.lease(key, BS, "file:///x", conn)
+        if kind == "fill":
+            node.filled(key, name, tier.put(key, os.urandom(BS)), conn)
+    t = node.stats()["tiers"]["dram"]
+    assert t["used_bytes"] <= t["capacity_bytes"], \
+        f"tier holds {t['used_bytes']} bytes, capacity {t['capacity_bytes']}"
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (a DRAM dir that really fills up); skipped where mounting is denied."""
+    mnt = tmp_path / "shm1m"
+    mnt.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.timeout(60)
+def test_real_enospc_reads_go_on_and_tier_stops_admitting(runtime_dir, spawn_daemon,
+                                                          blocks_dataset, small_tmpfs, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="cachemw")
+    daemon = spawn_daemon(runtime_dir, dram_dir=small_tmpfs, dram_capacity="64MiB")
+    try:
+        fs = new_fs(runtime_dir)
+        paths = list(blocks_dataset)
+        full_at = None
+        for i, path in enumerate(paths):
+            assert fs.cat_file(path) == blocks_dataset[path]
+            if full_at is None and fs.stats()["fill_errors"]:
+                full_at = i
+                t = fs.client.daemon_stats()["tiers"]["dram"]
+                assert t["admitting"] is False
+        assert full_at is not None, "1 MiB tmpfs never filled up"
+        s = fs.stats()
+        assert s["fill_errors"] >= 1
+        assert s["fallbacks"] == 0
+        assert s["misses"] + s["bypassed"] == NFILES  # every read answered, none twice
+        assert s["fills"] == s["misses"] - s["fill_errors"]
+        warnings = [r for r in caplog.records if r.name == "cachemw.reader"
+                    and "could not fill" in r.getMessage()]
+        assert len(warnings) == 1
+        # the blocks that did fit are served; everything reads right a second time
+        for path, data in blocks_dataset.items():
+            assert fs.cat_file(path) == data
+        stats = fs.client.daemon_stats()
+        assert stats["tiers"]["dram"]["used_bytes"] == disk_usage(small_tmpfs)
+        assert stats["counters"]["fill_errors"] == fs.stats()["fill_errors"]
+        assert stats["inflight"] == 0
+    finally:
+        daemon.kill()
+        daemon.wait(10)
+
+
+@pytest.mark.timeout(90)
+def test_nvme_tier_demotion_and_restart(runtime_dir, spawn_daemon, blocks_dataset, tmp_path):
+    nvme = str(tmp_path / "nvme")
+    config = dict(dram_capacity=6 * STORED, nvme_dir=nvme, nvme_capacity="64MiB")
+    daemon = spawn_daemon(runtime_dir, **config)
+    fs = new_fs(runtime_dir)
+    for path, data in blocks_dataset.items():
+        assert fs.cat_file(path) == data
+    assert fs.stats()["misses"] == NFILES
+
+    def settled():
+        s = fs.client.daemon_stats()
+        t = s["tiers"]
+        return (t["dram"]["used_bytes"] <= int(6 * STORED * 0.95)
+                and t["dram"]["blocks"] + t["nvme"]["blocks"] == NFILES and s)
+
+    stats = wait_for(settled, 10, what="demotion below the DRAM high watermark")
+    dram, nv = stats["tiers"]["dram"], stats["tiers"]["nvme"]
+    assert dram["demotions"] > 0  # the rest of NVMe's blocks were filled there directly
+    assert 0 < dram["demotions"] <= nv["blocks"]
+    assert dram["evictions"] == nv["evictions"] == 0
+    assert nv["used_bytes"] == nv["blocks"] * STORED == disk_usage(nvme)
+
+    # every block still reads right, the demoted ones from NVMe, none from the source
+    before = dict(fs.stats())
+    for path, data in blocks_dataset.items():
+        assert fs.cat_file(path) == data
+        assert fs.cat_file(path, 100, 200) == data[100:200]
+    after = fs.stats()
+    assert after["bytes_from_source"] == before["bytes_from_source"]
+    fs.client.flush()
+    stats = wait_for(lambda: (d := fs.client.daemon_stats())["tiers"]["nvme"]["hits"] > 0 and d,
+                     5, what="NVMe hits to be reported")
+    assert stats["tiers"]["nvme"]["hit_bytes"] > 0
+
+    # restart: the blocks on NVMe (and in the DRAM dir) are re-indexed, not refetched
+    stats = wait_for(settled, 10, what="the tiers to settle")
+    on_nvme, on_dram = stats["tiers"]["nvme"]["blocks"], stats["tiers"]["dram"]["blocks"]
+    daemon.kill()
+    daemon.wait(10)
+    spawn_daemon(runtime_dir, **config)
+    stats = daemon_stats(runtime_dir)
+    assert stats["counters"]["reindexed"] == NFILES
+    assert stats["tiers"]["nvme"]["blocks"] == on_nvme
+    assert stats["tiers"]["dram"]["blocks"] == on_dram
+    fresh = new_fs(runtime_dir)
+    for path, data in blocks_dataset.items():
+        assert fresh.cat_file(path) == data
+    assert fresh.stats()["bytes_from_source"] == 0
+    assert fresh.stats()["hits"] == NFILES
