@@ -90,7 +90,8 @@ def _start_local_ray(runtime_dir: str) -> dict:
         raise RuntimeError(f"`ray start` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     state = {"address": f"127.0.0.1:{port}", "token_path": token_path, "temp_dir": temp_dir,
              "started_by_cachemw": True}
-    with open(_ray_state_path(runtime_dir), "w") as f:
+    fd = os.open(_ray_state_path(runtime_dir), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
         json.dump(state, f)
     return state
 
@@ -135,8 +136,10 @@ def _free_port() -> int:
 
 def connect(address: str | None = None, runtime_dir: str | None = None, *,
             start_if_needed: bool = False) -> dict:
-    """ray.init into the cluster: the given one, or the local one cachemw started."""
-    ray = _ray()
+    """ray.init into the cluster: the given one, or the local one cachemw started.
+
+    Ray reads its auth settings when it is imported: set them before importing it.
+    """
     runtime_dir = runtime_dir or default_runtime_dir()
     state = None
     if address is None:
@@ -149,6 +152,7 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
         address = state["address"]
         os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN_PATH"] = state["token_path"]
+    ray = _ray()
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING,
                  log_to_driver=False)
@@ -173,12 +177,12 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
     ``options`` are DaemonConfig.build keywords (dram_dir, dram_capacity, nvme_dir,
     nvme_capacity); each daemon resolves defaults on its own node.
     """
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    ray = _ray()
     runtime_dir = runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
     DaemonConfig.build(runtime_dir=runtime_dir, **options)  # fail early on bad options
     connect(address, runtime_dir, start_if_needed=address is None)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ray = _ray()
     actor_cls = ray.remote(num_cpus=0, max_restarts=-1)(DaemonActor)
     handles = {}
     for node in ray.nodes():
@@ -211,8 +215,8 @@ def _daemon_handles():
 
 def status(address: str | None = None, *, runtime_dir: str | None = None, timeout: float = 30):
     """Every node's daemon: its address and stats (None for a daemon that does not answer)."""
-    ray = _ray()
     connect(address, runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR"))
+    ray = _ray()
     out = []
     for node_id, handle in _daemon_handles().items():
         try:
@@ -225,12 +229,17 @@ def status(address: str | None = None, *, runtime_dir: str | None = None, timeou
 
 def stop(address: str | None = None, *, runtime_dir: str | None = None, timeout: float = 30) -> int:
     """Stop every daemon, and the local Ray cluster if cachemw started it. Returns the count."""
-    ray = _ray()
     runtime_dir = runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
+    local = _read_ray_state(runtime_dir) if address is None else None
     try:
         state = connect(address, runtime_dir)
-    except ConnectionError:
+    except Exception as exc:  # cluster unreachable: still clean up what cachemw started
+        log.warning("could not reach the Ray cluster: %s", exc)
+        if local is not None and local.get("started_by_cachemw"):
+            _stop_local_ray(local["temp_dir"])
+            os.unlink(_ray_state_path(runtime_dir))
         return 0
+    ray = _ray()
     handles = _daemon_handles()
     for handle in handles.values():
         try:

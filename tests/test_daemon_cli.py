@@ -1,0 +1,101 @@
+"""The Ray-managed daemon through the real CLI: start, status, stats, reads, stop."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+CLI = [sys.executable, "-m", "cachemw.cli"]
+
+
+def _cli(*args, env, timeout=240):
+    return subprocess.run(CLI + list(args), env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd="/")
+
+
+def _ray_procs(temp_dir_marker: str):
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(temp_dir_marker in a for a in (p.info["cmdline"] or ())):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_cli_start_status_read_stop(tmp_path, dataset):
+    rt = tmp_path / "rt"
+    env = dict(os.environ, CACHEMW_RUNTIME_DIR=str(rt))
+    env.pop("RAY_ADDRESS", None)
+    root, files = dataset
+    try:
+        r = _cli("start", "--dram-capacity", "64MiB", "--nvme-dir", str(tmp_path / "nvme"),
+                 "--nvme-capacity", "128MiB", env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "daemon on node" in r.stdout
+        # private runtime dir, socket and token
+        assert (rt.stat().st_mode & 0o777) == 0o700
+        assert ((rt / "daemon.sock").stat().st_mode & 0o777) == 0o600
+        assert ((rt / "ray-token").stat().st_mode & 0o777) == 0o600
+        state = json.loads((rt / "ray.json").read_text())
+        assert state["started_by_cachemw"] and state["address"].startswith("127.0.0.1:")
+
+        r = _cli("start", env=env)  # idempotent: the same daemon, not a second one
+        assert r.returncode == 0, r.stderr
+        r = _cli("status", "--json", env=env)
+        assert r.returncode == 0, r.stderr
+        nodes = json.loads(r.stdout)["nodes"]
+        assert len(nodes) == 1
+        tiers = nodes[0]["stats"]["tiers"]
+        assert set(tiers) == {"dram", "nvme"} and tiers["dram"]["capacity_bytes"] == 64 << 20
+
+        # a reader that is not a Ray process, with autostart off, uses the Ray daemon
+        code = (
+            "import fsspec, json, sys\n"
+            "fs = fsspec.filesystem('cachemw', autostart=False)\n"
+            f"files = json.loads({json.dumps(json.dumps(sorted(files)))})\n"
+            "for _ in range(2):\n"
+            "    for f in files: fs.cat_file(f)\n"
+            "fs.client.flush()\n"
+            "print(json.dumps(fs.stats()))\n"
+        )
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        client = json.loads(r.stdout)
+        assert client["misses"] == len(files) and client["hits"] == len(files)
+        assert client["fallbacks"] == 0
+
+        r = _cli("stats", "--json", env=env)
+        assert r.returncode == 0, r.stderr
+        stats = json.loads(r.stdout)
+        assert stats["counters"]["misses"] == len(files)
+        assert stats["counters"]["hits"] == len(files)
+        assert stats["tiers"]["dram"]["blocks"] == len(files)
+        r = _cli("stats", env=env)
+        assert "hit ratio 50.0%" in r.stdout
+    finally:
+        r = _cli("stop", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "stopped 1 daemon" in r.stdout
+    assert not (rt / "daemon.json").exists()
+    assert _ray_procs(state["temp_dir"]) == []
+
+
+@pytest.mark.timeout(60)
+def test_cli_errors(tmp_path):
+    env = dict(os.environ, CACHEMW_RUNTIME_DIR=str(tmp_path / "none"))
+    r = _cli("stats", env=env)
+    assert r.returncode == 1 and "no cachemw daemon answers" in r.stderr
+    r = _cli("start", "--dram-capacity", "lots", env=env)
+    assert r.returncode == 2 and "cannot parse size" in r.stderr
+    r = _cli("start", "--nvme-dir", str(tmp_path), env=env)
+    assert r.returncode == 2 and "nvme_capacity" in r.stderr
