@@ -1,0 +1,96 @@
+"""A torch DataLoader (2 workers) started by fork, forkserver and spawn reads a dataset
+through ``cachemw::file://...`` and gets the exact bytes; the second epoch is all hits.
+
+The embedded daemon of this (main) process serves the workers, as it would a user's
+training script: workers never start one, they connect to it through its socket.
+"""
+from __future__ import annotations
+
+import pickle
+import random
+
+import fsspec
+import pytest
+
+torch = pytest.importorskip("torch")
+
+BS = 65536
+
+
+class FsDataset(torch.utils.data.Dataset):
+    """Holds the filesystem object itself (it must pickle for spawn/forkserver)."""
+
+    def __init__(self, fs, paths):
+        self.fs, self.paths = fs, paths
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        return i, self.fs.cat_file(self.paths[i])
+
+
+class UrlDataset(torch.utils.data.Dataset):
+    """Holds only URLs: each worker builds its filesystem through fsspec's registry."""
+
+    def __init__(self, urls):
+        self.urls = urls
+
+    def __len__(self):
+        return len(self.urls)
+
+    def __getitem__(self, i):
+        with fsspec.open(self.urls[i], "rb", cachemw={"block_size": BS}) as f:
+            head = f.read(10)
+            return i, head + f.read()
+
+
+@pytest.fixture
+def files(tmp_path):
+    rng = random.Random(5)
+    root = tmp_path / "train"
+    root.mkdir()
+    out = {}
+    for i in range(24):
+        data = rng.randbytes(rng.choice([0, 1, 4096, BS, BS + 1, 3 * BS - 7]))
+        p = str(root / f"{i:03d}.bin")
+        with open(p, "wb") as f:
+            f.write(data)
+        out[p] = data
+    return out
+
+
+def _epochs(dataset, method, n=2):
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, shuffle=True, num_workers=2,
+                                         multiprocessing_context=method, timeout=120,
+                                         persistent_workers=True)
+    for _ in range(n):
+        yield {i: data for i, data in loader}
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("holder", ["fs", "url"])
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_dataloader_workers_read_exact_bytes(files, method, holder):
+    paths = sorted(files)
+    fs = fsspec.filesystem("cachemw", target_protocol="file", block_size=BS)
+    assert fs.client.connected()  # the main process starts (or finds) the embedded daemon
+    assert pickle.loads(pickle.dumps(fs)).options == fs.options
+    if holder == "fs":
+        dataset = FsDataset(fs, paths)
+    else:
+        dataset = UrlDataset([f"cachemw::file://{p}" for p in paths])
+    nblocks = sum(max(1, -(-len(files[p]) // BS)) for p in paths if files[p])
+
+    before = fs.client.daemon_stats()["counters"]
+    for epoch, got in enumerate(_epochs(dataset, method)):
+        assert sorted(got) == list(range(len(paths)))
+        for i, p in enumerate(paths):
+            assert got[i] == files[p], (epoch, p)
+        leases = fs.client.daemon_stats()["counters"]["leases"] - before["leases"]
+        assert leases == nblocks, epoch  # epoch 1 filled every block once; epoch 2 all hits
+    after = fs.client.daemon_stats()["counters"]
+    assert after["fallbacks"] == before["fallbacks"]
+    assert after["bypassed"] == before["bypassed"]
