@@ -158,7 +158,7 @@ class ClairvoyantPolicy(FurthestFirst):
 
     def announce(self, keys: Sequence[Hashable]) -> None:
         future, nxt = self._future, self.next
-        pos = self._announced
+        pos = max(self._announced, self._cursor)  # an order announced late starts now
         for key in keys:
             q = future.get(key)
             if q is None:

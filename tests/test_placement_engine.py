@@ -1,0 +1,147 @@
+"""The daemon-facing Engine and the multi-node functions: plans are frozen and deterministic."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cachemw.placement import (
+    Admit, Demote, Engine, Evict, Plan, Prefetch, Promote, Replicate, TierSpec, assign_blocks,
+    rebalance_plans, stable_digest,
+)
+
+
+def tiers(dram=2, nvme=2):
+    return [TierSpec("dram", dram, 10e9), TierSpec("nvme", nvme, 2e9)]
+
+
+def test_miss_admits_to_the_fastest_tier_then_demotes_and_evicts():
+    e = Engine(tiers(), "lru")
+    assert e.access("a", 1).moves == (Admit("a", 1, "dram"),)
+    e.access("b", 1)
+    plan = e.access("c", 1)  # dram full: a (least recent) goes down to nvme
+    assert plan.moves == (Demote("a", 1, "dram", "nvme"), Admit("c", 1, "dram"))
+    e.access("d", 1)
+    plan = e.access("x", 1)  # total capacity 4 is full: LRU policy evicts a from nvme
+    assert plan.moves[0] == Evict("a", 1, "nvme")
+    assert plan.of_type(Admit) == (Admit("x", 1, "dram"),)
+    assert e.used() == {"dram": 2, "nvme": 2}
+
+
+def test_hit_in_a_slower_tier_promotes():
+    e = Engine(tiers(), "lru")
+    for k in "abc":
+        e.access(k, 1)
+    assert e.placement()["a"] == "nvme"
+    plan = e.access("a", 1)
+    assert plan.moves == (Demote("b", 1, "dram", "nvme"), Promote("a", 1, "nvme", "dram"))
+    assert e.placement() == {"a": "dram", "b": "nvme", "c": "dram"}
+
+
+def test_hit_in_the_fastest_tier_is_an_empty_plan():
+    e = Engine(tiers(), "lru")
+    e.access("a", 1)
+    assert not e.access("a", 1) and len(Plan()) == 0
+
+
+def test_block_too_big_for_every_tier_is_not_kept():
+    e = Engine(tiers(2, 2), "lru")
+    assert not e.access("big", 3)
+    assert e.placement() == {}
+
+
+def test_plans_are_frozen_and_deterministic():
+    def run():
+        e = Engine(tiers(3, 3), "history")
+        return [e.access(k, 1) for k in [1, 2, 3, 1, 4, 5, 6, 7, 1, 2, 8, 9, 1]]
+
+    first, second = run(), run()
+    assert first == second
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first[0].moves = ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Admit("a", 1, "dram").size = 2
+
+
+def test_prefetch_follows_the_announced_order():
+    e = Engine(tiers(2, 1), announced=True)
+    assert e.policy.name == "clairvoyant"
+    e.announce([("a", 1), ("b", 1), ("c", 1), ("d", 1)])
+    plan = e.prefetch(2)
+    assert plan.moves == (Prefetch("a", 1, "dram", 0), Prefetch("b", 1, "dram", 1))
+    plan = e.prefetch(10)  # c fits (3 bytes in all), d would evict a block needed sooner
+    assert plan.of_type(Prefetch) == (Prefetch("c", 1, "dram", 2),)
+    assert e.access("a", 1).of_type(Admit) == ()
+
+
+def test_prefetch_is_empty_without_an_order_and_announce_needs_clairvoyant():
+    e = Engine(tiers())
+    assert e.policy.name == "history" and not e.prefetch(100)
+    with pytest.raises(ValueError, match="announced"):
+        e.announce([("a", 1)])
+
+
+def test_drop_forgets_a_block():
+    e = Engine(tiers(), "lru")
+    e.access("a", 1)
+    e.drop("a")
+    assert e.placement() == {} and "a" not in e.policy
+
+
+def test_initial_placement_is_loaded():
+    e = Engine(tiers(), "lru", placement={"a": ("nvme", 1)})
+    assert e.placement() == {"a": "nvme"}
+    with pytest.raises(ValueError, match="tier"):
+        Engine(tiers(), "lru", placement={"a": ("gpu", 1)})
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, name",
+    [(([],), {}, "tiers"), (([TierSpec("x", 1, 1.0)] * 2,), {}, "distinct"),
+     ((tiers(), "belady"), {}, "scoring"), ((tiers(), "nope"), {}, "policy")],
+)
+def test_bad_engine_arguments(args, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        Engine(*args, **kwargs)
+
+
+def test_bad_access_and_order_arguments():
+    e = Engine(tiers(), announced=True)
+    with pytest.raises(ValueError, match="size"):
+        e.access("a", 0)
+    with pytest.raises(ValueError, match=r"order\[0\]"):
+        e.announce(["a"])
+    with pytest.raises(ValueError, match="budget_bytes"):
+        e.prefetch(-1)
+
+
+# ---- multi-node ------------------------------------------------------------------------
+
+def test_assign_blocks_by_per_node_future_frequency():
+    future = {"n0": ["a", "b", "a", "c", "a"], "n1": ["c", "c", "b", "d"]}
+    sizes = {"a": 1, "b": 1, "c": 1, "d": 1}
+    got = assign_blocks(future, sizes, 2)
+    assert got == {"n0": frozenset({"a", "b"}), "n1": frozenset({"c", "b"})}
+    assert assign_blocks(future, sizes, {"n0": 1, "n1": 0}) == {"n0": frozenset({"a"}), "n1": frozenset()}
+
+
+def test_assign_blocks_bad_input():
+    with pytest.raises(ValueError, match="capacity"):
+        assign_blocks({"n0": ["a"]}, {"a": 1}, {"n1": 1})
+    with pytest.raises(ValueError, match="sizes"):
+        assign_blocks({"n0": ["a"]}, {}, 1)
+
+
+def test_rebalance_plans_replicate_from_keepers():
+    current = {"n0": frozenset({"a", "b"}), "n1": frozenset({"c"})}
+    target = {"n0": frozenset({"a"}), "n1": frozenset({"a", "b", "c"}), "n2": frozenset({"z"})}
+    sizes = {k: 1 for k in "abcz"}
+    plans = rebalance_plans(current, target, sizes)
+    assert plans["n0"].moves == (Evict("b", 1, "dram"),)
+    assert set(plans["n1"].moves) == {Replicate("a", 1, "n0", "n1"), Prefetch("b", 1, "dram", 0)}
+    assert plans["n2"].moves == (Prefetch("z", 1, "dram", 0),)
+
+
+def test_stable_digest_is_process_independent():
+    assert stable_digest("a") == stable_digest("a") and len(stable_digest(("f", 3))) == 8
+    assert stable_digest("a").hex() == __import__("hashlib").blake2b(b"'a'", digest_size=8).hexdigest()
