@@ -84,23 +84,17 @@ def test_bad_environment_option_is_a_value_error(monkeypatch, name, value):
         fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a bad daemon_options value is swallowed by "
-                   "embedded.ensure_embedded_daemon (logged, then every read falls back) "
-                   "instead of a ValueError naming it")
-def test_bad_daemon_option_value_is_a_value_error(runtime_dir, tmp_path):
+@pytest.mark.parametrize("options,name", [
+    pytest.param({"dram_capacity": "lots"}, "dram_capacity", marks=pytest.mark.xfail(
+        strict=True, reason="bug: embedded.ensure_embedded_daemon swallows the ValueError of a "
+        "bad daemon_options value (logged, then every read falls back)")),
+    pytest.param({"bogus": 1}, "bogus", marks=pytest.mark.xfail(
+        strict=True, reason="bug: an unknown daemon_options key makes DaemonConfig.build raise "
+        "TypeError out of the read itself (ensure_embedded_daemon catches OSError/ValueError)")),
+])
+def test_bad_daemon_option_is_a_value_error(runtime_dir, tmp_path, options, name):
     (tmp_path / "f").write_bytes(b"data")
-    with pytest.raises(ValueError, match="dram_capacity"):
+    with pytest.raises(ValueError, match=name):
         fs = fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True,
-                               runtime_dir=runtime_dir, daemon_options={"dram_capacity": "lots"})
-        fs.cat_file(str(tmp_path / "f"))
-
-
-@pytest.mark.xfail(strict=True, reason="bug: an unknown daemon_options key makes "
-                   "DaemonConfig.build raise TypeError out of the read itself "
-                   "(ensure_embedded_daemon catches only OSError/ValueError)")
-def test_unknown_daemon_option_is_a_value_error_not_a_failed_read(runtime_dir, tmp_path):
-    (tmp_path / "f").write_bytes(b"data")
-    with pytest.raises(ValueError, match="bogus"):
-        fs = fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True,
-                               runtime_dir=runtime_dir, daemon_options={"bogus": 1})
+                               runtime_dir=runtime_dir, daemon_options=options)
         fs.cat_file(str(tmp_path / "f"))
