@@ -107,12 +107,15 @@ class DaemonConfig:
         runtime_dir: str | None = None,
         node_id: str | None = None,
         env: Mapping[str, str] | None = None,
+        **unknown,
     ) -> "DaemonConfig":
         """Build from keyword arguments, falling back to CACHEMW_* and then to defaults.
 
         Defaults: a DRAM tier in the runtime dir (/dev/shm) of 25% of physical memory;
         no NVMe tier unless a directory is given.
         """
+        if unknown:
+            raise ValueError(f"unknown daemon option(s): {', '.join(sorted(unknown))}")
         env = os.environ if env is None else env
         runtime_dir = runtime_dir or env.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
         dram_dir = dram_dir or env.get("CACHEMW_DRAM_DIR") or os.path.join(runtime_dir, "dram")

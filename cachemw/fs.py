@@ -25,12 +25,16 @@ except ImportError:  # pragma: no cover - older fsspec
     _Base = AbstractFileSystem
 
 from .client import DaemonClient
-from .config import CacheOptions
+from .config import CacheOptions, DaemonConfig
 from .metadata import MetadataCache
 from .reader import BlockReader
 from .tiers.source import ChangedSourceError, SourceTier
 
 log = logging.getLogger("cachemw.fs")
+
+# Options of fsspec's own base class, passed through; anything else unknown is an error.
+_FSSPEC_BASE_OPTIONS = {"use_listings_cache", "listings_expiry_time", "max_paths",
+                        "asynchronous", "loop"}
 
 
 class CacheFileSystem(_Base):
@@ -41,6 +45,9 @@ class CacheFileSystem(_Base):
                  ttl: float | None = None, block_size: int | str | None = None,
                  autostart: bool | None = None, runtime_dir: str | None = None,
                  daemon_options: dict | None = None, fo: str | None = None, **kwargs) -> None:
+        unknown = set(kwargs) - _FSSPEC_BASE_OPTIONS
+        if unknown:
+            raise ValueError(f"unknown cachemw option(s): {', '.join(sorted(unknown))}")
         super().__init__(**kwargs)
         if fs is not None and target_protocol is not None:
             raise ValueError("target_protocol: give either fs or target_protocol, not both")
@@ -48,6 +55,8 @@ class CacheFileSystem(_Base):
                                           autostart=autostart, runtime_dir=runtime_dir)
         if fs is None:
             fs = fsspec.filesystem(target_protocol or "file", **(target_options or {}))
+        if daemon_options:  # a bad daemon option fails here, not as fallbacks on every read
+            DaemonConfig.build(runtime_dir=self.options.runtime_dir, **daemon_options)
         self.target = fs
         self.client = DaemonClient(self.options.runtime_dir, autostart=self.options.autostart,
                                    report_interval=self.options.report_interval,

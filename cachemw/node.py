@@ -150,8 +150,13 @@ class NodeCache:
 
     # -- leases: single-flight fills ---------------------------------------------
 
-    def lease(self, key: str, nbytes: int, url: str | None, conn: object) -> tuple[str, str | None]:
-        """("present", tier) | ("fill", tier) | ("nofill", reason). Never blocks past lease_wait."""
+    def lease(self, key: str, length: int, url: str | None, conn: object) -> tuple[str, str | None]:
+        """("present", tier) | ("fill", tier) | ("nofill", reason). Never blocks past lease_wait.
+
+        ``length`` is the block's data length; the tier is charged what the block file
+        will occupy (data + checksums + trailer).
+        """
+        nbytes = length + blockfile.tail_size(length)
         deadline = time.monotonic() + self.lease_wait
         while True:
             with self._lock:

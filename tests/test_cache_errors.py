@@ -65,9 +65,6 @@ def test_bad_option_is_a_value_error_naming_it(name, value, tmp_path):
         fsspec.open(f"cachemw::file://{tmp_path}/x", "rb", cachemw={name: value}).open()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: fs.py CacheFileSystem.__init__ hands unknown keyword "
-                   "options to AbstractFileSystem (**kwargs) instead of CacheOptions.build, so a "
-                   "misspelt option (valdate='always') is silently ignored")
 def test_unknown_option_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="valdate"):
         fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True,
@@ -85,12 +82,8 @@ def test_bad_environment_option_is_a_value_error(monkeypatch, name, value):
 
 
 @pytest.mark.parametrize("options,name", [
-    pytest.param({"dram_capacity": "lots"}, "dram_capacity", marks=pytest.mark.xfail(
-        strict=True, reason="bug: embedded.ensure_embedded_daemon swallows the ValueError of a "
-        "bad daemon_options value (logged, then every read falls back)")),
-    pytest.param({"bogus": 1}, "bogus", marks=pytest.mark.xfail(
-        strict=True, reason="bug: an unknown daemon_options key makes DaemonConfig.build raise "
-        "TypeError out of the read itself (ensure_embedded_daemon catches OSError/ValueError)")),
+    ({"dram_capacity": "lots"}, "dram_capacity"),
+    ({"bogus": 1}, "bogus"),
 ])
 def test_bad_daemon_option_is_a_value_error(runtime_dir, tmp_path, options, name):
     (tmp_path / "f").write_bytes(b"data")

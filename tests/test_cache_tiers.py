@@ -73,9 +73,6 @@ def test_dram_smaller_than_dataset(runtime_dir, spawn_daemon, blocks_dataset):
     assert stats["counters"]["fills"] - t["evictions"] == t["blocks"]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: node.py NodeCache.lease/_choose_tier reserve the "
-                   "block's data length, filled() charges data + checksum tail: the tier passes "
-                   "its capacity")
 def test_tier_accounting_counts_the_checksum_tail_against_capacity(tmp_path):
     """Admission reserves a block's data length, but the tier then charges its stored size
     (data + checksums + trailer): a capacity between the two lets the tier pass its capacity."""
