@@ -69,11 +69,16 @@ def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _address(mv: memoryview) -> int:
+    return np.frombuffer(mv, dtype=np.uint8).ctypes.data
+
+
 class _Sink(io.RawIOBase):
     """Write-only stream over a file region; subclasses decide what reaches the file."""
 
-    def __init__(self, out: IO[bytes], watch_nbytes: int) -> None:
+    def __init__(self, out: IO[bytes], watch_nbytes: int, watch_ptr: int = 0) -> None:
         super().__init__()
+        self.watch_ptr = watch_ptr
         self.out = out
         self.hasher = xxhash.xxh3_64()
         self.raw_pos = 0
@@ -91,8 +96,8 @@ class _Sink(io.RawIOBase):
     def write(self, b) -> int:
         mv = memoryview(b).cast("B")
         n = mv.nbytes
-        if n and n == self.watch_nbytes and self.data_offset < 0:
-            self.data_offset = self.raw_pos
+        if n and n == self.watch_nbytes and self.data_offset < 0 and _address(mv) == self.watch_ptr:
+            self.data_offset = self.raw_pos  # torch.save handed us the tensor's own memory
         try:
             self._put(mv)
         except OSError as exc:
@@ -114,8 +119,8 @@ class _Sink(io.RawIOBase):
 
 
 class _FrameSink(_Sink):
-    def __init__(self, out: IO[bytes], watch_nbytes: int, frame_bytes: int) -> None:
-        super().__init__(out, watch_nbytes)
+    def __init__(self, out: IO[bytes], watch_nbytes: int, watch_ptr: int, frame_bytes: int) -> None:
+        super().__init__(out, watch_nbytes, watch_ptr)
         self.frame_bytes = frame_bytes
         self.pending = bytearray()
 
@@ -157,7 +162,8 @@ def write_chunk(out: IO[bytes], rel: str, offset: int, data, codec: str, frame_b
         nbytes = tensor.numel() * tensor.element_size()
     else:
         tensor, nbytes = None, 0
-    sink = _FrameSink(out, nbytes, frame_bytes) if codec == "lz4" else _Sink(out, nbytes)
+    ptr = tensor.data_ptr() if tensor is not None else 0
+    sink = _FrameSink(out, nbytes, ptr, frame_bytes) if codec == "lz4" else _Sink(out, nbytes, ptr)
     try:
         if tensor is not None:
             torch.save(tensor, sink)

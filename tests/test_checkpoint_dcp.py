@@ -57,6 +57,18 @@ def test_uncompressed_checkpoint_loads_with_plain_dcp_and_default_reader(tmp_pat
     manifest = json.loads((tmp_path / "c" / MANIFEST_NAME).read_text())
     assert sum(1 for k in manifest["items"] if k.startswith("w@")) > 1  # cut into chunks
     assert all(len(item["checksum"]) == 16 for item in manifest["items"].values())
+    assert all(v["data_offset"] >= 0 for k, v in manifest["items"].items() if k.startswith("w@"))
+
+
+def test_tiny_tensors_of_every_size_roundtrip_through_the_in_place_path(tmp_path):
+    # Regression: a small tensor's byte count can equal a header write of torch.save; the raw
+    # data offset must come from the tensor's own memory, not from a same-sized write.
+    state = {f"t{n}": torch.arange(n, dtype=torch.uint8) + 1 for n in range(0, 80)}
+    state.update({f"f{n}": torch.randn(n) for n in range(0, 20)})
+    save(tmp_path / "c", state)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(out, storage_reader=CachemwStorageReader(tmp_path / "c"), no_dist=True)
+    assert all(torch.equal(out[k], state[k]) for k in state)
 
 
 @pytest.mark.parametrize("compression", [None, "lz4"])
