@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import multiprocessing
 import random
+import time
 
 import fsspec
+import fsspec.implementations.local
 import pytest
 
 from conftest import daemon_stats, wait_for
@@ -80,3 +82,48 @@ def test_eight_processes_one_fetch_per_block(runtime_dir, spawn_daemon, counting
     assert c["fallbacks"] == c["bypassed"] == c["fill_errors"] == 0
     assert stats["tiers"]["dram"]["blocks"] == nblocks
     assert stats["inflight"] == 0
+
+
+class SlowLocalFileSystem(fsspec.implementations.local.LocalFileSystem):
+    """A target whose reads take a while (a PFS under load), counting them."""
+
+    cachable = False
+    reads = 0
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        type(self).reads += 1
+        time.sleep(0.3)
+        return super().cat_file(path, start=start, end=end, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason="bug: two threads of one process missing the same block "
+                   "share one daemon connection: the waiter's lease blocks the connection (client "
+                   "lock + the server's per-connection thread), so the filler's 'filled' is not "
+                   "seen until lease_wait (30 s) expires; then the waiter bypasses and refetches")
+def test_threads_of_one_process_missing_one_block(make_cache_fs, tmp_path, runtime_dir):
+    import threading
+
+    data = random.Random(9).randbytes(BS)
+    path = str(tmp_path / "one.bin")
+    with open(path, "wb") as f:
+        f.write(data)
+    SlowLocalFileSystem.reads = 0
+    fs = make_cache_fs(fs=SlowLocalFileSystem(), block_size=BS)
+    assert fs.client.connected()
+    barrier = threading.Barrier(2)
+    results = []
+
+    def read():
+        barrier.wait(10)
+        results.append(fs.cat_file(path))
+
+    threads = [threading.Thread(target=read, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [data, data]
+    c = daemon_stats(runtime_dir)["counters"]
+    assert (c["busy"], fs.stats()["bypassed"], SlowLocalFileSystem.reads) == (0, 0, 1)
