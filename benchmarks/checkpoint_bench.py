@@ -1,0 +1,292 @@
+"""Checkpoint benchmark: cachemw Checkpointer against clone / torch.save / dcp.async_save / torch.load.
+
+Every baseline is measured in the same run, on the same state, and the targets of issue 5 are
+printed as ratios against them:
+
+  stall per save            <= 1.2 x bare clone time
+  time to committed at root <= dcp.async_save (thread) completion time
+  time to committed in fast tier <= 0.5 x that
+  busiest rank's bytes      <= 1/N of total + 5%        (--ranks N real gloo processes)
+  load                      <= 1.2 x torch.load (hot page cache)
+  peak extra host memory    <= 1.1 x state size
+
+Usage: python benchmarks/checkpoint_bench.py [--size-mib 1024] [--root DIR] [--fast-root DIR]
+       [--ranks 2] [--dist-size-mib 256] [--rounds 2] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+
+import psutil
+import torch
+import torch.distributed.checkpoint as dcp
+
+from cachemw.checkpoint import Checkpointer
+
+warnings.filterwarnings("ignore")
+MiB = 1 << 20
+
+
+def make_state(size_mib: int, seed: int = 0) -> dict:
+    """~size_mib of float32: three quarters in large matrices, the rest in 4 MiB ones."""
+    g = torch.Generator().manual_seed(seed)
+    big_rows = 4096
+    n_big = max(1, (size_mib * 3 // 4) // 128)
+    n_small = max(1, (size_mib - n_big * 128) // 4)
+    state = {f"layer{i}.weight": torch.randn(big_rows, 8192, generator=g) for i in range(n_big)}
+    state.update({f"small{i}": torch.randn(1024, 1024, generator=g) for i in range(n_small)})
+    state["meta"] = {"epoch": 1, "note": "bench"}
+    return state
+
+
+def state_bytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+
+
+class PeakRSS:
+    """Samples this process's RSS (+ optionally a tmpfs dir's size) every few ms."""
+
+    def __init__(self, shm_dir: str | None = None) -> None:
+        self.proc = psutil.Process()
+        self.shm_dir = shm_dir
+        self.base = self._sample()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> tuple[int, int]:
+        shm = 0
+        if self.shm_dir and os.path.isdir(self.shm_dir):
+            for dirpath, _, files in os.walk(self.shm_dir):
+                for f in files:
+                    try:
+                        shm += os.path.getsize(os.path.join(dirpath, f))
+                    except OSError:
+                        pass
+        return self.proc.memory_info().rss, shm
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss, shm = self._sample()
+            self.peak = (max(self.peak[0], rss), max(self.peak[1], shm))
+            time.sleep(0.02)
+
+    def __enter__(self) -> "PeakRSS":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def extra_rss(self) -> int:
+        return self.peak[0] - self.base[0]
+
+    @property
+    def extra_shm(self) -> int:
+        return self.peak[1] - self.base[1]
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def bench_baselines(size_mib: int, work: str) -> dict:
+    """clone, torch.save + fsync, torch.load (hot) of the same state."""
+    state = make_state(size_mib)
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    clones = []
+    for _ in range(3):
+        dt, c = timed(lambda: {k: v.clone() for k, v in tensors.items()})
+        clones.append(dt)
+        del c
+        gc.collect()
+    path = os.path.join(work, "torch_save.pt")
+
+    def torch_save():
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    t_save, _ = timed(torch_save)
+    torch.load(path, weights_only=True)  # warm the page cache
+    loads = [timed(lambda: torch.load(path, weights_only=True))[0] for _ in range(3)]
+    os.remove(path)
+    return {"clone_s": min(clones), "clone_all_s": clones, "torch_save_fsync_s": t_save, "torch_load_s": min(loads)}
+
+
+def bench_dcp_async(size_mib: int, work: str, saves: int) -> dict:
+    """dcp.async_save (thread mode, default stager and FileSystemWriter), as shipped."""
+    state = make_state(size_mib)
+    gc.collect()
+    runs = []
+    with PeakRSS() as mem:
+        for step in range(saves):
+            out = os.path.join(work, f"dcp_async_{step}")
+            t0 = time.perf_counter()
+            fut = dcp.async_save(state, checkpoint_id=out, no_dist=True)
+            block = time.perf_counter() - t0
+            fut.result()
+            runs.append({"stall_s": block, "durable_s": time.perf_counter() - t0})
+            if step >= 2:
+                shutil.rmtree(os.path.join(work, f"dcp_async_{step - 2}"))
+    return {"runs": runs, "peak_extra_rss_bytes": mem.extra_rss}
+
+
+def bench_ours(size_mib: int, root: str, fast_root: str | None, saves: int) -> dict:
+    state = make_state(size_mib)
+    gc.collect()
+    runs = []
+    with PeakRSS(fast_root) as mem:
+        ck = Checkpointer(root, keep_last=2, fast_root=fast_root)
+        for step in range(saves):
+            t0 = time.perf_counter()
+            handle = ck.save(step, state)
+            stall = time.perf_counter() - t0
+            handle.wait_in_memory()
+            fast = time.perf_counter() - t0
+            handle.wait()
+            runs.append({"stall_s": stall, "fast_s": fast, "durable_s": time.perf_counter() - t0})
+    load_state = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+    load_state["meta"] = {"epoch": 0, "note": ""}
+    ck.load(load_state)  # warm
+    loads = [timed(lambda: ck.load(load_state))[0] for _ in range(3)]
+    ok = all(torch.equal(load_state[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
+    ck.close()
+    return {"runs": runs, "load_s": min(loads), "load_ok": ok, "peak_extra_rss_bytes": mem.extra_rss,
+            "peak_extra_shm_bytes": mem.extra_shm}
+
+
+def in_child(fn, *args):
+    """Run ``fn`` in a fresh spawned process, so RSS baselines are not polluted by earlier runs."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def _dist_rank(rank, world, rdv, root, size_mib, out):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    state = make_state(size_mib)
+    ck = Checkpointer(root)
+    t0 = time.perf_counter()
+    handle = ck.save(1, state)
+    handle.wait()
+    elapsed = time.perf_counter() - t0
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"path": handle.path, "durable_s": elapsed}, f)
+    ck.close()
+    dist.destroy_process_group()
+
+
+def bench_ranks(world: int, size_mib: int, work: str) -> dict:
+    import torch.multiprocessing as mp
+
+    root, out = os.path.join(work, "dist_root"), os.path.join(work, "dist_out")
+    os.makedirs(out, exist_ok=True)
+    mp.start_processes(_dist_rank, args=(world, os.path.join(work, "rdv"), root, size_mib, out), nprocs=world,
+                       join=True, start_method="spawn")
+    results = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
+    manifest = json.load(open(os.path.join(results[0]["path"], "cachemw-manifest.json")))
+    per_rank = [0] * world
+    for item in manifest["items"].values():
+        per_rank[int(item["relative_path"].split("_")[2])] += item["length"]
+    total = sum(per_rank)
+    return {"world": world, "bytes_per_rank": per_rank, "total_bytes": total,
+            "max_over_fair": max(per_rank) / (total / world), "durable_s": max(r["durable_s"] for r in results)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mib", type=int, default=1024)
+    ap.add_argument("--root", default=None, help="checkpoint root (default: a temp dir under /tmp)")
+    ap.add_argument("--fast-root", default=None, help="fast tier (default: a temp dir under /dev/shm)")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks for the bytes-per-rank check (0: skip)")
+    ap.add_argument("--dist-size-mib", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of each configuration")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    work = args.root or tempfile.mkdtemp(prefix="cachemw-ckpt-bench-", dir="/tmp")
+    fast = args.fast_root or tempfile.mkdtemp(prefix="cachemw-ckpt-bench-", dir="/dev/shm")
+    os.makedirs(work, exist_ok=True)
+    try:
+        size = state_bytes(make_state(args.size_mib))
+        print(f"state: {size / MiB:.0f} MiB float32; root={work} fast={fast}; rounds={args.rounds}")
+        base = in_child(bench_baselines, args.size_mib, work)
+        rounds = {"dcp_async": [], "plain": [], "tiered": []}
+        for r in range(args.rounds):  # interleaved, so drifts of a shared machine hit all alike
+            rounds["dcp_async"].append(in_child(bench_dcp_async, args.size_mib, os.path.join(work, f"d{r}"), 3))
+            rounds["plain"].append(in_child(bench_ours, args.size_mib, os.path.join(work, f"p{r}"), None, 3))
+            rounds["tiered"].append(in_child(bench_ours, args.size_mib, os.path.join(work, f"t{r}"),
+                                             os.path.join(fast, f"t{r}"), 3))
+        # The first save of each child allocates buffers; steady state is saves 2 and 3.
+        steady = {k: [run for res in v for run in res["runs"][1:]] for k, v in rounds.items()}
+        first = {k: [res["runs"][0] for res in v] for k, v in rounds.items()}
+        m = {k: {f: median([run[f] for run in runs]) for f in runs[0]} for k, runs in steady.items()}
+        peak = {k: max(res["peak_extra_rss_bytes"] for res in v) for k, v in rounds.items()}
+        shm_peak = max(res["peak_extra_shm_bytes"] for res in rounds["tiered"])
+        load_plain = min(res["load_s"] for res in rounds["plain"])
+        load_fast = min(res["load_s"] for res in rounds["tiered"])
+        assert all(res["load_ok"] for k in ("plain", "tiered") for res in rounds[k])
+        dist = bench_ranks(args.ranks, args.dist_size_mib, work) if args.ranks > 1 else None
+        report = {"state_bytes": size, "baselines": base, "median_steady": m, "first_saves": first,
+                  "peak_extra_rss_bytes": peak, "peak_extra_shm_bytes": shm_peak,
+                  "load_s": {"plain": load_plain, "fast": load_fast}, "ranks": dist}
+        plain, tiered, dcp_m = m["plain"], m["tiered"], m["dcp_async"]
+        rows = [
+            ("stall / clone (no fast tier)", plain["stall_s"] / base["clone_s"], 1.2),
+            ("stall / clone (fast tier)", tiered["stall_s"] / base["clone_s"], 1.2),
+            ("first-save stall / clone (buffers allocated)",
+             median([r["stall_s"] for r in first["plain"]]) / base["clone_s"], None),
+            ("dcp.async_save stall / clone", dcp_m["stall_s"] / base["clone_s"], None),
+            ("committed at root / dcp.async_save (no fast tier)", plain["durable_s"] / dcp_m["durable_s"], 1.0),
+            ("committed at root / dcp.async_save (fast tier)", tiered["durable_s"] / dcp_m["durable_s"], 1.0),
+            ("committed in fast tier / dcp.async_save", tiered["fast_s"] / dcp_m["durable_s"], 0.5),
+            ("load / torch.load", load_plain / base["torch_load_s"], 1.2),
+            ("load from fast tier / torch.load", load_fast / base["torch_load_s"], 1.2),
+            ("peak extra RSS / state (no fast tier)", peak["plain"] / size, 1.1),
+            ("peak extra RSS / state (fast tier)", peak["tiered"] / size, 1.1),
+            ("peak extra RSS+tmpfs / state (fast tier)", (peak["tiered"] + shm_peak) / size, 1.1),
+            ("dcp.async_save peak extra RSS / state", peak["dcp_async"] / size, None),
+        ]
+        if dist:
+            rows.append((f"busiest rank bytes / fair share ({dist['world']} ranks)", dist["max_over_fair"], 1.05))
+        print(json.dumps({k: v for k, v in report.items() if k != "state_bytes"}, indent=1, default=str))
+        print(f"\n{'measure':58s} {'ratio':>7s} {'target':>7s}  met")
+        for name, ratio, target in rows:
+            met = "-" if target is None else ("yes" if ratio <= target else "NO")
+            print(f"{name:58s} {ratio:7.2f} {'' if target is None else f'{target:7.2f}':>7s}  {met}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"report": report, "rows": rows}, f, indent=1, default=str)
+    finally:
+        if args.root is None:
+            shutil.rmtree(work, ignore_errors=True)
+        if args.fast_root is None:
+            shutil.rmtree(fast, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
