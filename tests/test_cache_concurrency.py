@@ -89,10 +89,11 @@ class SlowLocalFileSystem(fsspec.implementations.local.LocalFileSystem):
 
     cachable = False
     reads = 0
+    delay = 0.3
 
     def cat_file(self, path, start=None, end=None, **kwargs):
-        type(self).reads += 1
-        time.sleep(0.3)
+        SlowLocalFileSystem.reads += 1
+        time.sleep(SlowLocalFileSystem.delay)
         return super().cat_file(path, start=start, end=end, **kwargs)
 
 
@@ -109,7 +110,7 @@ def test_threads_of_one_process_missing_one_block(make_cache_fs, tmp_path, runti
     path = str(tmp_path / "one.bin")
     with open(path, "wb") as f:
         f.write(data)
-    SlowLocalFileSystem.reads = 0
+    SlowLocalFileSystem.reads, SlowLocalFileSystem.delay = 0, 0.3
     fs = make_cache_fs(fs=SlowLocalFileSystem(), block_size=BS)
     assert fs.client.connected()
     barrier = threading.Barrier(2)
@@ -127,3 +128,54 @@ def test_threads_of_one_process_missing_one_block(make_cache_fs, tmp_path, runti
     assert results == [data, data]
     c = daemon_stats(runtime_dir)["counters"]
     assert (c["busy"], fs.stats()["bypassed"], SlowLocalFileSystem.reads) == (0, 0, 1)
+
+
+def _slow_reader(fs, path, out):
+    with open(out, "wb") as f:
+        f.write(fs.cat_file(path))
+
+
+@pytest.mark.timeout(60)
+def test_filler_killed_mid_fill_hands_the_lease_to_a_waiter(runtime_dir, spawn_daemon, tmp_path):
+    """The process that holds a block's lease dies while fetching it: a process waiting on
+    that block gets the lease at once (not after lease_wait) and fills it."""
+    spawn_daemon(runtime_dir)
+    data = random.Random(4).randbytes(BS)
+    path = str(tmp_path / "one.bin")
+    with open(path, "wb") as f:
+        f.write(data)
+
+    fs = fsspec.filesystem("cachemw", fs=SlowLocalFileSystem(), block_size=BS, autostart=False,
+                           runtime_dir=runtime_dir, skip_instance_cache=True)
+    ctx = multiprocessing.get_context("fork")
+    out_a, out_b = str(tmp_path / "a"), str(tmp_path / "b")
+    SlowLocalFileSystem.delay = 5.0  # the filler hangs in the target...
+    filler = ctx.Process(target=_slow_reader, args=(fs, path, out_a))
+    waiter = None
+    filler.start()
+    try:
+        wait_for(lambda: daemon_stats(runtime_dir)["inflight"] == 1, 10,
+                 what="the filler's lease")
+        SlowLocalFileSystem.delay = 0.0  # ...the waiter's own fetch is quick
+        waiter = ctx.Process(target=_slow_reader, args=(fs, path, out_b))
+        waiter.start()
+        wait_for(lambda: daemon_stats(runtime_dir)["counters"]["waits"] >= 1, 10,
+                 what="the waiter to wait on the lease")
+        filler.kill()
+        filler.join(10)
+        waiter.join(20)
+        assert waiter.exitcode == 0
+    finally:
+        SlowLocalFileSystem.delay = 0.3
+        for p in (filler, waiter):
+            if p is not None and p.is_alive():
+                p.kill()
+                p.join(5)
+    with open(out_b, "rb") as f:
+        assert f.read() == data
+    stats = wait_for(lambda: (s := daemon_stats(runtime_dir))["counters"]["fills"] == 1 and s, 5,
+                     what="the waiter's fill report")
+    c = stats["counters"]
+    assert (c["leases"], c["busy"], c["bypassed"]) == (2, 0, 0)
+    assert stats["inflight"] == 0
+    assert stats["tiers"]["dram"]["blocks"] == 1
