@@ -94,3 +94,39 @@ def test_dataloader_workers_read_exact_bytes(files, method, holder):
     after = fs.client.daemon_stats()["counters"]
     assert after["fallbacks"] == before["fallbacks"]
     assert after["bypassed"] == before["bypassed"]
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.xfail(strict=True, reason="bug: a Dataset holding only cachemw:: URLs never uses the "
+                   "filesystem in the main process, workers may not autostart (client.py "
+                   "_connect: is_main_process), so no daemon ever runs and every epoch reads the "
+                   "source (fallbacks)")
+def test_url_only_dataset_is_cached_without_touching_cachemw_in_the_main_process(
+        runtime_dir, files):
+    """The issue's promise: point an existing loader at cachemw::<url>, no other change, and
+    epochs after the first are served from the cache."""
+    import os
+    import signal
+
+    from cachemw.protocol import lookup
+    from conftest import daemon_stats
+
+    paths = sorted(files)
+    dataset = UrlDataset([f"cachemw::file://{p}" for p in paths])
+    nblocks = sum(max(1, -(-len(files[p]) // BS)) for p in paths if files[p])
+    try:
+        leases = []
+        for got in _epochs(dataset, "fork"):
+            assert [got[i] for i in range(len(paths))] == [files[p] for p in paths]
+            assert lookup(runtime_dir) is not None, "no daemon serves the workers"
+            leases.append(daemon_stats(runtime_dir)["counters"]["leases"])
+        assert leases == [nblocks, nblocks]
+    finally:
+        address = lookup(runtime_dir)
+        if address is not None and address.pid != os.getpid():
+            try:
+                os.kill(address.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
