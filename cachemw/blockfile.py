@@ -1,10 +1,12 @@
 """On-disk format of one cached block: the data, then a checksum per page, then a trailer.
 
-    [data: L bytes][xxh3-64 of each 16 KiB page: 8 bytes x n][trailer: 40 bytes]
+    [data: L bytes][xxh3-64 of each 16 KiB page: 8 bytes x n][trailer: 56 bytes]
 
 Data comes first so a whole-block read is one ``read(L)`` straight into the bytes returned
 to the caller (no copy) and is verified with the one whole-data checksum in the trailer; a
-range read touches only the pages it needs and verifies those against their checksums. Every read verifies what it returns, so a flipped bit, a truncated file or a
+range read touches only the pages it needs and verifies those against their checksums.
+The trailer also carries a tag (the digest of the source URL), so a daemon re-indexing its
+tiers after a restart still knows which blocks belong to which file. Every read verifies what it returns, so a flipped bit, a truncated file or a
 foreign file in a tier directory is detected, never served.
 """
 from __future__ import annotations
@@ -15,10 +17,11 @@ import struct
 import xxhash
 
 MAGIC = b"CMWB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 PAGE_SIZE = 16 * 1024
-# magic, format, data_len, page_size, n_pages, hash of the page table, hash of all the data
-_TRAILER = struct.Struct("<4sIQIIQQ")
+# magic, format, data_len, page_size, n_pages, hash of (page table + tag), hash of all the
+# data, tag (digest of the source URL)
+_TRAILER = struct.Struct("<4sIQIIQQ16s")
 TRAILER_SIZE = _TRAILER.size
 _hash = xxhash.xxh3_64_intdigest
 
@@ -35,13 +38,15 @@ def tail_size(length: int, page_size: int = PAGE_SIZE) -> int:
     return 8 * n_pages(length, page_size) + TRAILER_SIZE
 
 
-def encode_tail(data: bytes | memoryview, page_size: int = PAGE_SIZE) -> bytes:
+def encode_tail(data: bytes | memoryview, page_size: int = PAGE_SIZE, tag: bytes = b"") -> bytes:
     """Checksum table and trailer for ``data``."""
     view = memoryview(data)
     length = len(view)
     n = n_pages(length, page_size)
     table = struct.pack(f"<{n}Q", *(_hash(view[i * page_size:(i + 1) * page_size]) for i in range(n)))
-    return table + _TRAILER.pack(MAGIC, FORMAT_VERSION, length, page_size, n, _hash(table), _hash(view))
+    tag = tag.ljust(16, b"\0")
+    return table + _TRAILER.pack(MAGIC, FORMAT_VERSION, length, page_size, n,
+                                 _hash(table + tag), _hash(view), tag)
 
 
 def data_length(file_size: int, where: str = "block") -> int:
@@ -60,14 +65,14 @@ def _parse_tail(tail: bytes, length: int, page_size: int, where: str) -> tuple[t
     if len(tail) != 8 * n + TRAILER_SIZE:
         raise CorruptBlock(f"{where}: block has {len(tail) - 8 * n - TRAILER_SIZE:+d} bytes of "
                            f"unexpected length (truncated or overwritten)")
-    magic, fmt, dlen, psize, npg, thash, dhash = _TRAILER.unpack_from(tail, 8 * n)
+    magic, fmt, dlen, psize, npg, thash, dhash, tag = _TRAILER.unpack_from(tail, 8 * n)
     if magic != MAGIC or fmt != FORMAT_VERSION:
         raise CorruptBlock(f"{where}: not a cachemw block (bad trailer)")
     if (dlen, psize, npg) != (length, page_size, n):
         raise CorruptBlock(f"{where}: trailer says {dlen} bytes/{psize} pages/{npg}, "
                            f"expected {length}/{page_size}/{n}")
     table = tail[:8 * n]
-    if _hash(table) != thash:
+    if _hash(table + tag) != thash:
         raise CorruptBlock(f"{where}: checksum table corrupted")
     return struct.unpack(f"<{n}Q", table), dhash
 
@@ -131,13 +136,28 @@ def read_range(path: str, length: int, start: int, end: int, page_size: int = PA
     return bytes(view[start - lo:end - lo])
 
 
-def write_block(path: str, data: bytes | memoryview, page_size: int = PAGE_SIZE) -> int:
+def read_tag(path: str) -> bytes:
+    """The tag recorded in a block file's trailer (b"" for a file that is no block)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < TRAILER_SIZE:
+                return b""
+            trailer = os.pread(f.fileno(), TRAILER_SIZE, size - TRAILER_SIZE)
+    except OSError:
+        return b""
+    magic, fmt, *_, tag = _TRAILER.unpack(trailer)
+    return tag if magic == MAGIC and fmt == FORMAT_VERSION else b""
+
+
+def write_block(path: str, data: bytes | memoryview, page_size: int = PAGE_SIZE,
+                tag: bytes = b"") -> int:
     """Write a block atomically (temp file in the same directory, then rename).
 
     Returns the bytes it occupies. A crash leaves at most a ``*.tmp`` file, which the
     tier sweeps on start; readers never see a partial block.
     """
-    tail = encode_tail(data, page_size)
+    tail = encode_tail(data, page_size, tag)
     tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:

@@ -79,7 +79,8 @@ class DaemonClient:
 
     def _reset_after_fork(self) -> None:
         self._pid = os.getpid()
-        self._conn: Connection | None = None
+        self._local = threading.local()  # one connection per thread (leases are per connection)
+        self._conns: set[Connection] = set()
         self._address: DaemonAddress | None = None
         self._tiers: list[DirectoryTier] = []
         self._next_try = 0.0
@@ -103,15 +104,20 @@ class DaemonClient:
         return self._connect() is not None
 
     def _connect(self) -> Connection | None:
-        if self._conn is not None:
-            return self._conn
+        """This thread's connection to the daemon, opened on first use (None: unreachable).
+
+        Each thread has its own, so one thread waiting on a lease never holds up another
+        thread's messages (such as the 'filled' that ends that wait).
+        """
+        if os.getpid() != self._pid:
+            self._reset_after_fork()
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn
         now = time.monotonic()
         if now < self._next_try:
             return None
         with self._lock:
-            if self._conn is not None:
-                return self._conn
-            self._next_try = now + RETRY_SECONDS
             address = lookup(self.runtime_dir)
             if address is None and self.autostart and is_main_process():
                 from .embedded import ensure_embedded_daemon
@@ -121,15 +127,18 @@ class DaemonClient:
                 self._unreachable("no daemon runs (start one with `cachemw start`)")
                 return None
             self._set_tiers(address)
-            try:
-                self._conn = self._open(address)
-            except (OSError, EOFError, DaemonUnavailable) as exc:
-                self._unreachable(f"{address.socket}: {exc}")
-                return None
+        try:
+            conn = self._open(address)
+        except (OSError, EOFError, DaemonUnavailable) as exc:
+            self._unreachable(f"{address.socket}: {exc}")
+            return None
+        with self._lock:
+            self._local.conn = conn
+            self._conns.add(conn)
             if self._warned:
                 log.warning("cachemw daemon reachable again at %s", address.socket)
                 self._warned = False
-            return self._conn
+        return conn
 
     def _set_tiers(self, address: DaemonAddress) -> None:
         if address != self._address:
@@ -166,51 +175,51 @@ class DaemonClient:
         return reply
 
     def _unreachable(self, why: str) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except OSError:
-                pass
-            self._conn = None
-        if not self._warned:
-            log.warning("cachemw daemon unreachable (%s); misses read the source directly, "
-                        "counted as fallbacks", why)
-            self._warned = True
+        """Drop this thread's connection, back off, and say so once (not per read)."""
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        with self._lock:
+            self._next_try = time.monotonic() + RETRY_SECONDS
+            if conn is not None:
+                self._conns.discard(conn)
+                try:
+                    conn.close()
+                except OSError:
+                    pass
+            if not self._warned:
+                log.warning("cachemw daemon unreachable (%s); misses read the source directly, "
+                            "counted as fallbacks", why)
+                self._warned = True
 
     def _call(self, *msg):
         """Send a request and return the reply; None if the daemon is unreachable."""
-        if os.getpid() != self._pid:
-            self._reset_after_fork()
         conn = self._connect()
         if conn is None:
             return None
-        with self._lock:
-            try:
-                conn.send(msg)
-                return self._recv(conn)
-            except (OSError, EOFError, DaemonUnavailable) as exc:
-                self._unreachable(str(exc) or type(exc).__name__)
-                return None
+        try:
+            conn.send(msg)
+            return self._recv(conn)
+        except (OSError, EOFError, DaemonUnavailable) as exc:
+            self._unreachable(str(exc) or type(exc).__name__)
+            return None
 
     def _send(self, *msg) -> bool:
-        if os.getpid() != self._pid:
-            self._reset_after_fork()
         conn = self._connect()
         if conn is None:
             return False
-        with self._lock:
-            try:
-                conn.send(msg)
-                return True
-            except (OSError, EOFError) as exc:
-                self._unreachable(str(exc) or type(exc).__name__)
-                return False
+        try:
+            conn.send(msg)
+            return True
+        except (OSError, EOFError) as exc:
+            self._unreachable(str(exc) or type(exc).__name__)
+            return False
 
     # -- requests ----------------------------------------------------------------------
 
-    def lease(self, key: str, nbytes: int, url: str) -> tuple[str, str | None] | None:
-        reply = self._call("lease", key, nbytes, url)
-        return None if reply is None else (reply[0], reply[1])
+    def lease_many(self, items: list[tuple]) -> list[tuple] | None:
+        """One reply per (key, length, url, source) item; None if the daemon is unreachable."""
+        reply = self._call("lease_many", items)
+        return None if reply is None else reply[1]
 
     def filled(self, key: str, tier: str, stored: int) -> None:
         self._send("filled", key, tier, stored)
@@ -221,8 +230,9 @@ class DaemonClient:
     def drop(self, key: str, reason: str) -> None:
         self._send("drop", key, reason)
 
-    def invalidate(self, url: str) -> None:
-        self._send("invalidate", url)
+    def invalidate(self, url: str) -> bool:
+        """Drop every cached block of ``url`` node-wide; False if the daemon is unreachable."""
+        return self._call("invalidate", url) is not None
 
     def daemon_stats(self) -> dict | None:
         self.flush()
@@ -232,20 +242,24 @@ class DaemonClient:
     # -- counters and access reports ----------------------------------------------------
 
     def count(self, name: str, n: int = 1) -> None:
-        _ensure_exit_hook()
-        self.counters[name] += n
-        self._unsent[name] += n
+        if _exit_hook_pid != self._pid:
+            _ensure_exit_hook()
+        with self._lock:
+            self.counters[name] += n
+            self._unsent[name] += n
 
     def hit(self, key: str, tier: str, nbytes: int) -> None:
         if _exit_hook_pid != self._pid:
             _ensure_exit_hook()
-        self.counters["hits"] += 1
-        self.counters["hit_bytes"] += nbytes
-        self._unsent["hits"] += 1
-        self._unsent["hit_bytes"] += nbytes
-        self._tier_hit_bytes[tier] = self._tier_hit_bytes.get(tier, 0) + nbytes
-        self._accesses.append((key, tier))
-        if len(self._accesses) >= 4096 or time.monotonic() - self._last_flush > self.report_interval:
+        with self._lock:
+            self.counters["hits"] += 1
+            self.counters["hit_bytes"] += nbytes
+            self._unsent["hits"] += 1
+            self._unsent["hit_bytes"] += nbytes
+            self._tier_hit_bytes[tier] = self._tier_hit_bytes.get(tier, 0) + nbytes
+            self._accesses.append((key, tier))
+            due = len(self._accesses) >= 4096
+        if due or time.monotonic() - self._last_flush > self.report_interval:
             self.flush()
 
     def maybe_flush(self) -> None:
@@ -253,27 +267,35 @@ class DaemonClient:
             self.flush()
 
     def flush(self) -> None:
+        """Send the counters and recency gathered since the last report (one-way)."""
         if os.getpid() != self._pid:
             return
         self._last_flush = time.monotonic()
-        if not self._accesses and not any(self._unsent.values()):
-            return
-        counters = {k: v for k, v in self._unsent.items() if v}
-        counters["tier_hit_bytes"] = self._tier_hit_bytes
-        if self._send("report", counters, self._accesses):
+        with self._lock:
+            if not self._accesses and not any(self._unsent.values()):
+                return
+            unsent, tier_bytes, accesses = self._unsent, self._tier_hit_bytes, self._accesses
             self._unsent = dict.fromkeys(CLIENT_COUNTERS, 0)
-            self._tier_hit_bytes = {}
-            self._accesses = []
-        elif len(self._accesses) > 65536:  # daemon gone for long: keep counters, drop recency
-            self._accesses = []
+            self._tier_hit_bytes, self._accesses = {}, []
+        counters = {k: v for k, v in unsent.items() if v}
+        counters["tier_hit_bytes"] = tier_bytes
+        if self._send("report", counters, accesses):
+            return
+        with self._lock:  # daemon unreachable: keep the counters for later, drop old recency
+            for k, v in unsent.items():
+                self._unsent[k] += v
+            for k, v in tier_bytes.items():
+                self._tier_hit_bytes[k] = self._tier_hit_bytes.get(k, 0) + v
+            if len(accesses) + len(self._accesses) <= 65536:
+                self._accesses[:0] = accesses
 
     def close(self) -> None:
         self.flush()
         with self._lock:
-            if self._conn is not None:
-                try:
-                    self._conn.close()
-                except OSError:
-                    pass
-                self._conn = None
-
+            conns, self._conns = list(self._conns), set()
+        self._local = threading.local()
+        for conn in conns:
+            try:
+                conn.close()
+            except OSError:
+                pass

@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover - older fsspec
 
 from .client import DaemonClient
 from .config import CacheOptions, DaemonConfig
+from .keys import block_count, block_key
 from .metadata import MetadataCache
 from .reader import BlockReader
 from .tiers.source import ChangedSourceError, SourceTier
@@ -107,6 +108,52 @@ class CacheFileSystem(_Base):
             self.meta.forget(path)
             raise
 
+    def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
+        """Many ranges in one batch: misses go to the daemon (and to owner nodes) together."""
+        if not isinstance(starts, list):
+            starts = [starts] * len(paths)
+        if not isinstance(ends, list):
+            ends = [ends] * len(paths)
+        if len(starts) != len(paths) or len(ends) != len(paths):
+            raise ValueError("cat_ranges: paths, starts and ends must have the same length")
+        out: list = [None] * len(paths)
+        requests, where = [], []
+        for i, (p, s, e) in enumerate(zip(paths, starts, ends)):
+            try:
+                meta = self.meta.file(self._strip_protocol(p))
+            except Exception as exc:
+                if on_error == "raise":
+                    raise
+                out[i] = exc
+                continue
+            requests.append((meta, *_clip(s, e, meta.size)))
+            where.append(i)
+        try:
+            results = self.reader.read_many(requests)
+        except ChangedSourceError:
+            for meta, _, _ in requests:
+                self.meta.forget(meta.path)
+            return [self.cat_file(p, s, e) for p, s, e in zip(paths, starts, ends)]
+        for i, data in zip(where, results):
+            out[i] = data
+        return out
+
+    def cat(self, path, recursive=False, on_error="raise", **kwargs):
+        """fsspec's ``cat``, with all the files' misses fetched as one batch."""
+        paths = self.expand_path(path, recursive=recursive)
+        if not (len(paths) > 1 or isinstance(path, list) or paths[0] != self._strip_protocol(path)):
+            return self.cat_file(paths[0], **kwargs)
+        results = self.cat_ranges(paths, [None] * len(paths), [None] * len(paths))
+        out = {}
+        for p, data in zip(paths, results):
+            if isinstance(data, Exception):
+                if on_error == "raise":
+                    raise data
+                if on_error == "omit":
+                    continue
+            out[p] = data
+        return out
+
     def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None,
               **kwargs):
         path = self._strip_protocol(path)
@@ -135,13 +182,28 @@ class CacheFileSystem(_Base):
     # -- writes: through to the target, then invalidate ---------------------------------
 
     def _written(self, path: str) -> None:
-        url = self.target.unstrip_protocol(path)
+        """After a write: no process of this node may read the old bytes from now on.
+
+        The blocks of the version we knew are deleted right here (the new version may
+        carry the same token on a filesystem with coarse mtimes), then the daemon drops
+        every other block of the file before this returns.
+        """
+        known = self.meta.known(path)
+        if known is not None:
+            bs = self.options.block_size
+            keys = [block_key(known.url, known.version, i, bs)
+                    for i in range(block_count(known.size, bs))]
+            for tier in self.client.tiers():
+                for key in keys:
+                    tier.delete(key)
+        self.client.invalidate(self.target.unstrip_protocol(path))
         self.meta.forget_tree(path)
-        self.client.invalidate(url)
 
     def _written_tree(self, path: str) -> None:
-        self.meta.forget_tree(path)
-        self.client.invalidate(self.target.unstrip_protocol(path))
+        prefix = path.rstrip("/") + "/"
+        for p in [p for p in self.meta.known_paths() if p == path or p.startswith(prefix)]:
+            self._written(p)
+        self._written(path)
 
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         path = self._strip_protocol(path)

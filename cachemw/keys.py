@@ -47,6 +47,11 @@ def path_key(url: str) -> str:
     return hashlib.blake2b(url.encode(), digest_size=16).hexdigest()
 
 
+def url_tag(url: str) -> bytes:
+    """16-byte digest of a source URL, recorded in each of its block files."""
+    return hashlib.blake2b(url.encode(), digest_size=16, person=b"cachemw-url").digest()
+
+
 def block_count(size: int, block_size: int) -> int:
     """Blocks of a file of ``size`` bytes; an empty file still has one (empty) block."""
     return max(1, -(-size // block_size))

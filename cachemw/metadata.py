@@ -62,7 +62,7 @@ class MetadataCache:
         key = path_key(f"{kind}\0{path}")
         return f"{meta_dir}/{key[:2]}/{key}"
 
-    def _load_shared(self, kind: str, path: str):
+    def _load_shared(self, kind: str, path: str, fresh_only: bool = True):
         rec = self._record_path(kind, path)
         if rec is None:
             return None
@@ -73,7 +73,7 @@ class MetadataCache:
             return None
         except Exception:  # torn or foreign record: ignore it, it will be rewritten
             return None
-        if stored_path != path or not self._fresh(fetched):
+        if stored_path != path or (fresh_only and not self._fresh(fetched)):
             return None
         return value, fetched
 
@@ -138,6 +138,21 @@ class MetadataCache:
                         version_token(info), info)
         self._files[path] = (meta, self._infos[path][1])
         return meta
+
+    def known_paths(self) -> list[str]:
+        return list(set(self._infos) | set(self._files))
+
+    def known(self, path: str) -> FileMeta | None:
+        """What this node last knew of a file, fresh or not, without asking the source."""
+        hit = self._files.get(path)
+        if hit is not None:
+            return hit[0]
+        found = self._infos.get(path) or self._load_shared("info", path, fresh_only=False)
+        if found is None or found[0].get("type", "file") != "file":
+            return None
+        info = found[0]
+        return FileMeta(path, self.target.unstrip_protocol(path), int(info["size"]),
+                        version_token(info), info)
 
     # -- ls --------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from .config import DaemonConfig, TierConfig
 from . import blockfile
+from .keys import url_tag
 from .tiers.directory import DirectoryTier
 
 log = logging.getLogger("cachemw.node")
@@ -30,7 +31,7 @@ log = logging.getLogger("cachemw.node")
 # Counters clients add to through access reports; the daemon adds the rest.
 CLIENT_COUNTERS = (
     "hits", "hit_bytes", "misses", "fills", "bytes_from_source", "fallbacks",
-    "bypassed", "corrupt_repaired", "fill_errors",
+    "bypassed", "corrupt_repaired", "fill_errors", "remote_hits",
 )
 
 
@@ -67,7 +68,7 @@ class LRUEviction:
 class _Entry:
     tier: str
     stored: int
-    url: str | None
+    tag: bytes | None  # digest of the source URL (keys.url_tag)
 
 
 @dataclass
@@ -75,7 +76,7 @@ class _Inflight:
     conn: object
     tier: str
     nbytes: int
-    url: str | None
+    tag: bytes | None
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -104,10 +105,12 @@ class NodeCache:
             self._tiers[tc.name] = _TierState(tc, DirectoryTier(tc.name, tc.path, create=True))
         self._order = [tc.name for tc in config.tiers]
         self._index: dict[str, _Entry] = {}
-        self._by_url: dict[str, set[str]] = defaultdict(set)
+        self._by_tag: dict[bytes, set[str]] = defaultdict(set)
         self._inflight: dict[str, _Inflight] = {}
         self.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
-        self.counters.update(leases=0, waits=0, busy=0, reindexed=0)
+        self.counters.update(leases=0, waits=0, busy=0, reindexed=0, served_remote=0,
+                             peer_fallbacks=0, replicas=0)
+        self.remote = None  # RemoteReads, set by a daemon that has peers
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._maintainer: threading.Thread | None = None
@@ -123,10 +126,7 @@ class NodeCache:
                 if entry.key in self._index:  # in a faster tier already: drop the copy
                     ts.tier.delete(entry.key)
                     continue
-                self._index[entry.key] = _Entry(name, entry.stored_bytes, None)
-                ts.used += entry.stored_bytes
-                ts.blocks += 1
-                self.policy.admitted(entry.key, name, entry.stored_bytes)
+                self._add(entry.key, name, entry.stored_bytes, entry.tag or None)
                 self.counters["reindexed"] += 1
         if self.counters["reindexed"]:
             log.info("re-indexed %d cached blocks", self.counters["reindexed"])
@@ -168,7 +168,7 @@ class NodeCache:
                     tier = self._choose_tier(nbytes)
                     if tier is None:
                         return ("nofill", "full")
-                    self._inflight[key] = _Inflight(conn, tier, nbytes, url)
+                    self._inflight[key] = _Inflight(conn, tier, nbytes, url_tag(url) if url else None)
                     self._tiers[tier].reserved += nbytes
                     self.counters["leases"] += 1
                     return ("fill", tier)
@@ -200,7 +200,7 @@ class NodeCache:
             del self._inflight[key]
             ts = self._tiers[tier]
             ts.reserved -= inflight.nbytes
-            self._add(key, tier, stored, inflight.url)
+            self._add(key, tier, stored, inflight.tag)
         inflight.done.set()
 
     def abort(self, key: str, reason: str, conn: object) -> None:
@@ -225,18 +225,89 @@ class NodeCache:
         for key in keys:
             self.abort(key, "disconnected", conn)
 
+    def lease_many(self, items: list[tuple], conn: object) -> list[tuple]:
+        """Leases for many blocks at once: (key, length, url, source) each.
+
+        Blocks owned by another node (and not replicated here) are fetched from their
+        owners, one call per owner, and answered ("data", bytes) or ("fallback", why).
+        """
+        replies: list = [None] * len(items)
+        remote_items, remote_at = [], []
+        for i, item in enumerate(items):
+            key, length, url, source = item
+            if self.remote is not None and source is not None and self.remote.is_remote(key):
+                with self._lock:
+                    entry = self._index.get(key)
+                if entry is not None:
+                    replies[i] = ("present", entry.tier)
+                else:
+                    remote_items.append(item)
+                    remote_at.append(i)
+                continue
+            replies[i] = self.lease(key, length, url, conn)
+        if remote_items:
+            for i, reply in zip(remote_at, self.remote.fetch(remote_items)):
+                replies[i] = reply
+        return replies
+
+    def read_local(self, key: str, length: int) -> bytes | None:
+        """A block from this node's tiers, verified; a corrupt copy is dropped (None)."""
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            return None
+        try:
+            return self._tiers[entry.tier].tier.get(key, length)
+        except blockfile.CorruptBlock:
+            self.counters["corrupt_repaired"] += 1
+            self.drop(key, "corrupt")
+            return None
+
+    def tier(self, name: str):
+        return self._tiers[name].tier
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    def admit_replica(self, key: str, data: bytes, url: str | None) -> bool:
+        """Store a copy of a remote block in free space (never evicting anything for it)."""
+        nbytes = len(data) + blockfile.tail_size(len(data))
+        with self._lock:
+            if key in self._index or key in self._inflight:
+                return False
+            for name in self._order:
+                ts = self._tiers[name]
+                if ts.used + ts.reserved + nbytes <= ts.config.low_bytes:
+                    ts.reserved += nbytes
+                    break
+            else:
+                return False
+        try:
+            stored = ts.tier.put(key, data, tag=url_tag(url) if url else b"")
+        except OSError:
+            with self._lock:
+                ts.reserved -= nbytes
+            return False
+        with self._lock:
+            ts.reserved -= nbytes
+            if key not in self._index:
+                self._add(key, name, stored, url_tag(url) if url else None)
+                self.counters["replicas"] += 1
+        return True
+
     # -- index ---------------------------------------------------------------------
 
-    def _add(self, key: str, tier: str, stored: int, url: str | None) -> None:
+    def _add(self, key: str, tier: str, stored: int, tag: bytes | None) -> None:
         old = self._index.get(key)
         if old is not None:
             self._remove_locked(key)
         ts = self._tiers[tier]
-        self._index[key] = _Entry(tier, stored, url)
+        self._index[key] = _Entry(tier, stored, tag)
         ts.used += stored
         ts.blocks += 1
-        if url is not None:
-            self._by_url[url].add(key)
+        if tag is not None:
+            self._by_tag[tag].add(key)
         self.policy.admitted(key, tier, stored)
         if ts.used > ts.config.high_bytes:
             self._wake.set()
@@ -249,12 +320,12 @@ class NodeCache:
         ts.used -= entry.stored
         ts.blocks -= 1
         self.policy.removed(key, entry.tier)
-        if entry.url is not None:
-            keys = self._by_url.get(entry.url)
+        if entry.tag is not None:
+            keys = self._by_tag.get(entry.tag)
             if keys is not None:
                 keys.discard(key)
                 if not keys:
-                    del self._by_url[entry.url]
+                    del self._by_tag[entry.tag]
         return entry
 
     def drop(self, key: str, reason: str) -> None:
@@ -272,7 +343,7 @@ class NodeCache:
     def invalidate(self, url: str) -> int:
         """Drop every block of ``url`` (the file was written through the cache)."""
         with self._lock:
-            keys = list(self._by_url.get(url, ()))
+            keys = list(self._by_tag.get(url_tag(url), ()))
         for key in keys:
             self.drop(key, "invalidated")
         return len(keys)
@@ -337,7 +408,7 @@ class NodeCache:
             data = _read_whole(upper.tier.block_path(key))
             if data is None:
                 return False
-            stored = lower.tier.put(key, data)
+            stored = lower.tier.put(key, data, tag=entry.tag or b"")
         except OSError as exc:
             log.warning("demoting %s to %s failed: %s", key, lower.config.name, exc)
             return False
@@ -346,7 +417,7 @@ class NodeCache:
                 lower.tier.delete(key)
                 return True
             self._remove_locked(key)
-            self._add(key, lower.config.name, stored, entry.url)
+            self._add(key, lower.config.name, stored, entry.tag)
             upper.demotions += 1
         upper.tier.delete(key)
         return True

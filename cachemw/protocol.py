@@ -6,9 +6,9 @@ tier directories) in a 0700 directory, and holds an exclusive lock on
 without pid games. The socket is a ``multiprocessing.connection`` Unix socket: mode 0600
 in that private directory, plus an HMAC challenge with the secret on every connection.
 
-Messages are tuples ``(op, *args)``; only ``hello``, ``lease``, ``stats`` and ``ping`` are
-answered, the rest (``filled``, ``abort``, ``report``, ``drop``, ``invalidate``) are
-one-way so a client never waits on them.
+Messages are tuples ``(op, *args)``; those in REPLY_OPS are answered (``invalidate`` too,
+so a write returns only once the old blocks are gone), the rest (``filled``, ``abort``,
+``report``, ``drop``) are one-way so a client never waits on them.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ REGISTRY = "daemon.json"
 LOCK = "daemon.lock"
 SOCKET = "daemon.sock"
 
-REPLY_OPS = frozenset({"hello", "lease", "stats", "ping", "shutdown"})
+REPLY_OPS = frozenset({"hello", "lease", "lease_many", "invalidate", "stats", "ping",
+                       "shutdown"})
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,35 @@
-"""The read path: byte ranges of a source file, served block by block through the tiers.
+"""The read path: byte ranges of source files, served block by block through the tiers.
 
-A hit is read straight from a tier file and verified. A miss asks the daemon for a lease
-and, when told to, fetches the whole block from the source and fills the tier; every other
-outcome (daemon unreachable, tiers full, filler stuck, block evicted under us) reads the
-source directly and is counted, so losing the cache costs speed and never a read.
+A hit is read straight from a tier file and verified. Misses (of one read, or of a batch
+of reads) go to the daemon in one request; for each block it answers: fill it (fetch the
+whole block from the source and write the tier file), it is present now, here are its
+bytes (fetched from the node that owns it), or read the source yourself. Every outcome
+but a fill or a hit (daemon unreachable, tiers full, filler stuck, owner down, block
+evicted under us) reads the source directly and is counted, so losing the cache costs
+speed and never a read.
 """
 from __future__ import annotations
 
 import errno
 import logging
+from typing import NamedTuple
 
 from .blockfile import CorruptBlock
 from .client import DaemonClient
-from .keys import block_key, block_length
+from .keys import block_key, block_length, url_tag
 from .metadata import FileMeta
 from .tiers.source import SourceTier
 
 log = logging.getLogger("cachemw.reader")
+
+
+class _Piece(NamedTuple):
+    meta: FileMeta
+    index: int
+    lo: int
+    hi: int
+    key: str
+    length: int
 
 
 class BlockReader:
@@ -24,90 +37,131 @@ class BlockReader:
         self.source = source
         self.client = client
         self.block_size = block_size
+        self._source_json = source.fs.to_json()
         self._fill_warned = False
+
+    def _pieces(self, meta: FileMeta, start: int, end: int) -> list[_Piece]:
+        bs = self.block_size
+        out = []
+        for i in range(start // bs, (end - 1) // bs + 1):
+            base = i * bs
+            length = block_length(meta.size, i, bs)
+            out.append(_Piece(meta, i, max(start - base, 0), min(end - base, length),
+                              block_key(meta.url, meta.version, i, bs), length))
+        return out
 
     def read(self, meta: FileMeta, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the file (already clipped to its size)."""
         if end <= start:
             return b""
-        bs = self.block_size
-        first, last = start // bs, (end - 1) // bs
-        if first == last:
-            base = first * bs
-            return self._block(meta, first, start - base, end - base)
-        parts = []
-        for i in range(first, last + 1):
-            base = i * bs
-            parts.append(self._block(meta, i, max(start - base, 0),
-                                     min(end - base, block_length(meta.size, i, bs))))
-        return b"".join(parts)
+        if start // self.block_size == (end - 1) // self.block_size:  # the common case
+            piece = self._pieces(meta, start, end)[0]
+            data = self._hit(piece)
+            return data if data is not None else self._misses([piece])[0]
+        return self.read_many([(meta, start, end)])[0]
 
-    def _block(self, meta: FileMeta, index: int, lo: int, hi: int) -> bytes:
-        length = block_length(meta.size, index, self.block_size)
-        key = block_key(meta.url, meta.version, index, self.block_size)
+    def read_many(self, requests: list[tuple[FileMeta, int, int]]) -> list[bytes]:
+        """Many ranges at once: their misses go to the daemon (and on to owners) in one batch."""
+        pieces: list[list[_Piece]] = []
+        data: dict[tuple[int, int], bytes] = {}
+        missing: list[tuple[tuple[int, int], _Piece]] = []
+        for r, (meta, start, end) in enumerate(requests):
+            ps = self._pieces(meta, start, end) if end > start else []
+            pieces.append(ps)
+            for j, piece in enumerate(ps):
+                got = self._hit(piece)
+                if got is None:
+                    missing.append(((r, j), piece))
+                else:
+                    data[(r, j)] = got
+        if missing:
+            for (where, _), got in zip(missing, self._misses([p for _, p in missing])):
+                data[where] = got
+        out = []
+        for r, ps in enumerate(pieces):
+            parts = [data[(r, j)] for j in range(len(ps))]
+            out.append(parts[0] if len(parts) == 1 else b"".join(parts))
+        return out
+
+    def _hit(self, piece: _Piece) -> bytes | None:
         client = self.client
         for tier in client.tiers():
             try:
-                data = tier.get(key, length, lo, hi)
+                data = tier.get(piece.key, piece.length, piece.lo, piece.hi)
             except CorruptBlock as exc:
                 log.warning("corrupt cached block of %s (block %d): %s; refetching",
-                            meta.url, index, exc)
+                            piece.meta.url, piece.index, exc)
                 client.count("corrupt_repaired")
-                tier.delete(key)
-                client.drop(key, "corrupt")
+                tier.delete(piece.key)
+                client.drop(piece.key, "corrupt")
                 continue
             if data is not None:
-                client.hit(key, tier.name, len(data))
+                client.hit(piece.key, tier.name, len(data))
                 return data
-        return self._miss(meta, index, key, length, lo, hi)
+        return None
 
-    def _miss(self, meta: FileMeta, index: int, key: str, length: int, lo: int, hi: int) -> bytes:
+    def _misses(self, pieces: list[_Piece]) -> list[bytes]:
+        items = [(p.key, p.length, p.meta.url,
+                  (self._source_json, p.meta.path, p.index, self.block_size, p.meta.size))
+                 for p in pieces]
+        replies = self.client.lease_many(items)
+        out = [self._resolve(p, None if replies is None else replies[i])
+               for i, p in enumerate(pieces)]
+        self.client.maybe_flush()
+        return out
+
+    def _resolve(self, piece: _Piece, reply) -> bytes:
         client = self.client
-        lease = client.lease(key, length, meta.url)
-        if lease is None:
+        if reply is None:
             client.count("fallbacks")
-            return self._direct(meta, index, lo, hi)
-        kind, tier_name = lease
+            return self._direct(piece)
+        kind, arg = reply
+        if kind == "fill":
+            return self._fill(piece, arg)
+        if kind == "data":
+            client.count("remote_hits")
+            return arg if piece.lo == 0 and piece.hi == len(arg) else arg[piece.lo:piece.hi]
         if kind == "present":
-            tier = self._tier(tier_name)
+            tier = self._tier(arg)
             try:
-                data = tier.get(key, length, lo, hi) if tier is not None else None
+                data = tier.get(piece.key, piece.length, piece.lo, piece.hi) if tier else None
             except CorruptBlock:
                 data = None
             if data is not None:
-                client.hit(key, tier_name, len(data))
+                client.hit(piece.key, arg, len(data))
                 return data
-        if kind != "fill":
-            client.count("bypassed")
-            return self._direct(meta, index, lo, hi)
+        client.count("fallbacks" if kind == "fallback" else "bypassed")
+        return self._direct(piece)
+
+    def _fill(self, piece: _Piece, tier_name: str) -> bytes:
+        client = self.client
+        meta = piece.meta
         try:
-            block = self.source.read_block(meta.path, index, self.block_size, meta.size)
+            block = self.source.read_block(meta.path, piece.index, self.block_size, meta.size)
         except BaseException:
-            client.abort(key, "source-error")
+            client.abort(piece.key, "source-error")
             raise
         client.count("misses")
         client.count("bytes_from_source", len(block))
-        tier = self._tier(tier_name)
         try:
-            stored = tier.put(key, block)
+            stored = self._tier(tier_name).put(piece.key, block, tag=url_tag(meta.url))
         except OSError as exc:
             reason = "nospace" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "error"
-            client.abort(key, reason)
+            client.abort(piece.key, reason)
             client.count("fill_errors")
             if not self._fill_warned:
-                log.warning("could not fill the %s tier (%s); reading on from the source", tier_name, exc)
+                log.warning("could not fill the %s tier (%s); reading on from the source",
+                            tier_name, exc)
                 self._fill_warned = True
         else:
-            client.filled(key, tier_name, stored)
+            client.filled(piece.key, tier_name, stored)
             client.count("fills")
-        client.maybe_flush()
-        return block if lo == 0 and hi == len(block) else block[lo:hi]
+        return block if piece.lo == 0 and piece.hi == len(block) else block[piece.lo:piece.hi]
 
-    def _direct(self, meta: FileMeta, index: int, lo: int, hi: int) -> bytes:
-        base = index * self.block_size
-        data = self.source.read_range(meta.path, base + lo, base + hi)
+    def _direct(self, piece: _Piece) -> bytes:
+        base = piece.index * self.block_size
+        data = self.source.read_range(piece.meta.path, base + piece.lo, base + piece.hi)
         self.client.count("bytes_from_source", len(data))
-        self.client.maybe_flush()
         return data
 
     def _tier(self, name: str | None):

@@ -124,6 +124,8 @@ class SocketServer:
             try:
                 if op == "lease":
                     reply = node.lease(args[0], args[1], args[2], conn)
+                elif op == "lease_many":
+                    reply = ("ok", node.lease_many(args[0], conn))
                 elif op == "filled":
                     node.filled(args[0], args[1], args[2], conn)
                     continue
@@ -137,8 +139,7 @@ class SocketServer:
                     node.drop(args[0], args[1])
                     continue
                 elif op == "invalidate":
-                    node.invalidate(args[0])
-                    continue
+                    reply = ("ok", node.invalidate(args[0]))
                 elif op == "hello":
                     reply = ("ok", node.config.node_id, os.getpid())
                 elif op == "stats":

@@ -99,10 +99,6 @@ class SlowLocalFileSystem(fsspec.implementations.local.LocalFileSystem):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="bug: two threads of one process missing the same block "
-                   "share one daemon connection: the waiter's lease blocks the connection (client "
-                   "lock + the server's per-connection thread), so the filler's 'filled' is not "
-                   "seen until lease_wait (30 s) expires; then the waiter bypasses and refetches")
 def test_threads_of_one_process_missing_one_block(make_cache_fs, tmp_path, runtime_dir):
     import threading
 

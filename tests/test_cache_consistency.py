@@ -250,9 +250,6 @@ def rewrite_keeping_version(fs, path, new: bytes) -> None:
     assert os.stat(path).st_ino == st.st_ino and os.stat(path).st_size == st.st_size
 
 
-@pytest.mark.xfail(strict=True, reason="bug: write-through invalidation is a one-way message "
-                   "(client.invalidate) while hits bypass the daemon: a read right after the "
-                   "write still finds the old block file when the version token is unchanged")
 def test_read_right_after_write_through_is_fresh_with_coarse_mtime(make_cache_fs, src):
     fs = make_cache_fs(validate="always", block_size=BS)
     path = str(src / "f.bin")
@@ -265,9 +262,6 @@ def test_read_right_after_write_through_is_fresh_with_coarse_mtime(make_cache_fs
     assert stale == 0, f"{stale} of 20 reads right after a write returned the old bytes"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: node.py NodeCache._reindex records re-indexed "
-                   "blocks with url=None, so invalidate(url) after a daemon restart drops "
-                   "nothing and a write-through keeps serving the old block")
 def test_write_through_invalidates_blocks_cached_before_a_daemon_restart(
         runtime_dir, spawn_daemon, src):
     import fsspec

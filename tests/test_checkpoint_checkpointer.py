@@ -255,3 +255,21 @@ def test_watch_is_told_of_each_commit(tmp_path):
     assert seen[-1][2] - committed < 5  # told at once, not after the 30 s fallback poll
     producer.close()
     consumer.close()
+
+
+@pytest.mark.parametrize("url", ["memory://cachemw-test-ckpt", "file://{tmp}/ckpt"])
+def test_root_may_be_any_fsspec_url(tmp_path, url):
+    import fsspec
+
+    url = url.format(tmp=tmp_path)
+    state = {"t": torch.randn(300, 40), "v": {"epoch": 4}}
+    try:
+        with Checkpointer(url, keep_last=1) as ck:
+            ck.save(1, state).wait(60)
+            ck.save(2, state).wait(60)
+            assert ck.steps() == [2]
+            out = {"t": torch.zeros(300, 40), "v": {"epoch": 0}}
+            assert ck.load(out) == 2 and torch.equal(out["t"], state["t"]) and out["v"] == {"epoch": 4}
+    finally:
+        if url.startswith("memory://"):
+            fsspec.filesystem("memory").rm("/cachemw-test-ckpt", recursive=True)

@@ -18,6 +18,7 @@ class BlockEntry:
     key: str
     stored_bytes: int
     last_used: float
+    tag: bytes = b""  # digest of the source URL (see blockfile)
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,8 @@ class Tier(Protocol):
         Raises :class:`cachemw.blockfile.CorruptBlock` if the stored block fails its checksum.
         """
 
-    def put(self, key: str, data: bytes) -> int:
-        """Store a block atomically; returns the bytes it occupies."""
+    def put(self, key: str, data: bytes, tag: bytes = b"") -> int:
+        """Store a block atomically, tagged with its source; returns the bytes it occupies."""
 
     def delete(self, key: str) -> int:
         """Drop a block; returns the bytes freed (0 if it was absent)."""

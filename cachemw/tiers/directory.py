@@ -42,8 +42,8 @@ class DirectoryTier:
             return blockfile.read_block(path, length)
         return blockfile.read_range(path, length, start, length if end is None else end)
 
-    def put(self, key: str, data: bytes) -> int:
-        return blockfile.write_block(self.block_path(key), data)
+    def put(self, key: str, data: bytes, tag: bytes = b"") -> int:
+        return blockfile.write_block(self.block_path(key), data, tag=tag)
 
     def delete(self, key: str) -> int:
         path = self.block_path(key)
@@ -83,7 +83,8 @@ class DirectoryTier:
                         st = entry.stat()
                     except FileNotFoundError:
                         continue
-                    yield BlockEntry(entry.name, st.st_size, max(st.st_atime, st.st_mtime))
+                    yield BlockEntry(entry.name, st.st_size, max(st.st_atime, st.st_mtime),
+                                     blockfile.read_tag(entry.path))
 
     def close(self) -> None:
         pass

@@ -1,0 +1,157 @@
+"""Serving the blocks this node owns to other nodes, and the remote side of a miss.
+
+Owner side: a peer asks for blocks by key, with a reference to their source; the owner
+answers from its tiers or fetches each block from the source once (the same single-flight
+lease as local readers) and keeps it. Requester side: a node's misses on blocks owned
+elsewhere are grouped by owner, fetched with one call per owner, and shared by every local
+process that missed the same block meanwhile.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import fsspec
+
+from . import blockfile
+from .keys import url_tag
+from .tiers.source import SourceTier
+
+log = logging.getLogger("cachemw.owner")
+
+_sources: dict[str, SourceTier] = {}
+_sources_lock = threading.Lock()
+
+
+def source_for(target_json: str) -> SourceTier:
+    """The source filesystem a client described (fsspec's own JSON form), built once."""
+    with _sources_lock:
+        src = _sources.get(target_json)
+        if src is None:
+            src = _sources[target_json] = SourceTier(fsspec.AbstractFileSystem.from_json(target_json))
+        return src
+
+
+def serve_blocks(node, requests: list[tuple]) -> list[bytes | None]:
+    """Owner side: each request is (key, length, url, (target_json, path, index, bs, size))."""
+    out = []
+    for key, length, url, source in requests:
+        try:
+            out.append(_serve_one(node, key, length, url, source))
+        except Exception as exc:  # one bad block never fails the batch
+            log.warning("could not serve block %s of %s: %s", key, url, exc)
+            out.append(None)
+    return out
+
+
+class _Requester:
+    """The connection identity of owner-side fills (leases are per connection)."""
+
+
+def _serve_one(node, key, length, url, source):
+    data = node.read_local(key, length)
+    if data is not None:
+        node.count("served_remote")
+        return data
+    requester = _Requester()
+    kind, tier = node.lease(key, length, url, requester)
+    if kind == "present":
+        data = node.read_local(key, length)
+        if data is not None:
+            node.count("served_remote")
+            return data
+    target_json, path, index, block_size, file_size = source
+    try:
+        block = source_for(target_json).read_block(path, index, block_size, file_size)
+    except BaseException:
+        if kind == "fill":
+            node.abort(key, "source-error", requester)
+        raise
+    node.count("bytes_from_source", len(block))
+    node.count("misses")
+    if kind == "fill":
+        try:
+            stored = node.tier(tier).put(key, block, tag=url_tag(url))
+        except OSError as exc:
+            node.abort(key, "nospace" if exc.errno in (28, 122) else "error", requester)
+        else:
+            node.filled(key, tier, stored, requester)
+            node.count("fills")
+    node.count("served_remote")
+    return block
+
+
+@dataclass
+class _Flight:
+    done: threading.Event = field(default_factory=threading.Event)
+    data: bytes | None = None
+
+
+class RemoteReads:
+    """Requester side: single-flight fetches of blocks owned by other nodes."""
+
+    def __init__(self, node, router, *, replicate_after: int = 2, memory: int = 1 << 20) -> None:
+        self.node = node
+        self.router = router
+        self.replicate_after = replicate_after
+        self._flights: dict[str, _Flight] = {}
+        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._memory = memory
+        self._lock = threading.Lock()
+
+    def is_remote(self, key: str) -> bool:
+        return self.router.owner(key) != self.router.self_id
+
+    def fetch(self, items: list[tuple], wait: float = 30.0) -> list[tuple]:
+        """Replies ("data", bytes) or ("fallback", why) for (key, length, url, source) items."""
+        mine: dict[str, list[tuple]] = {}
+        flights: list[tuple[str, _Flight, bool]] = []
+        with self._lock:
+            for item in items:
+                key = item[0]
+                flight = self._flights.get(key)
+                owned = flight is None
+                if owned:
+                    flight = self._flights[key] = _Flight()
+                    mine.setdefault(self.router.owner(key), []).append(item)
+                flights.append((key, flight, owned))
+        if mine:
+            results = self.router.fetch_many(mine)
+            for owner, batch in mine.items():
+                blocks = results.get(owner)
+                for i, item in enumerate(batch):
+                    data = None if blocks is None else blocks[i]
+                    if data is not None and len(data) != item[1]:
+                        data = None  # the owner saw another version: read the source
+                    flight = self._flights[item[0]]
+                    flight.data = data
+                    if data is not None:
+                        self._maybe_replicate(item, data)
+        replies = []
+        for key, flight, owned in flights:
+            if owned:
+                with self._lock:
+                    self._flights.pop(key, None)
+                flight.done.set()
+            elif not flight.done.wait(wait):
+                replies.append(("fallback", "peer fetch still running"))
+                continue
+            if flight.data is None:
+                self.node.count("peer_fallbacks")
+                replies.append(("fallback", "owner unavailable"))
+            else:
+                replies.append(("data", flight.data))
+        return replies
+
+    def _maybe_replicate(self, item: tuple, data: bytes) -> None:
+        """Keep a local copy of a block this node keeps asking for (hot), in free space only."""
+        key, length, url, _ = item
+        with self._lock:
+            n = self._counts.pop(key, 0) + 1
+            self._counts[key] = n
+            while len(self._counts) > self._memory:
+                self._counts.popitem(last=False)
+        if n >= self.replicate_after:
+            self.node.admit_replica(key, data, url)

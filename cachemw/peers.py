@@ -1,0 +1,174 @@
+"""The other nodes' daemons, through Ray: membership, block ownership, remote fetches.
+
+Each daemon keeps its own view (no central metadata server on the read path): the alive
+Ray nodes that run a daemon, minus peers that recently failed a call, hashed into a ring.
+A failed or slow peer costs one bounded timeout, then the ring is recomputed without it
+and its blocks are read from the source (counted); it rejoins when it answers again.
+
+The leader (the alive daemon with the smallest node id) also places a daemon on any alive
+node that lacks one, so nodes that join later get a daemon without a re-run of
+``cachemw start``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from .ring import HashRing
+
+log = logging.getLogger("cachemw.peers")
+
+
+class PeerSet:
+    def __init__(self, self_id: str, *, spawn=None, refresh_interval: float = 2.0,
+                 timeout: float = 10.0, vnodes: int = 1024) -> None:
+        import ray
+
+        from .daemon import ACTOR_PREFIX, NAMESPACE
+
+        self._ray = ray
+        self._prefix = ACTOR_PREFIX
+        self._namespace = NAMESPACE
+        self.self_id = self_id
+        self.spawn = spawn  # callable(node_id): place a daemon on that node
+        self.refresh_interval = refresh_interval
+        self.timeout = timeout
+        self.vnodes = vnodes
+        self._handles: dict[str, object] = {}
+        self._suspect_until: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self.ring = HashRing([self_id], vnodes)
+        self.counters = {"remote_requests": 0, "remote_blocks": 0, "remote_bytes": 0,
+                         "peer_failures": 0, "ring_changes": 0}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- membership ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self.refresh()
+        self._thread = threading.Thread(target=self._loop, name="cachemw-peers", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.refresh_interval):
+            try:
+                self.refresh()
+            except Exception:
+                log.exception("membership refresh failed")
+
+    def refresh(self) -> None:
+        ray = self._ray
+        alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        now = time.monotonic()
+        members = []
+        for node_id in alive:
+            handle = self._handles.get(node_id)
+            if handle is None:
+                try:
+                    handle = ray.get_actor(self._prefix + node_id, namespace=self._namespace)
+                except ValueError:
+                    handle = None
+                if handle is not None:
+                    self._handles[node_id] = handle
+            if handle is None:
+                continue
+            if node_id != self.self_id and self._suspect_until.get(node_id, 0) > now:
+                continue
+            members.append(node_id)
+        if self.self_id not in members:
+            members.append(self.self_id)
+        missing = [n for n in alive if n not in self._handles]
+        if missing and self.spawn is not None and min(members) == self.self_id:
+            for node_id in missing:
+                log.info("placing a daemon on new node %s", node_id)
+                try:
+                    self.spawn(node_id)
+                except Exception as exc:
+                    log.warning("could not place a daemon on node %s: %s", node_id, exc)
+        for node_id in [n for n in self._handles if n not in alive]:
+            del self._handles[node_id]  # node gone: a replacement gets a fresh handle
+        self._set_members(members)
+
+    def _set_members(self, members) -> None:
+        members = tuple(sorted(members))
+        with self._lock:
+            if members != self.ring.nodes:
+                log.info("ring now has %d node(s)", len(members))
+                self.ring = HashRing(members, self.vnodes)
+                self.counters["ring_changes"] += 1
+
+    def _suspect(self, node_id: str, why: str) -> None:
+        log.warning("peer %s failed (%s); reading its blocks from the source for now", node_id, why)
+        self.counters["peer_failures"] += 1
+        self._suspect_until[node_id] = time.monotonic() + max(5.0, 3 * self.refresh_interval)
+        self._handles.pop(node_id, None)
+        self._set_members([n for n in self.ring.nodes if n != node_id])
+
+    # -- routing ---------------------------------------------------------------------
+
+    def owner(self, key: str) -> str:
+        return self.ring.owner(key)
+
+    def fetch_many(self, by_owner: dict[str, list[tuple]]) -> dict[str, list[bytes | None] | None]:
+        """Fetch blocks from their owners: one call per owner, all in flight at once.
+
+        Returns, per owner, the blocks' bytes (None for a block the owner could not
+        serve), or None for an owner that failed or timed out.
+        """
+        refs = {}
+        out: dict[str, list | None] = {}
+        for owner, requests in by_owner.items():
+            handle = self._handles.get(owner)
+            if handle is None:
+                out[owner] = None
+                continue
+            refs[owner] = handle.serve_blocks.remote(requests)
+            self.counters["remote_requests"] += 1
+        deadline = time.monotonic() + self.timeout
+        for owner, ref in refs.items():
+            try:
+                packed, lengths = self._ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
+            except Exception as exc:
+                if type(exc).__name__ == "GetTimeoutError":
+                    try:
+                        self._ray.cancel(ref)
+                    except Exception:
+                        pass
+                self._suspect(owner, type(exc).__name__)
+                out[owner] = None
+                continue
+            out[owner] = _unpack(packed, lengths)
+            self.counters["remote_blocks"] += sum(1 for n in lengths if n >= 0)
+            self.counters["remote_bytes"] += int(packed.nbytes)
+        return out
+
+
+def pack(blocks: list[bytes | None]) -> tuple[np.ndarray, list[int]]:
+    """Blocks into one uint8 array (one zero-copy object in Ray) plus lengths (-1 = none)."""
+    lengths = [-1 if b is None else len(b) for b in blocks]
+    out = np.empty(sum(n for n in lengths if n > 0), dtype=np.uint8)
+    pos = 0
+    for b in blocks:
+        if b:
+            out[pos:pos + len(b)] = np.frombuffer(b, dtype=np.uint8)
+            pos += len(b)
+    return out, lengths
+
+
+def _unpack(packed: np.ndarray, lengths: list[int]) -> list[bytes | None]:
+    view = memoryview(packed).cast("B") if packed.size else memoryview(b"")
+    out, pos = [], 0
+    for n in lengths:
+        if n < 0:
+            out.append(None)
+        else:
+            out.append(bytes(view[pos:pos + n]))
+            pos += n
+    return out
