@@ -119,10 +119,8 @@ class DaemonClient:
             return None
         with self._lock:
             address = lookup(self.runtime_dir)
-            if address is None and self.autostart and is_main_process():
-                from .embedded import ensure_embedded_daemon
-
-                address = ensure_embedded_daemon(self.runtime_dir, self.daemon_config)
+            if address is None and self.autostart:
+                address = self._autostart()
             if address is None:
                 self._unreachable("no daemon runs (start one with `cachemw start`)")
                 return None
@@ -139,6 +137,18 @@ class DaemonClient:
                 log.warning("cachemw daemon reachable again at %s", address.socket)
                 self._warned = False
         return conn
+
+    def _autostart(self) -> DaemonAddress | None:
+        """No daemon runs: start one. A main process embeds it (it ends with the process);
+        any other process (a DataLoader worker) starts a detached one that outlives it and
+        exits once idle, so a dataset of plain cachemw:: URLs is cached with no setup."""
+        if is_main_process():
+            from .embedded import ensure_embedded_daemon
+
+            return ensure_embedded_daemon(self.runtime_dir, self.daemon_config)
+        from .service import spawn_detached
+
+        return spawn_detached(self.runtime_dir, self.daemon_config)
 
     def _set_tiers(self, address: DaemonAddress) -> None:
         if address != self._address:

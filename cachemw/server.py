@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from multiprocessing.connection import Connection, deliver_challenge
 
 from .node import NodeCache
@@ -29,7 +30,15 @@ class SocketServer:
         self._conns: set[Connection] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._last_activity = time.monotonic()
         os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def idle_seconds(self) -> float:
+        """How long no client has been connected (0 while any is)."""
+        with self._lock:
+            if self._conns:
+                return 0.0
+            return time.monotonic() - self._last_activity
 
     def start(self) -> None:
         try:
@@ -107,6 +116,7 @@ class SocketServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._last_activity = time.monotonic()
             self.node.release(conn)
             try:
                 conn.close()

@@ -1,7 +1,8 @@
 """NodeService: a node cache served on the node's local socket.
 
-This is the body of every daemon: the embedded one started inside a trainer process and
-the Ray actor started by ``cachemw start`` run the same thing. It takes the runtime dir's
+This is the body of every daemon: the embedded one started inside a trainer process, the
+detached one a DataLoader worker starts when none runs (``python -m cachemw.service``, it
+exits after being idle), and the Ray actor started by ``cachemw start`` run the same thing. It takes the runtime dir's
 lock (one daemon per node), re-indexes the tiers, starts the socket server and eviction,
 and publishes its address for clients.
 """
@@ -71,3 +72,59 @@ class NodeService:
         self.node.close()
         self._lock.release()
         log.info("cachemw daemon for node %s stopped", self.config.node_id)
+
+
+def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: float = 600,
+                   wait: float = 20.0):
+    """Start a daemon in its own session (it outlives the caller, exits when idle) and
+    return its address once published; None if none appeared in ``wait`` seconds."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from .protocol import lookup
+
+    ensure_private_dir(runtime_dir)
+    log_path = os.path.join(runtime_dir, "daemon.log")
+    with open(log_path, "ab") as log_file:
+        os.chmod(log_path, 0o600)
+        subprocess.Popen(
+            [sys.executable, "-m", "cachemw.service", "--runtime-dir", runtime_dir,
+             "--idle-exit", str(idle_exit), "--options", json.dumps(options or {})],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
+        )
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        address = lookup(runtime_dir)
+        if address is not None:
+            return address
+        time.sleep(0.05)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A detached daemon: serves until no client has been connected for --idle-exit s."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m cachemw.service")
+    p.add_argument("--runtime-dir", required=True)
+    p.add_argument("--idle-exit", type=float, default=600.0)
+    p.add_argument("--options", default="{}", help="DaemonConfig.build keywords, as JSON")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = DaemonConfig.build(runtime_dir=args.runtime_dir, **json.loads(args.options))
+    try:
+        service = NodeService(config, kind="detached")
+    except DaemonAlreadyRunning:
+        return 0
+    while not service.stopped.wait(1.0):
+        if service.server.idle_seconds() > args.idle_exit:
+            log.info("no client for %.0f s: exiting", args.idle_exit)
+            service.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,7 +2,8 @@
 through ``cachemw::file://...`` and gets the exact bytes; the second epoch is all hits.
 
 The embedded daemon of this (main) process serves the workers, as it would a user's
-training script: workers never start one, they connect to it through its socket.
+training script; when the main process never touched cachemw (a dataset of plain URLs),
+the first worker starts a detached daemon that outlives it.
 """
 from __future__ import annotations
 
@@ -99,10 +100,6 @@ def test_dataloader_workers_read_exact_bytes(files, method, holder):
 @pytest.mark.torch
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(strict=True, reason="bug: a Dataset holding only cachemw:: URLs never uses the "
-                   "filesystem in the main process, workers may not autostart (client.py "
-                   "_connect: is_main_process), so no daemon ever runs and every epoch reads the "
-                   "source (fallbacks)")
 def test_url_only_dataset_is_cached_without_touching_cachemw_in_the_main_process(
         runtime_dir, files):
     """The issue's promise: point an existing loader at cachemw::<url>, no other change, and
