@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -102,7 +103,7 @@ class Checkpointer:
         self.config = CheckpointerConfig.from_kwargs(keep_last=keep_last, compression=compression,
                                                      fast_root=fast_root, **options)
         self.root = CheckpointDir(Location(root))
-        self.fast = CheckpointDir(Location(fast_root)) if fast_root is not None else None
+        self.fast = CheckpointDir(Location(fast_root), recycle=True) if fast_root is not None else None
         self.coord = Coordinator(process_group, self.config.collective_timeout_s)
         self.stager = BufferStager(device=self.config.device, memory_budget=self.config.memory_budget)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachemw-ckpt")
@@ -115,6 +116,7 @@ class Checkpointer:
         if self.fast is not None:
             self.fast.location.makedirs()
             self.fast.sweep(self.config.stale_after_s)
+            self.fast.drop_spare()
 
     # -- saving -----------------------------------------------------------------------------
     def save(self, step: int, state: dict, *, if_busy: str | None = None) -> SaveHandle:
@@ -142,12 +144,15 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every pending save; raise the first failure not yet raised by ``wait``."""
         with self._lock:
-            handles, self._handles = list(self._handles), []
+            handles = list(self._handles)
         for h in handles:
-            h._wait(h._durable, timeout) if h.exception() is None else None
-        for h in handles:
-            if h.exception() is not None:
-                raise h.exception()
+            if not h._durable.wait(timeout):
+                raise TimeoutError(f"checkpoint of step {h.step} not committed within {timeout} s")
+        with self._lock:
+            self._handles = [h for h in self._handles if h not in handles]
+        errors = [h.exception() for h in handles if h.exception() is not None]
+        if errors:
+            raise errors[0]
 
     def _run(self, step: int, staged: dict | None, handle: SaveHandle) -> None:
         name = None
@@ -189,7 +194,7 @@ class Checkpointer:
         writer = CachemwStorageWriter(
             first.location.child(name), compression=self.config.compression, thread_count=self.config.thread_count,
             manifest_extra={"step": step, "world_size": self.coord.world_size},
-            on_file_durable=drainer.submit if drainer else None)
+            on_file_durable=drainer.submit if drainer else None, reuse_files=self.fast is not None)
         try:
             dcp.save(staged, storage_writer=writer, planner=SpreadSavePlanner(chunk_bytes=self.config.chunk_bytes),
                      process_group=self.coord.group, no_dist=self.coord.no_dist)
@@ -291,8 +296,6 @@ class Checkpointer:
         step already held (-1: load the newest committed step at once). Stops after ``timeout``
         seconds without a new step (None: never).
         """
-        import time
-
         poll = poll_interval or self.config.watch_poll_s
         last = after if after is not None else -1
         with watch_channel.Listener(self._channel) as listener:
@@ -302,12 +305,13 @@ class Checkpointer:
                 if steps and steps[-1] > last:
                     try:
                         last = self.load(state, steps[-1])
-                    except (CheckpointNotFoundError, FileNotFoundError, OSError) as exc:
-                        log.info("watch: step %s vanished before it was loaded (%s)", steps[-1], exc)
+                    except (CheckpointNotFoundError, OSError, RuntimeError) as exc:
+                        # Removed by retention meanwhile, or damaged: wait for the next news.
+                        log.warning("watch: could not load step %s (%s)", steps[-1], exc)
+                    else:
+                        yield last
+                        deadline = None if timeout is None else time.monotonic() + timeout
                         continue
-                    yield last
-                    deadline = None if timeout is None else time.monotonic() + timeout
-                    continue
                 wait = poll if deadline is None else min(poll, deadline - time.monotonic())
                 if wait <= 0:
                     return
@@ -323,6 +327,8 @@ class Checkpointer:
         self.wait_quietly()
         self._worker.shutdown(wait=True)
         self.stager.close()
+        if self.fast is not None:
+            self.fast.drop_spare()  # give the tmpfs pages back
 
     def __enter__(self) -> "Checkpointer":
         return self

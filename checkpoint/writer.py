@@ -69,12 +69,13 @@ class CachemwStorageWriter(StorageWriter):
     def __init__(self, path: str | os.PathLike | Location | None = None, *, compression: str | None = None,
                  frame_bytes: int = 1 << 20, thread_count: int = 2, sync_files: bool = True,
                  manifest_extra: dict | None = None,
-                 on_file_durable: Callable[[str], None] | None = None) -> None:
+                 on_file_durable: Callable[[str], None] | None = None, reuse_files: bool = False) -> None:
         super().__init__()
         self.config = WriterConfig(compression, frame_bytes, thread_count, sync_files)
         self.location = as_location(path) if path is not None else None
         self.manifest_extra = dict(manifest_extra or {})
         self.on_file_durable = on_file_durable
+        self.reuse_files = reuse_files  # overwrite existing files in place (recycled tmpfs pages)
         self.rank = 0
         self.save_id = uuid.uuid4().hex
         self.files_written: list[str] = []
@@ -147,12 +148,15 @@ class CachemwStorageWriter(StorageWriter):
     # -- internals --------------------------------------------------------------------------
     def _write_file(self, rel: str, pairs: list[tuple[WriteItem, Any]]) -> list[WriteResult]:
         codec = self.config.compression or "raw"
-        out = self.location.open(rel, "wb")
+        reuse = self.reuse_files and self.location.local and self.location.exists(rel)
+        out = self.location.open(rel, "r+b" if reuse else "wb")
         results = []
         try:
             for item, data in pairs:
                 stored = write_chunk(out, rel, out.tell(), data, codec, self.config.frame_bytes)
                 results.append(WriteResult(index=item.index, size_in_bytes=stored.length, storage_data=stored))
+            if reuse:
+                out.truncate()
         finally:
             if self.config.sync_files:
                 self.location.close_durably(out)
