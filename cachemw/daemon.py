@@ -29,26 +29,71 @@ ACTOR_PREFIX = "cachemw-daemon-"
 RAY_STATE = "ray.json"
 
 
+PEER_OPTIONS = ("peer_timeout", "refresh_interval", "replicate_after")
+
+
 class DaemonActor:
-    """The thin actor wrapper around NodeService (the logic lives there and in NodeCache)."""
+    """The thin actor wrapper: a NodeService plus this node's view of its peers.
+
+    Options are DaemonConfig.build keywords (string values may contain ``{node_id}``, so
+    simulated nodes sharing one machine get their own directories) plus PEER_OPTIONS.
+    """
 
     def __init__(self, options: dict) -> None:
-        from .service import NodeService
-
         import ray
 
-        node_id = ray.get_runtime_context().get_node_id()
+        from .owner import RemoteReads
+        from .peers import PeerSet
+        from .service import NodeService
+
         logging.basicConfig(level=logging.INFO)
-        self.service = NodeService(DaemonConfig.build(node_id=node_id, **options), kind="ray")
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.options = dict(options)
+        opts = {k: (v.format(node_id=self.node_id) if isinstance(v, str) else v)
+                for k, v in options.items() if k not in PEER_OPTIONS}
+        self.service = NodeService(DaemonConfig.build(node_id=self.node_id, **opts), kind="ray")
+        self.peers = PeerSet(self.node_id, spawn=lambda n: place(n, self.options),
+                             timeout=options.get("peer_timeout", 10.0),
+                             refresh_interval=options.get("refresh_interval", 2.0))
+        node = self.service.node
+        node.remote = RemoteReads(node, self.peers,
+                                  replicate_after=options.get("replicate_after", 2))
+        self.peers.start()
 
     def address(self) -> dict:
         return asdict(self.service.address)
 
     def stats(self) -> dict:
-        return self.service.node.stats()
+        stats = self.service.node.stats()
+        stats["peers"] = dict(self.peers.counters, ring=list(self.peers.ring.nodes))
+        return stats
+
+    def serve_blocks(self, requests: list[tuple]):
+        """Blocks this node owns, for a peer: one packed array (zero-copy in Ray) + lengths."""
+        from .owner import serve_blocks
+        from .peers import pack
+
+        return pack(serve_blocks(self.service.node, requests))
+
+    def ping(self) -> str:
+        return self.node_id
 
     def stop(self) -> None:
+        self.peers.close()
         self.service.close()
+
+
+def place(node_id: str, options: dict):
+    """Create (or find) the daemon actor of ``node_id``, pinned to that node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    actor_cls = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=16)(DaemonActor)
+    return actor_cls.options(
+        name=ACTOR_PREFIX + node_id, namespace=NAMESPACE, lifetime="detached",
+        get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(options)
 
 
 def _ray():
@@ -141,6 +186,9 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
     Ray reads its auth settings when it is imported: set them before importing it.
     """
     runtime_dir = runtime_dir or default_runtime_dir()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # a driver already connected: use its cluster
+        return {"address": address or "current", "started_by_cachemw": False}
     state = None
     if address is None:
         state = _read_ray_state(runtime_dir)
@@ -175,25 +223,18 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
     """Place one daemon on every alive Ray node (idempotent: existing ones are kept).
 
     ``options`` are DaemonConfig.build keywords (dram_dir, dram_capacity, nvme_dir,
-    nvme_capacity); each daemon resolves defaults on its own node.
+    nvme_capacity) and PEER_OPTIONS; each daemon resolves defaults on its own node, and
+    ``{node_id}`` in a string option becomes that node's id.
     """
     runtime_dir = runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
-    DaemonConfig.build(runtime_dir=runtime_dir, **options)  # fail early on bad options
+    DaemonConfig.build(runtime_dir=runtime_dir,  # fail early on bad options
+                       **{k: v for k, v in options.items() if k not in PEER_OPTIONS})
     connect(address, runtime_dir, start_if_needed=address is None)
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     ray = _ray()
-    actor_cls = ray.remote(num_cpus=0, max_restarts=-1)(DaemonActor)
     handles = {}
     for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        node_id = node["NodeID"]
-        handles[node_id] = actor_cls.options(
-            name=ACTOR_PREFIX + node_id, namespace=NAMESPACE, lifetime="detached",
-            get_if_exists=True,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(dict(options, runtime_dir=runtime_dir))
+        if node.get("Alive"):
+            handles[node["NodeID"]] = place(node["NodeID"], dict(options, runtime_dir=runtime_dir))
     refs = {node_id: h.address.remote() for node_id, h in handles.items()}
     out = []
     for node_id, ref in refs.items():
@@ -241,12 +282,18 @@ def stop(address: str | None = None, *, runtime_dir: str | None = None, timeout:
         return 0
     ray = _ray()
     handles = _daemon_handles()
-    for handle in handles.values():
+    # stop all first (each stops placing daemons on new nodes), then kill them
+    refs = {node_id: h.stop.remote() for node_id, h in handles.items()}
+    for node_id, ref in refs.items():
         try:
-            ray.get(handle.stop.remote(), timeout=timeout)
+            ray.get(ref, timeout=timeout)
         except Exception as exc:
-            log.warning("daemon did not stop cleanly: %s", exc)
-        ray.kill(handle, no_restart=True)
+            log.warning("daemon on node %s did not stop cleanly: %s", node_id, exc)
+    for handle in list(handles.values()) + list(_daemon_handles().values()):
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:
+            pass
     ray.shutdown()
     if address is None and state.get("started_by_cachemw"):
         _stop_local_ray(state["temp_dir"])

@@ -85,7 +85,8 @@ class PeerSet:
         if self.self_id not in members:
             members.append(self.self_id)
         missing = [n for n in alive if n not in self._handles]
-        if missing and self.spawn is not None and min(members) == self.self_id:
+        if (missing and self.spawn is not None and min(members) == self.self_id
+                and not self._stop.is_set()):
             for node_id in missing:
                 log.info("placing a daemon on new node %s", node_id)
                 try:

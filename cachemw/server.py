@@ -41,6 +41,9 @@ class SocketServer:
             return time.monotonic() - self._last_activity
 
     def start(self) -> None:
+        if len(os.fsencode(self.path)) > 107:
+            raise ValueError(f"runtime_dir: the socket path {self.path} is longer than a Unix "
+                             f"socket allows (107 bytes); choose a shorter runtime dir")
         try:
             os.unlink(self.path)
         except FileNotFoundError:

@@ -1,0 +1,158 @@
+"""Several simulated Ray nodes on this machine (ray.cluster_utils.Cluster), one daemon each
+with its own tier directories: blocks are owned by stable hashing, fetched from owners,
+and a node that leaves or joins costs speed, never a read."""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.slow]
+
+BLOCK = 64 * 1024
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        os.environ.pop(var, None)
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace="cachemw", log_to_driver=False)
+    try:
+        yield c, nodes
+    finally:
+        from cachemw import daemon
+
+        try:
+            daemon.stop(c.address, runtime_dir=str(tmp_path / "unused"), timeout=10)
+        except Exception:
+            pass
+        ray.shutdown()
+        c.shutdown()
+
+
+def _start(tmp_path, cluster_address, capacity="64MiB"):
+    from cachemw import daemon
+
+    template = str(tmp_path / "{node_id:.16}")  # short: a Unix socket path has 107 bytes
+    daemon.start(cluster_address, runtime_dir=template, dram_capacity=capacity,
+                 peer_timeout=3.0, refresh_interval=0.5, timeout=120)
+    return template
+
+
+def _fs(template, node_id):
+    import fsspec
+
+    return fsspec.filesystem("cachemw", runtime_dir=template.format(node_id=node_id),
+                             autostart=False, block_size=BLOCK, skip_instance_cache=True,
+                             validate="immutable")
+
+
+def _files(tmp_path, n, size, seed=0):
+    rng = random.Random(seed)
+    d = tmp_path / f"src{seed}"
+    d.mkdir()
+    out = {}
+    for i in range(n):
+        p = d / f"s{i:04d}"
+        data = rng.randbytes(size)
+        p.write_bytes(data)
+        out[str(p)] = data
+    return out
+
+
+def _node_stats():
+    from cachemw import daemon
+
+    return {n["node_id"]: n["stats"] for n in daemon.status(runtime_dir="/nonexistent")}
+
+
+def _wait(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.25)
+    return False
+
+
+@pytest.mark.timeout(600)
+def test_reads_owned_elsewhere_and_aggregate_capacity(cluster, tmp_path):
+    import ray
+
+    c, _ = cluster
+    # 3 nodes x 3 MiB of DRAM; the dataset (6 MiB) is larger than one node, smaller than all
+    template = _start(tmp_path, c.address, capacity="3MiB")
+    head = ray.get_runtime_context().get_node_id()
+    stats = _node_stats()
+    assert len(stats) == 3 and all("error" not in s for s in stats.values())
+    assert all(len(s["peers"]["ring"]) == 3 for s in stats.values())
+    files = _files(tmp_path, 96, BLOCK)  # 6 MiB
+    fs = _fs(template, head)
+    paths = sorted(files)
+    got = fs.cat(paths)  # one batch: misses grouped per owner
+    assert all(got[p] == files[p] for p in paths)
+    c1 = fs.stats()
+    assert c1["remote_hits"] > 0 and c1["misses"] > 0
+    assert c1["remote_hits"] + c1["misses"] == len(paths)
+    fs.client.flush()
+    time.sleep(0.5)
+    stats = _node_stats()
+    blocks = {n: s["tiers"]["dram"]["blocks"] for n, s in stats.items()}
+    assert all(b > 0 for b in blocks.values()), blocks
+    assert sum(blocks.values()) == len(paths)  # fully cached after one epoch
+    source_before = sum(s["counters"]["bytes_from_source"] for s in stats.values())
+    # epoch 2: nothing from the source, read one file at a time too
+    for p in paths:
+        assert fs.cat_file(p) == files[p]
+    fs.client.flush()
+    time.sleep(0.5)
+    stats = _node_stats()
+    source_after = sum(s["counters"]["bytes_from_source"] for s in stats.values())
+    assert source_after == source_before
+    assert fs.stats()["bytes_from_source"] == c1["bytes_from_source"]
+
+
+@pytest.mark.timeout(600)
+def test_node_removed_mid_epoch_then_added(cluster, tmp_path):
+    import ray
+
+    c, nodes = cluster
+    template = _start(tmp_path, c.address)
+    head = ray.get_runtime_context().get_node_id()
+    files = _files(tmp_path, 120, BLOCK // 2, seed=1)
+    paths = sorted(files)
+    fs = _fs(template, head)
+    half = len(paths) // 2
+    got = fs.cat(paths[:half])
+    assert all(got[p] == files[p] for p in paths[:half])
+    c.remove_node(nodes[1])  # a node dies mid-epoch
+    for p in paths[half:]:  # every read still succeeds, with the right bytes
+        assert fs.cat_file(p) == files[p]
+    for p in paths[:half]:  # including blocks the dead node owned
+        assert fs.cat_file(p) == files[p]
+    fs.client.flush()
+    assert _wait(lambda: all(len(s.get("peers", {}).get("ring", ())) == 2
+                             for s in _node_stats().values() if "error" not in s))
+    stats = _node_stats()
+    fallbacks = fs.stats()["fallbacks"] + sum(
+        s["counters"].get("peer_fallbacks", 0) for s in stats.values() if "error" not in s)
+    assert fallbacks > 0
+    # a node joins: the leader places a daemon on it and it takes a share of new blocks
+    new = c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    new_id = new.node_id
+    assert _wait(lambda: new_id in _node_stats() and "error" not in _node_stats()[new_id], 60)
+    assert _wait(lambda: all(len(s.get("peers", {}).get("ring", ())) == 3
+                             for s in _node_stats().values() if "error" not in s), 30)
+    more = _files(tmp_path, 60, BLOCK // 2, seed=2)
+    got = fs.cat(sorted(more))
+    assert all(got[p] == more[p] for p in more)
+    assert _node_stats()[new_id]["tiers"]["dram"]["blocks"] > 0
