@@ -61,6 +61,7 @@ class PeakRSS:
         self.base = self._sample()
         self.peak = self.base
         self._stop = threading.Event()
+        self.paused = False  # while a baseline clone is timed between saves
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _sample(self) -> tuple[int, int]:
@@ -76,6 +77,9 @@ class PeakRSS:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self.paused:
+                time.sleep(0.005)
+                continue
             rss, shm = self._sample()
             self.peak = (max(self.peak[0], rss), max(self.peak[1], shm))
             time.sleep(0.02)
@@ -128,7 +132,24 @@ def bench_baselines(size_mib: int, work: str) -> dict:
     return {"clone_s": min(clones), "clone_all_s": clones, "torch_save_fsync_s": t_save, "torch_load_s": min(loads)}
 
 
-def bench_dcp_async(size_mib: int, work: str, saves: int) -> dict:
+def clone_time(state: dict, mem: "PeakRSS", enabled: bool = True) -> float:
+    """Bare clone of the state, timed right before a save so that both see the same machine load.
+
+    The memory sampler is paused meanwhile; what the allocator keeps of the freed clone still
+    counts against the save afterwards (so the memory figure errs on the high side).
+    """
+    if not enabled:
+        return float("nan")
+    mem.paused = True
+    time.sleep(0.03)
+    dt, c = timed(lambda: {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)})
+    del c
+    gc.collect()
+    mem.paused = False
+    return dt
+
+
+def bench_dcp_async(size_mib: int, work: str, saves: int, time_clones: bool = True) -> dict:
     """dcp.async_save (thread mode, default stager and FileSystemWriter), as shipped."""
     state = make_state(size_mib)
     gc.collect()
@@ -136,30 +157,32 @@ def bench_dcp_async(size_mib: int, work: str, saves: int) -> dict:
     with PeakRSS() as mem:
         for step in range(saves):
             out = os.path.join(work, f"dcp_async_{step}")
+            clone_s = clone_time(state, mem, time_clones)
             t0 = time.perf_counter()
             fut = dcp.async_save(state, checkpoint_id=out, no_dist=True)
             block = time.perf_counter() - t0
             fut.result()
-            runs.append({"stall_s": block, "durable_s": time.perf_counter() - t0})
+            runs.append({"stall_s": block, "durable_s": time.perf_counter() - t0, "clone_s": clone_s})
             if step >= 2:
                 shutil.rmtree(os.path.join(work, f"dcp_async_{step - 2}"))
     return {"runs": runs, "peak_extra_rss_bytes": mem.extra_rss}
 
 
-def bench_ours(size_mib: int, root: str, fast_root: str | None, saves: int) -> dict:
+def bench_ours(size_mib: int, root: str, fast_root: str | None, saves: int, time_clones: bool = True) -> dict:
     state = make_state(size_mib)
     gc.collect()
     runs = []
     with PeakRSS(fast_root) as mem:
         ck = Checkpointer(root, keep_last=2, fast_root=fast_root)
         for step in range(saves):
+            clone_s = clone_time(state, mem, time_clones)
             t0 = time.perf_counter()
             handle = ck.save(step, state)
             stall = time.perf_counter() - t0
             handle.wait_in_memory()
             fast = time.perf_counter() - t0
             handle.wait()
-            runs.append({"stall_s": stall, "fast_s": fast, "durable_s": time.perf_counter() - t0})
+            runs.append({"stall_s": stall, "fast_s": fast, "durable_s": time.perf_counter() - t0, "clone_s": clone_s})
     load_state = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
     load_state["meta"] = {"epoch": 0, "note": ""}
     ck.load(load_state)  # warm
@@ -237,30 +260,37 @@ def main() -> None:
         base = in_child(bench_baselines, args.size_mib, work)
         rounds = {"dcp_async": [], "plain": [], "tiered": []}
         for r in range(args.rounds):  # interleaved, so drifts of a shared machine hit all alike
-            rounds["dcp_async"].append(in_child(bench_dcp_async, args.size_mib, os.path.join(work, f"d{r}"), 3))
-            rounds["plain"].append(in_child(bench_ours, args.size_mib, os.path.join(work, f"p{r}"), None, 3))
+            rounds["dcp_async"].append(in_child(bench_dcp_async, args.size_mib, os.path.join(work, f"d{r}"), 4))
+            rounds["plain"].append(in_child(bench_ours, args.size_mib, os.path.join(work, f"p{r}"), None, 4))
             rounds["tiered"].append(in_child(bench_ours, args.size_mib, os.path.join(work, f"t{r}"),
-                                             os.path.join(fast, f"t{r}"), 3))
-        # The first save of each child allocates buffers; steady state is saves 2 and 3.
-        steady = {k: [run for res in v for run in res["runs"][1:]] for k, v in rounds.items()}
+                                             os.path.join(fast, f"t{r}"), 4))
+        # Save 1 allocates buffers, save 2 fresh fast-tier files; steady state is saves 3 and 4.
+        steady = {k: [run for res in v for run in res["runs"][2:]] for k, v in rounds.items()}
         first = {k: [res["runs"][0] for res in v] for k, v in rounds.items()}
         m = {k: {f: median([run[f] for run in runs]) for f in runs[0]} for k, runs in steady.items()}
-        peak = {k: max(res["peak_extra_rss_bytes"] for res in v) for k, v in rounds.items()}
-        shm_peak = max(res["peak_extra_shm_bytes"] for res in rounds["tiered"])
+        stall_ratio = {k: median([run["stall_s"] / run["clone_s"] for run in runs]) for k, runs in steady.items()}
+        first_ratio = median([r["stall_s"] / r["clone_s"] for r in first["plain"]])
+        # Memory in separate children that time no clones (a freed clone the allocator keeps
+        # would be counted against the save).
+        mem_runs = {"dcp_async": in_child(bench_dcp_async, args.size_mib, os.path.join(work, "dm"), 3, False),
+                    "plain": in_child(bench_ours, args.size_mib, os.path.join(work, "pm"), None, 3, False),
+                    "tiered": in_child(bench_ours, args.size_mib, os.path.join(work, "tm"),
+                                       os.path.join(fast, "tm"), 3, False)}
+        peak = {k: v["peak_extra_rss_bytes"] for k, v in mem_runs.items()}
+        shm_peak = mem_runs["tiered"]["peak_extra_shm_bytes"]
         load_plain = min(res["load_s"] for res in rounds["plain"])
         load_fast = min(res["load_s"] for res in rounds["tiered"])
         assert all(res["load_ok"] for k in ("plain", "tiered") for res in rounds[k])
         dist = bench_ranks(args.ranks, args.dist_size_mib, work) if args.ranks > 1 else None
-        report = {"state_bytes": size, "baselines": base, "median_steady": m, "first_saves": first,
+        report = {"state_bytes": size, "baselines": base, "median_steady": m, "stall_over_clone": stall_ratio, "first_saves": first,
                   "peak_extra_rss_bytes": peak, "peak_extra_shm_bytes": shm_peak,
                   "load_s": {"plain": load_plain, "fast": load_fast}, "ranks": dist}
         plain, tiered, dcp_m = m["plain"], m["tiered"], m["dcp_async"]
         rows = [
-            ("stall / clone (no fast tier)", plain["stall_s"] / base["clone_s"], 1.2),
-            ("stall / clone (fast tier)", tiered["stall_s"] / base["clone_s"], 1.2),
-            ("first-save stall / clone (buffers allocated)",
-             median([r["stall_s"] for r in first["plain"]]) / base["clone_s"], None),
-            ("dcp.async_save stall / clone", dcp_m["stall_s"] / base["clone_s"], None),
+            ("stall / clone (no fast tier)", stall_ratio["plain"], 1.2),
+            ("stall / clone (fast tier)", stall_ratio["tiered"], 1.2),
+            ("first-save stall / clone (buffers allocated)", first_ratio, None),
+            ("dcp.async_save stall / clone", stall_ratio["dcp_async"], None),
             ("committed at root / dcp.async_save (no fast tier)", plain["durable_s"] / dcp_m["durable_s"], 1.0),
             ("committed at root / dcp.async_save (fast tier)", tiered["durable_s"] / dcp_m["durable_s"], 1.0),
             ("committed in fast tier / dcp.async_save", tiered["fast_s"] / dcp_m["durable_s"], 0.5),
