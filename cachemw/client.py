@@ -231,6 +231,10 @@ class DaemonClient:
         reply = self._call("lease_many", items)
         return None if reply is None else reply[1]
 
+    def announce(self, items: list[tuple]) -> bool:
+        """Tell the daemon the next reads, in order: (key, length, url, source) each."""
+        return self._send("announce", items)
+
     def filled(self, key: str, tier: str, stored: int) -> None:
         self._send("filled", key, tier, stored)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 VALIDATE_MODES = ("immutable", "ttl", "always")
+PLACEMENT_POLICIES = ("history", "lru", "pin", "clairvoyant")
 DEFAULT_BLOCK_SIZE = 8 * 1024 * 1024
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
@@ -85,8 +86,12 @@ class DaemonConfig:
     runtime_dir: str = field(default_factory=default_runtime_dir)
     node_id: str = "local"
     log_level: str = "INFO"
+    placement: str | None = None  # policy name; None: clairvoyant once announced, else history
 
     def __post_init__(self) -> None:
+        if self.placement is not None and self.placement not in PLACEMENT_POLICIES:
+            raise ValueError(f"placement: must be one of {PLACEMENT_POLICIES}, "
+                             f"got {self.placement!r}")
         if not self.tiers:
             raise ValueError("tiers: a daemon needs at least one tier")
         names = [t.name for t in self.tiers]
@@ -106,6 +111,7 @@ class DaemonConfig:
         nvme_capacity: int | str | None = None,
         runtime_dir: str | None = None,
         node_id: str | None = None,
+        placement: str | None = None,
         env: Mapping[str, str] | None = None,
         **unknown,
     ) -> "DaemonConfig":
@@ -134,6 +140,7 @@ class DaemonConfig:
             runtime_dir=runtime_dir,
             node_id=node_id or env.get("CACHEMW_NODE_ID") or "local",
             log_level=env.get("CACHEMW_LOG_LEVEL", "INFO"),
+            placement=placement or env.get("CACHEMW_PLACEMENT") or None,
         )
 
     def to_dict(self) -> dict:

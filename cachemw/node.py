@@ -8,9 +8,10 @@ into tier T" (the caller fetches from the source and writes the block file, then
 once per node however many processes miss it at once (single flight), fills run in the
 clients' processes in parallel, and the daemon stays a light coordinator.
 
-Capacity: a tier never admits past its capacity; above its high watermark a background
-pass demotes (to the next tier) or evicts blocks, chosen by the eviction policy, until the
-tier is under its low watermark.
+Placement: what to keep and where is decided by the placement engine (placer.py): a miss
+is admitted into the tier it names, after the evictions and demotions it plans to make
+room; hits reported by clients may promote a block; an announced access order drives
+prefetch. A tier never holds more than its capacity.
 """
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .config import DaemonConfig, TierConfig
 from . import blockfile
 from .keys import url_tag
+from .placement import Demote, Evict, Prefetch, Promote
+from .placer import Placer
 from .tiers.directory import DirectoryTier
 
 log = logging.getLogger("cachemw.node")
@@ -33,35 +36,6 @@ CLIENT_COUNTERS = (
     "hits", "hit_bytes", "misses", "fills", "bytes_from_source", "fallbacks",
     "bypassed", "corrupt_repaired", "fill_errors", "remote_hits",
 )
-
-
-class LRUEviction:
-    """Least-recently-used victims per tier: the simple policy until the placement engine
-    drives eviction (it plugs in through the same four methods)."""
-
-    def __init__(self) -> None:
-        self._order: dict[str, OrderedDict[str, int]] = defaultdict(OrderedDict)
-
-    def admitted(self, key: str, tier: str, nbytes: int) -> None:
-        self._order[tier][key] = nbytes
-        self._order[tier].move_to_end(key)
-
-    def accessed(self, key: str, tier: str) -> None:
-        order = self._order[tier]
-        if key in order:
-            order.move_to_end(key)
-
-    def removed(self, key: str, tier: str) -> None:
-        self._order[tier].pop(key, None)
-
-    def victims(self, tier: str, nbytes: int) -> list[str]:
-        out, freed = [], 0
-        for key, size in self._order[tier].items():
-            if freed >= nbytes:
-                break
-            out.append(key)
-            freed += size
-        return out
 
 
 @dataclass
@@ -95,9 +69,9 @@ class _TierState:
 
 
 class NodeCache:
-    def __init__(self, config: DaemonConfig, *, policy=None, lease_wait: float = 30.0) -> None:
+    def __init__(self, config: DaemonConfig, *, lease_wait: float = 30.0) -> None:
         self.config = config
-        self.policy = policy or LRUEviction()
+        self.placer = Placer(config.tiers, config.placement)
         self.lease_wait = lease_wait
         self._lock = threading.Lock()
         self._tiers: dict[str, _TierState] = {}
@@ -111,6 +85,9 @@ class NodeCache:
         self.counters.update(leases=0, waits=0, busy=0, reindexed=0, served_remote=0,
                              peer_fallbacks=0, replicas=0)
         self.remote = None  # RemoteReads, set by a daemon that has peers
+        self._pending: list = []  # moves for the maintenance thread (promotions)
+        self._sources: dict[str, tuple] = {}  # announced key -> (length, url, source)
+        self._moves_lock = threading.Lock()  # moves run one at a time, in order
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._maintainer: threading.Thread | None = None
@@ -119,18 +96,29 @@ class NodeCache:
     # -- lifecycle -----------------------------------------------------------------
 
     def _reindex(self) -> None:
-        """Adopt the blocks already in the tier directories (NVMe survives restarts)."""
+        """Adopt the blocks already in the tier directories (NVMe survives restarts); the
+        placement engine decides which to keep and where, oldest first."""
+        found: dict[str, tuple] = {}
         for name in self._order:
             ts = self._tiers[name]
-            for entry in sorted(ts.tier.scan(), key=lambda e: e.last_used):
-                if entry.key in self._index:  # in a faster tier already: drop the copy
+            for entry in ts.tier.scan():
+                if entry.key in found:  # in a faster tier already: drop the copy
                     ts.tier.delete(entry.key)
                     continue
-                self._add(entry.key, name, entry.stored_bytes, entry.tag or None)
-                self.counters["reindexed"] += 1
+                found[entry.key] = (name, entry)
+        oldest_first = sorted(found.items(), key=lambda kv: kv[1][1].last_used)
+        where = self.placer.load([(k, t, e.stored_bytes) for k, (t, e) in oldest_first])
+        for key, (tier, entry) in oldest_first:
+            target = where.get(key)
+            if target is None:
+                self._tiers[tier].tier.delete(key)
+                continue
+            self._add(key, tier, entry.stored_bytes, entry.tag or None)
+            if target != tier:
+                self._run([Demote(key, entry.stored_bytes, tier, target)])
+            self.counters["reindexed"] += 1
         if self.counters["reindexed"]:
             log.info("re-indexed %d cached blocks", self.counters["reindexed"])
-        self._wake.set()
 
     def start_maintenance(self) -> None:
         if self._maintainer is None:
@@ -165,32 +153,30 @@ class NodeCache:
                     return ("present", entry.tier)
                 inflight = self._inflight.get(key)
                 if inflight is None:
-                    tier = self._choose_tier(nbytes)
+                    tier, moves = self.placer.miss(key, nbytes)
                     if tier is None:
+                        return ("nofill", "policy")
+                    if self._tiers[tier].full_until > time.monotonic():
+                        self.placer.drop(key)
                         return ("nofill", "full")
-                    self._inflight[key] = _Inflight(conn, tier, nbytes, url_tag(url) if url else None)
+                    inflight = self._inflight[key] = _Inflight(
+                        conn, tier, nbytes, url_tag(url) if url else None)
                     self._tiers[tier].reserved += nbytes
                     self.counters["leases"] += 1
-                    return ("fill", tier)
+                    break
                 self.counters["waits"] += 1
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not inflight.done.wait(remaining):
                 with self._lock:
                     self.counters["busy"] += 1
                 return ("nofill", "busy")
-
-    def _choose_tier(self, nbytes: int) -> str | None:
-        now = time.monotonic()
-        for name in self._order:
-            ts = self._tiers[name]
-            if ts.full_until > now:
-                continue
-            if ts.used + ts.reserved + nbytes <= ts.config.capacity:
-                if ts.used + ts.reserved + nbytes > ts.config.high_bytes:
-                    self._wake.set()
-                return name
-            self._wake.set()
-        return None
+        self._run(moves)  # make room first: the tier never holds more than its capacity
+        with self._lock:
+            ts = self._tiers[tier]
+            if ts.used + ts.reserved <= ts.config.capacity:
+                return ("fill", tier)
+        self.abort(key, "full", conn)
+        return ("nofill", "full")
 
     def filled(self, key: str, tier: str, stored: int, conn: object) -> None:
         with self._lock:
@@ -211,11 +197,11 @@ class NodeCache:
             del self._inflight[key]
             ts = self._tiers[inflight.tier]
             ts.reserved -= inflight.nbytes
+            self.placer.drop(key)
             if reason == "nospace":
                 ts.full_until = time.monotonic() + 5.0
                 log.warning("%s tier %s is out of space; not admitting for 5 s", ts.config.name,
                             ts.tier.path)
-                self._wake.set()
         inflight.done.set()
 
     def release(self, conn: object) -> None:
@@ -271,28 +257,28 @@ class NodeCache:
             self.counters[name] = self.counters.get(name, 0) + n
 
     def admit_replica(self, key: str, data: bytes, url: str | None) -> bool:
-        """Store a copy of a remote block in free space (never evicting anything for it)."""
+        """Keep a local copy of a remote block, if the placement engine wants it here."""
         nbytes = len(data) + blockfile.tail_size(len(data))
         with self._lock:
             if key in self._index or key in self._inflight:
                 return False
-            for name in self._order:
-                ts = self._tiers[name]
-                if ts.used + ts.reserved + nbytes <= ts.config.low_bytes:
-                    ts.reserved += nbytes
-                    break
-            else:
+            tier, moves = self.placer.admit(key, nbytes)
+            if tier is None:
                 return False
+            ts = self._tiers[tier]
+            ts.reserved += nbytes
+        self._run(moves)
         try:
             stored = ts.tier.put(key, data, tag=url_tag(url) if url else b"")
         except OSError:
             with self._lock:
                 ts.reserved -= nbytes
+            self.placer.drop(key)
             return False
         with self._lock:
             ts.reserved -= nbytes
             if key not in self._index:
-                self._add(key, name, stored, url_tag(url) if url else None)
+                self._add(key, tier, stored, url_tag(url) if url else None)
                 self.counters["replicas"] += 1
         return True
 
@@ -308,9 +294,6 @@ class NodeCache:
         ts.blocks += 1
         if tag is not None:
             self._by_tag[tag].add(key)
-        self.policy.admitted(key, tier, stored)
-        if ts.used > ts.config.high_bytes:
-            self._wake.set()
 
     def _remove_locked(self, key: str) -> _Entry | None:
         entry = self._index.pop(key, None)
@@ -319,7 +302,6 @@ class NodeCache:
         ts = self._tiers[entry.tier]
         ts.used -= entry.stored
         ts.blocks -= 1
-        self.policy.removed(key, entry.tier)
         if entry.tag is not None:
             keys = self._by_tag.get(entry.tag)
             if keys is not None:
@@ -332,6 +314,7 @@ class NodeCache:
         """Forget and delete a block (a client found it corrupt, or it was invalidated)."""
         with self._lock:
             entry = self._remove_locked(key)
+        self.placer.drop(key)
         if entry is not None:
             self._tiers[entry.tier].tier.delete(key)
         else:  # not indexed (e.g. a stray file): delete wherever it is
@@ -356,15 +339,31 @@ class NodeCache:
                     self.counters[name] += value
             for key, tier in accesses:
                 ts = self._tiers.get(tier)
-                if ts is None:
-                    continue
-                ts.hits += 1
-                self.policy.accessed(key, tier)
+                if ts is not None:
+                    ts.hits += 1
             for tier, nbytes in counters.get("tier_hit_bytes", {}).items():
                 if tier in self._tiers:
                     self._tiers[tier].hit_bytes += nbytes
+        moves = []
+        for key, _ in accesses:  # the engine learns of every hit (recency, promotion)
+            moves.extend(self.placer.hit(key))
+        if moves:  # promotions copy data: not on the client's connection thread
+            with self._lock:
+                self._pending.extend(moves)
+            self._wake.set()
 
-    # -- eviction / demotion -----------------------------------------------------
+    def announce(self, items: list[tuple]) -> None:
+        """A sampler's next reads in order, (key, length, url, source) each: the engine
+        plans prefetch from them; the maintenance thread fetches ahead of the reader."""
+        order = []
+        with self._lock:
+            for key, length, url, source in items:
+                self._sources[key] = (length, url, source)
+                order.append((key, length + blockfile.tail_size(length)))
+        self.placer.announce(order)
+        self._wake.set()
+
+    # -- executing placement moves ------------------------------------------------
 
     def _maintain_loop(self) -> None:
         while not self._closed.is_set():
@@ -373,54 +372,90 @@ class NodeCache:
             if self._closed.is_set():
                 return
             try:
-                self.maintain()
-            except Exception:  # never let the eviction thread die silently
-                log.exception("eviction pass failed")
-
-    def maintain(self) -> None:
-        """Bring every tier above its high watermark down to its low watermark."""
-        for i, name in enumerate(self._order):
-            ts = self._tiers[name]
-            with self._lock:
-                excess = ts.used + ts.reserved - ts.config.low_bytes
-                if ts.used + ts.reserved <= ts.config.high_bytes or excess <= 0:
-                    continue
-                victims = [(k, self._index[k]) for k in self.policy.victims(name, excess)
-                           if k in self._index]
-            lower = self._tiers[self._order[i + 1]] if i + 1 < len(self._order) else None
-            for key, entry in victims:
-                if lower is not None and self._demote(key, entry, ts, lower):
-                    continue
                 with self._lock:
-                    if self._index.get(key) is not entry:
-                        continue
-                    self._remove_locked(key)
-                    ts.evictions += 1
-                ts.tier.delete(key)
+                    moves, self._pending = self._pending, []
+                self._run(moves)
+                if self.placer.announced:
+                    self._prefetch()
+            except Exception:  # never let the maintenance thread die silently
+                log.exception("placement pass failed")
 
-    def _demote(self, key: str, entry: _Entry, upper: _TierState, lower: _TierState) -> bool:
+    def _run(self, moves: list) -> None:
+        """Carry out the engine's moves in order; a move that cannot be done is reported
+        back to the engine (drop), never retried blindly."""
+        with self._moves_lock:
+            for move in moves:
+                if isinstance(move, Evict):
+                    with self._lock:
+                        entry = self._remove_locked(move.key)
+                        if entry is not None:
+                            self._tiers[entry.tier].evictions += 1
+                    if entry is not None:
+                        self._tiers[entry.tier].tier.delete(move.key)
+                elif isinstance(move, (Demote, Promote)):
+                    if not self._move_tier(move.key, move.dst):
+                        self.placer.drop(move.key)
+                        self.drop(move.key, "move failed")
+
+    def _move_tier(self, key: str, dst: str) -> bool:
         with self._lock:
-            if lower.used + lower.reserved + entry.stored > lower.config.high_bytes:
-                return False
-            if time.monotonic() < lower.full_until:
-                return False
+            entry = self._index.get(key)
+        if entry is None:
+            return False
+        if entry.tier == dst:
+            return True
+        src, lower = self._tiers[entry.tier], self._tiers[dst]
         try:
-            data = _read_whole(upper.tier.block_path(key))
+            data = _read_whole(src.tier.block_path(key))
             if data is None:
                 return False
             stored = lower.tier.put(key, data, tag=entry.tag or b"")
         except OSError as exc:
-            log.warning("demoting %s to %s failed: %s", key, lower.config.name, exc)
+            log.warning("moving %s from %s to %s failed: %s", key, entry.tier, dst, exc)
             return False
         with self._lock:
             if self._index.get(key) is not entry:
                 lower.tier.delete(key)
                 return True
             self._remove_locked(key)
-            self._add(key, lower.config.name, stored, entry.tag)
-            upper.demotions += 1
-        upper.tier.delete(key)
+            self._add(key, dst, stored, entry.tag)
+            if self._order.index(dst) > self._order.index(entry.tier):
+                src.demotions += 1
+        src.tier.delete(key)
         return True
+
+    def _prefetch(self, budget: int = 256 << 20) -> None:
+        """Fetch announced blocks ahead of the reader, as the engine plans (never evicting a
+        block needed sooner than the one it brings in)."""
+        from .owner import source_for
+
+        moves = self.placer.prefetch(budget)
+        self._run([m for m in moves if not isinstance(m, Prefetch)])
+        for move in moves:
+            if not isinstance(move, Prefetch):
+                continue
+            with self._lock:
+                known = self._sources.pop(move.key, None)
+                present = move.key in self._index or move.key in self._inflight
+            if present:
+                continue
+            if known is None:
+                self.placer.drop(move.key)
+                continue
+            length, url, (target_json, path, index, block_size, file_size) = known
+            try:
+                block = source_for(target_json).read_block(path, index, block_size, file_size)
+                stored = self._tiers[move.tier].tier.put(move.key, block,
+                                                         tag=url_tag(url) if url else b"")
+            except Exception as exc:
+                log.warning("prefetch of %s block %d failed: %s", url, index, exc)
+                self.placer.drop(move.key)
+                continue
+            with self._lock:
+                if move.key not in self._index:
+                    self._add(move.key, move.tier, stored, url_tag(url) if url else None)
+                self.counters["prefetched"] = self.counters.get("prefetched", 0) + 1
+                self.counters["bytes_from_source"] += len(block)
 
     # -- stats ---------------------------------------------------------------------
 

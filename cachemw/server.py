@@ -148,6 +148,9 @@ class SocketServer:
                 elif op == "report":
                     node.report(args[0], args[1])
                     continue
+                elif op == "announce":
+                    node.announce(args[0])
+                    continue
                 elif op == "drop":
                     node.drop(args[0], args[1])
                     continue

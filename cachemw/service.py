@@ -25,7 +25,7 @@ class DaemonAlreadyRunning(RuntimeError):
 
 
 class NodeService:
-    def __init__(self, config: DaemonConfig, *, kind: str = "embedded", policy=None) -> None:
+    def __init__(self, config: DaemonConfig, *, kind: str = "embedded") -> None:
         self.config = config
         self.kind = kind
         ensure_private_dir(config.runtime_dir)
@@ -35,7 +35,7 @@ class NodeService:
         os.register_at_fork(after_in_child=self._forget_lock_in_child)
         self.stopped = threading.Event()
         try:
-            self.node = NodeCache(config, policy=policy)
+            self.node = NodeCache(config)
             secret = os.urandom(32)
             sock = os.path.join(config.runtime_dir, SOCKET)
             self.server = SocketServer(self.node, sock, secret, on_shutdown=self.close)

@@ -51,9 +51,33 @@ def disk_usage(tier_dir: str) -> int:
 
 
 @pytest.mark.timeout(60)
-def test_dram_smaller_than_dataset(runtime_dir, spawn_daemon, blocks_dataset):
+def test_dram_smaller_than_dataset_history_keeps_a_stable_subset(runtime_dir, spawn_daemon,
+                                                                 blocks_dataset):
+    """The default placement (history) under repeated scans: it fills the tier, then stops
+    admitting instead of churning, so every later epoch hits on the blocks it kept."""
     capacity = 8 * STORED + 100
     spawn_daemon(runtime_dir, dram_capacity=capacity)
+    fs = new_fs(runtime_dir)
+    for epoch in range(3):
+        for path, data in blocks_dataset.items():
+            assert fs.cat_file(path) == data, (epoch, path)
+    fs.client.flush()
+    stats = fs.client.daemon_stats()
+    t = stats["tiers"]["dram"]
+    kept = t["blocks"]
+    assert 0 < kept and t["used_bytes"] == kept * STORED <= int(capacity * 0.95)
+    assert t["evictions"] == 0
+    s = fs.stats()
+    assert s["misses"] == kept  # filled once, never evicted and refetched
+    assert s["hits"] == 2 * kept
+    assert s["bypassed"] == 3 * NFILES - 3 * kept
+    assert s["fallbacks"] == 0 and s["fill_errors"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_dram_smaller_than_dataset(runtime_dir, spawn_daemon, blocks_dataset):
+    capacity = 8 * STORED + 100
+    spawn_daemon(runtime_dir, dram_capacity=capacity, placement="lru")
     fs = new_fs(runtime_dir)
     dram = fs.client.daemon_stats()["tiers"]["dram"]["path"]
     for epoch in range(2):

@@ -133,6 +133,12 @@ def test_node_removed_mid_epoch_then_added(cluster, tmp_path):
     half = len(paths) // 2
     got = fs.cat(paths[:half])
     assert all(got[p] == files[p] for p in paths[:half])
+    fs.client.flush()
+    time.sleep(0.5)
+    lost = _node_stats()[nodes[1].node_id]["tiers"]["dram"]["blocks"]
+    assert lost > 0
+    source_before = fs.stats()["bytes_from_source"] + sum(
+        s["counters"]["bytes_from_source"] for s in _node_stats().values())
     c.remove_node(nodes[1])  # a node dies mid-epoch
     for p in paths[half:]:  # every read still succeeds, with the right bytes
         assert fs.cat_file(p) == files[p]
@@ -142,9 +148,9 @@ def test_node_removed_mid_epoch_then_added(cluster, tmp_path):
     assert _wait(lambda: all(len(s.get("peers", {}).get("ring", ())) == 2
                              for s in _node_stats().values() if "error" not in s))
     stats = _node_stats()
-    fallbacks = fs.stats()["fallbacks"] + sum(
-        s["counters"].get("peer_fallbacks", 0) for s in stats.values() if "error" not in s)
-    assert fallbacks > 0
+    source_after = fs.stats()["bytes_from_source"] + sum(
+        s["counters"]["bytes_from_source"] for s in stats.values() if "error" not in s)
+    assert source_after > source_before  # the dead node's blocks came from the source again
     # a node joins: the leader places a daemon on it and it takes a share of new blocks
     new = c.add_node(num_cpus=1)
     c.wait_for_nodes()
@@ -156,3 +162,40 @@ def test_node_removed_mid_epoch_then_added(cluster, tmp_path):
     got = fs.cat(sorted(more))
     assert all(got[p] == more[p] for p in more)
     assert _node_stats()[new_id]["tiers"]["dram"]["blocks"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_hung_daemon_times_out_and_reads_fall_back(cluster, tmp_path):
+    """A peer that stops answering (SIGSTOP) costs one bounded timeout, then its blocks are
+    read from the source, counted, and the ring goes on without it."""
+    import signal
+
+    import ray
+
+    c, nodes = cluster
+    template = _start(tmp_path, c.address)
+    head = ray.get_runtime_context().get_node_id()
+    files = _files(tmp_path, 90, BLOCK // 2, seed=3)
+    paths = sorted(files)
+    fs = _fs(template, head)
+    got = fs.cat(paths)
+    assert all(got[p] == files[p] for p in paths)
+    victim = nodes[0].node_id
+    pid = _node_stats()[victim]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        again = _files(tmp_path, 90, BLOCK // 2, seed=4)
+        got = fs.cat(sorted(again))  # new blocks, a third of them owned by the hung node
+        assert all(got[p] == again[p] for p in again)
+        assert time.monotonic() - t < 30  # one timeout (3 s), not one per block
+        fs.client.flush()
+        head_stats = _node_stats()[head]
+        assert fs.stats()["fallbacks"] > 0
+        assert head_stats["counters"]["peer_fallbacks"] > 0
+        assert head_stats["peers"]["peer_failures"] >= 1
+        assert victim not in head_stats["peers"]["ring"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # once it answers again it rejoins the ring
+    assert _wait(lambda: victim in _node_stats()[head]["peers"]["ring"], 60)

@@ -1,0 +1,102 @@
+"""The node's placement decisions: the pure placement engine (cachemw.placement) behind a
+lock, fed by the daemon with misses, hits and announced orders.
+
+The engine decides what to keep and where (admit, evict, demote, promote, prefetch); the
+node cache executes the moves on its tiers. Without an announced order the engine runs
+its history policy (frequency with an admission gate: under epoch reshuffles it keeps a
+stable subset instead of churning, where LRU would hit almost never); once a sampler
+announces its order, it switches to the clairvoyant policy, keeping what it has.
+"""
+from __future__ import annotations
+
+import threading
+
+from .config import TierConfig
+from .placement import Admit, Engine, Plan, TierSpec
+
+# Nominal read bandwidths (bytes/s); the engine uses them only for its time model.
+_BANDWIDTH = {"gpu": 50e9, "dram": 10e9, "nvme": 2e9}
+
+
+class Placer:
+    def __init__(self, tiers: tuple[TierConfig, ...], policy: str | None = None) -> None:
+        # The engine fills a tier up to its high watermark; the rest is headroom for fills
+        # in flight, so the tier's hard capacity holds.
+        self._specs = [TierSpec(t.name, max(1, t.high_bytes), _BANDWIDTH.get(t.name, 1e9))
+                       for t in tiers]
+        self.policy = policy
+        self.announced = policy == "clairvoyant"
+        self._engine = Engine(self._specs, policy, announced=self.announced)
+        self._sizes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def policy_name(self) -> str:
+        return self._engine.policy.name
+
+    def load(self, blocks: list[tuple[str, str, int]]) -> dict[str, str]:
+        """Blocks found on disk at start, oldest first: (key, tier, size). Returns where the
+        engine keeps each one it keeps (a key absent from the result is to be deleted)."""
+        with self._lock:
+            for key, _, size in blocks:
+                self._engine.access(key, size)
+                self._sizes[key] = size
+            where = self._engine.placement()
+            for key in [k for k in self._sizes if k not in where]:
+                del self._sizes[key]
+            return where
+
+    def miss(self, key: str, size: int) -> tuple[str | None, list]:
+        """A block is missing: (tier to admit it into or None, moves to run first)."""
+        with self._lock:
+            plan = self._engine.access(key, size)
+            self._sizes[key] = size
+            return self._split(key, plan)
+
+    def admit(self, key: str, size: int) -> tuple[str | None, list]:
+        """Like miss, for a block offered from elsewhere (a replica of a remote block)."""
+        return self.miss(key, size)
+
+    def hit(self, key: str) -> list:
+        """A cached block was read: moves it calls for (promote, and room for it)."""
+        with self._lock:
+            size = self._sizes.get(key)
+            if size is None:
+                return []
+            return list(self._engine.access(key, size).moves)
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._sizes.pop(key, None)
+            self._engine.drop(key)
+
+    def announce(self, order: list[tuple[str, int]]) -> None:
+        """A sampler's next reads, in order; switches to the clairvoyant policy."""
+        with self._lock:
+            if not self._engine.policy.uses_announced:
+                current = self._engine.placement()
+                self._engine = Engine(
+                    self._specs, "clairvoyant", announced=True,
+                    placement={k: (t, self._sizes[k]) for k, t in current.items()})
+                self.announced = True
+            self._engine.announce(order)
+
+    def prefetch(self, budget: int) -> list:
+        with self._lock:
+            plan = self._engine.prefetch(budget)
+            for move in plan.moves:
+                self._sizes.setdefault(move.key, move.size)
+            return list(plan.moves)
+
+    def size_of(self, key: str) -> int | None:
+        return self._sizes.get(key)
+
+    @staticmethod
+    def _split(key: str, plan: Plan) -> tuple[str | None, list]:
+        tier, before = None, []
+        for move in plan.moves:
+            if isinstance(move, Admit) and move.key == key:
+                tier = move.tier
+            else:
+                before.append(move)
+        return tier, before
