@@ -100,10 +100,16 @@ class BlockReader:
                 return data
         return None
 
+    def _item(self, p: _Piece) -> tuple:
+        """What the daemon needs to fetch a block itself: key, length, url, source ref."""
+        return (p.key, p.length, p.meta.url,
+                (self._source_json, p.meta.path, p.index, self.block_size, p.meta.size))
+
+    def announce_items(self, meta: FileMeta, start: int, end: int) -> list[tuple]:
+        return [self._item(p) for p in self._pieces(meta, start, end)] if end > start else []
+
     def _misses(self, pieces: list[_Piece]) -> list[bytes]:
-        items = [(p.key, p.length, p.meta.url,
-                  (self._source_json, p.meta.path, p.index, self.block_size, p.meta.size))
-                 for p in pieces]
+        items = [self._item(p) for p in pieces]
         replies = self.client.lease_many(items)
         out = [self._resolve(p, None if replies is None else replies[i])
                for i, p in enumerate(pieces)]

@@ -95,11 +95,34 @@ def unwrap(exc: CheckpointException, world_size: int) -> Exception:
     return RuntimeError(text)
 
 
+def daemon_fast_root(root: str) -> str | None:
+    """The fast tier a running cachemw daemon offers on this node, for checkpoints of ``root``.
+
+    Saves land in the daemon's runtime dir (node DRAM, /dev/shm by default), one directory
+    per root, and drain to ``root`` in the background. None when no daemon runs here. The
+    daemon does not count these files against its tiers' capacities; ``fast_keep_last``
+    bounds them.
+    """
+    import hashlib
+    import os
+
+    from cachemw.config import default_runtime_dir
+    from cachemw.protocol import lookup
+
+    runtime_dir = os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
+    if lookup(runtime_dir) is None:
+        return None
+    digest = hashlib.blake2b(str(root).encode(), digest_size=8).hexdigest()
+    return os.path.join(runtime_dir, "checkpoints", digest)
+
+
 class Checkpointer:
     """Asynchronous, distributed, tiered checkpoints of a training state under ``root``."""
 
     def __init__(self, root: str, *, keep_last: int | None = None, compression: str | None = None,
-                 process_group: Any = None, fast_root: str | None = None, **options: Any) -> None:
+                 process_group: Any = None, fast_root: str | None = "auto", **options: Any) -> None:
+        if fast_root == "auto":
+            fast_root = daemon_fast_root(root)
         self.config = CheckpointerConfig.from_kwargs(keep_last=keep_last, compression=compression,
                                                      fast_root=fast_root, **options)
         self.root = CheckpointDir(Location(root))
