@@ -1,0 +1,155 @@
+"""torch helpers: a Sampler wrapper that announces each epoch's read order to the cache.
+
+Why: under shuffled epochs a cache that only sees history can at best keep a stable subset
+of the dataset (about half the reads of epoch 2+ miss with a cache of half the dataset).
+A sampler already knows the whole epoch's order when the epoch starts; told that order,
+the node daemon switches its placement engine to the clairvoyant policy (keep the blocks
+needed soonest, evict the one needed furthest away) and prefetches ahead of the reader,
+as NoPFS does from the shuffle seed.
+
+Usage with a DataLoader (any sampler: RandomSampler, DistributedSampler, a custom one)::
+
+    import fsspec
+    from torch.utils.data import DataLoader, RandomSampler
+    from cachemw.torch import AnnouncingSampler
+
+    fs = fsspec.filesystem("cachemw", target_protocol="file")
+    paths = sorted(fs.glob("/lustre/train/*.jpg"))
+    dataset = MyDataset(fs, paths)            # __getitem__(i) reads fs.cat_file(paths[i])
+    sampler = AnnouncingSampler(RandomSampler(dataset), paths, fs=fs)
+    loader = DataLoader(dataset, batch_size=64, sampler=sampler, num_workers=8)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)              # forwarded to a DistributedSampler; else a no-op
+        for batch in loader:
+            ...
+
+``paths`` maps a sample index to what it reads: a sequence (``paths[i]``) or a callable
+``index -> path`` or ``index -> (path, start, end)`` (a record inside a large file: only the
+blocks that range touches are announced). The sampler runs in the trainer's main process
+(the DataLoader sends indices to its workers), so announcing costs the workers nothing.
+
+Announcing never breaks training: if no daemon is reachable, or a path cannot be
+announced, it logs once and yields the indices as the wrapped sampler does.
+
+This module imports torch; ``import cachemw`` never imports this module.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator, Sequence, Union
+
+import torch.utils.data
+
+log = logging.getLogger("cachemw.torch")
+
+Entry = Union[str, tuple]  # a path, or (path, start, end)
+
+
+class AnnouncingSampler(torch.utils.data.Sampler):
+    """Yields exactly what ``sampler`` yields; first announces it to the node daemon.
+
+    ``lookahead``: how many samples to announce at once. None (the default) announces the
+    whole epoch when it starts: the best placement, at the cost of one metadata lookup per
+    sample at each epoch start (cached by the filesystem's ``validate`` policy). A number
+    announces a window of that many samples ahead of the reader, topped up each time half of
+    it has been yielded; keep it well above ``batch_size x num_workers x prefetch_factor``
+    (how far the DataLoader runs ahead of training) and, for the placement to pay off, at
+    least as large as the cache.
+
+    Works with batch samplers too: an element that is a list of indices announces each.
+    """
+
+    def __init__(self, sampler, paths: Union[Sequence[Entry], Callable[[int], Entry]],
+                 fs=None, *, lookahead: int | None = None) -> None:
+        if not hasattr(sampler, "__iter__"):
+            raise ValueError(f"sampler: expected an iterable of indices, got {sampler!r}")
+        if not callable(paths) and not hasattr(paths, "__getitem__"):
+            raise ValueError("paths: expected a sequence of paths or a callable index -> path "
+                             f"or (path, start, end), got {type(paths).__name__}")
+        if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, int)
+                                      or lookahead < 1):
+            raise ValueError(f"lookahead: expected None or an int >= 1, got {lookahead!r}")
+        self.sampler = sampler
+        self.paths = paths
+        self.fs = fs
+        self.lookahead = lookahead
+        self._fs_given = fs is not None
+        self._warned = False
+
+    # -- the Sampler surface ------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forwarded to the wrapped sampler (a DistributedSampler reshuffles by epoch)."""
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator:
+        order = list(self.sampler)  # materialise the epoch: it is what gets announced
+        n = len(order)
+        if self.lookahead is None:
+            self._announce(order, 0, n)
+            yield from order
+            return
+        window, step = self.lookahead, max(1, self.lookahead // 2)
+        announced = self._announce(order, 0, min(n, window))
+        for i, item in enumerate(order):
+            if announced < n and announced - i <= step:
+                announced = self._announce(order, announced, min(n, i + window))
+            yield item
+
+    # -- announcing ---------------------------------------------------------------------
+
+    def entries(self, items: Sequence) -> list[Entry]:
+        """What the given sampler elements read, in order (a batch gives each index's)."""
+        out: list[Entry] = []
+        for item in items:
+            if isinstance(item, (list, tuple)):
+                out.extend(self._entry(i) for i in item)
+            else:
+                out.append(self._entry(item))
+        return out
+
+    def _entry(self, index) -> Entry:
+        index = int(index)
+        return self.paths(index) if callable(self.paths) else self.paths[index]
+
+    def _filesystem(self):
+        if self.fs is None:
+            import fsspec
+
+            self.fs = fsspec.filesystem("cachemw")
+        return self.fs
+
+    def _announce(self, order: list, lo: int, hi: int) -> int:
+        """Announce ``order[lo:hi]``; returns ``hi`` whatever happened (training goes on)."""
+        if hi <= lo:
+            return hi
+        try:
+            entries = self.entries(order[lo:hi])
+            sent = self._filesystem().announce(entries)
+        except Exception as exc:  # announcing is an optimisation: never fail the epoch
+            self._warn_once("could not announce the sampler's order (%s: %s); reading on "
+                            "without it", type(exc).__name__, exc)
+            return hi
+        if sent == 0 and entries:
+            self._warn_once("no cachemw daemon reachable: the sampler's order is not announced "
+                            "(placement falls back to access history)")
+        return hi
+
+    def _warn_once(self, msg: str, *args) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(msg, *args)
+
+    # -- pickling (spawn/forkserver workers, checkpointing a loader) --------------------
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_warned"] = False  # each process says it once
+        if not self._fs_given:
+            state["fs"] = None  # the default is rebuilt from fsspec's registry where needed
+        return state

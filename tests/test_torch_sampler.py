@@ -1,0 +1,188 @@
+"""AnnouncingSampler: announces exactly the order it yields (every rank of a
+DistributedSampler, windows with a lookahead, ranges, batches), forwards set_epoch and
+len, pickles, works in a DataLoader with forked workers against a real daemon, and keeps
+training going when no daemon answers or a path cannot be announced.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+
+import fsspec
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler  # noqa: E402
+
+from cachemw.torch import AnnouncingSampler  # noqa: E402
+from conftest import daemon_stats, wait_for  # noqa: E402
+from test_cache_torch import FsDataset  # noqa: E402  (index, bytes) per sample
+
+pytestmark = pytest.mark.torch
+
+PATHS = [f"/data/{i:04d}.bin" for i in range(50)]
+
+
+class RecordingFs:
+    """Stands for a cachemw filesystem: records what is announced and how far the
+    consumer was when it was (picklable, module level)."""
+
+    def __init__(self):
+        self.announced: list = []
+        self.calls: list[tuple[int, int]] = []  # (entries announced so far, len of this call)
+
+    def announce(self, entries):
+        self.calls.append((len(self.announced), len(entries)))
+        self.announced.extend(entries)
+        return len(entries)
+
+
+def path_range(i: int):
+    """A record inside a big file (module level, so a sampler using it pickles)."""
+    return ("/data/records.bin", i * 100, (i + 1) * 100)
+
+
+def test_announces_exactly_the_order_it_yields_each_epoch():
+    fs = RecordingFs()
+    sampler = AnnouncingSampler(RandomSampler(range(50), generator=torch.Generator().manual_seed(3)),
+                                PATHS, fs=fs)
+    assert len(sampler) == 50
+    orders = []
+    for _ in range(3):
+        fs.announced.clear()
+        order = list(sampler)
+        assert fs.announced == [PATHS[i] for i in order]
+        orders.append(order)
+    assert sorted(orders[0]) == list(range(50))
+    assert orders[0] != orders[1]  # a fresh shuffle per epoch, announced afresh
+
+
+@pytest.mark.parametrize("epoch", [0, 1, 4])
+def test_every_rank_of_a_distributed_sampler_announces_what_it_yields(epoch):
+    ranks = 3
+    seen = []
+    for rank in range(ranks):
+        fs = RecordingFs()
+        bare = DistributedSampler(range(50), num_replicas=ranks, rank=rank, shuffle=True, seed=7)
+        wrapped = AnnouncingSampler(
+            DistributedSampler(range(50), num_replicas=ranks, rank=rank, shuffle=True, seed=7),
+            PATHS, fs=fs)
+        bare.set_epoch(epoch)
+        wrapped.set_epoch(epoch)  # forwarded: same shuffle as the bare sampler
+        order = list(wrapped)
+        assert order == list(bare)
+        assert len(wrapped) == len(bare)
+        assert fs.announced == [PATHS[i] for i in order]
+        seen.extend(order)
+    assert set(seen) == set(range(50))
+
+
+def test_set_epoch_is_a_no_op_for_samplers_without_it():
+    sampler = AnnouncingSampler(range(5), PATHS, fs=RecordingFs())
+    sampler.set_epoch(3)
+    assert list(sampler) == [0, 1, 2, 3, 4]
+
+
+def test_lookahead_announces_in_windows_always_ahead_of_the_reader():
+    fs = RecordingFs()
+    sampler = AnnouncingSampler(RandomSampler(range(50), generator=torch.Generator().manual_seed(1)),
+                                PATHS, fs=fs, lookahead=8)
+    order = []
+    for i, index in enumerate(sampler):
+        assert len(fs.announced) > i  # announced before it is yielded
+        assert len(fs.announced) <= i + 8  # and no further than the window
+        order.append(index)
+    assert fs.announced == [PATHS[i] for i in order]
+    assert len(fs.calls) > 5
+
+
+def test_ranges_and_batches_announce_each_index():
+    fs = RecordingFs()
+    batches = AnnouncingSampler(BatchSampler(range(10), batch_size=4, drop_last=False), path_range,
+                                fs=fs)
+    out = list(batches)
+    assert out == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert fs.announced == [path_range(i) for i in range(10)]
+
+
+def test_bad_arguments_are_value_errors_naming_them():
+    with pytest.raises(ValueError, match="lookahead"):
+        AnnouncingSampler(range(3), PATHS, fs=RecordingFs(), lookahead=0)
+    with pytest.raises(ValueError, match="paths"):
+        AnnouncingSampler(range(3), 42, fs=RecordingFs())
+    with pytest.raises(ValueError, match="sampler"):
+        AnnouncingSampler(42, PATHS, fs=RecordingFs())
+
+
+def test_pickles_with_its_filesystem_or_with_the_default():
+    sampler = AnnouncingSampler(RandomSampler(range(50)), path_range, fs=RecordingFs(),
+                                lookahead=16)
+    copy = pickle.loads(pickle.dumps(sampler))
+    assert len(copy) == 50 and copy.lookahead == 16
+    assert sorted(copy) == list(range(50))
+    assert copy.fs.announced  # its own filesystem came along
+    default = AnnouncingSampler(range(4), PATHS)
+    assert pickle.loads(pickle.dumps(default)).fs is None
+
+
+def test_no_daemon_logs_once_and_yields_everything(tmp_path, caplog):
+    fs = fsspec.filesystem("cachemw", target_protocol="file", autostart=False,
+                           runtime_dir=str(tmp_path / "nobody"), skip_instance_cache=True)
+    for i in range(4):
+        (tmp_path / f"{i}.bin").write_bytes(b"x" * 10)
+    paths = [str(tmp_path / f"{i}.bin") for i in range(4)]
+    sampler = AnnouncingSampler(RandomSampler(range(4)), paths, fs=fs, lookahead=2)
+    with caplog.at_level(logging.WARNING, logger="cachemw.torch"):
+        for _ in range(2):
+            assert sorted(sampler) == [0, 1, 2, 3]
+    warnings = [r for r in caplog.records if r.name == "cachemw.torch"]
+    assert len(warnings) == 1 and "no cachemw daemon" in warnings[0].getMessage()
+
+
+def test_a_path_that_cannot_be_announced_never_stops_the_epoch(tmp_path, caplog):
+    fs = fsspec.filesystem("cachemw", target_protocol="file", autostart=False,
+                           runtime_dir=str(tmp_path / "nobody"), skip_instance_cache=True)
+    sampler = AnnouncingSampler(range(3), [str(tmp_path / "missing")] * 3, fs=fs)
+    with caplog.at_level(logging.WARNING, logger="cachemw.torch"):
+        assert list(sampler) == [0, 1, 2]
+        assert list(sampler) == [0, 1, 2]
+    assert len([r for r in caplog.records if r.name == "cachemw.torch"]) == 1
+
+
+def test_importing_cachemw_never_imports_torch():
+    code = ("import sys, cachemw, cachemw.fs, cachemw.placement, cachemw.tiers.gpu; "
+            "sys.exit('torch' in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dataloader_with_forked_workers_prefetches_the_announced_order(tmp_path, runtime_dir,
+                                                                      spawn_daemon):
+    spawn_daemon(runtime_dir, dram_capacity="64MiB")
+    root = tmp_path / "train"
+    root.mkdir()
+    files = {}
+    for i in range(64):
+        data = os.urandom(16384 + i)
+        (root / f"{i:03d}.bin").write_bytes(data)
+        files[str(root / f"{i:03d}.bin")] = data
+    paths = sorted(files)
+    fs = fsspec.filesystem("cachemw", target_protocol="file", autostart=False,
+                           runtime_dir=runtime_dir, skip_instance_cache=True)
+    inner = RandomSampler(range(len(paths)), generator=torch.Generator().manual_seed(0))
+    sampler = AnnouncingSampler(inner, paths, fs=fs)
+    loader = DataLoader(FsDataset(fs, paths), batch_size=8, sampler=sampler, num_workers=2,
+                        multiprocessing_context="fork", collate_fn=lambda batch: batch)
+    for _ in range(2):
+        got = [item for batch in loader for item in batch]
+        assert sorted(i for i, _ in got) == list(range(len(paths)))
+        for i, data in got:
+            assert data == files[paths[i]]
+    stats = wait_for(lambda: (s := daemon_stats(runtime_dir))["counters"].get("prefetched") and s,
+                     10, what="the daemon to prefetch the announced order")
+    assert stats["counters"]["prefetched"] > 0
