@@ -79,8 +79,10 @@ class PeerSet:
                     self._handles[node_id] = handle
             if handle is None:
                 continue
-            if node_id != self.self_id and self._suspect_until.get(node_id, 0) > now:
-                continue
+            if node_id != self.self_id and node_id in self._suspect_until:
+                if self._suspect_until[node_id] > now or not self._answers(handle):
+                    continue
+                del self._suspect_until[node_id]  # it answers again: back in the ring
             members.append(node_id)
         if self.self_id not in members:
             members.append(self.self_id)
@@ -97,6 +99,14 @@ class PeerSet:
             del self._handles[node_id]  # node gone: a replacement gets a fresh handle
         self._set_members(members)
 
+    def _answers(self, handle) -> bool:
+        """A suspect peer rejoins only once it answers a ping within the timeout."""
+        try:
+            self._ray.get(handle.ping.remote(), timeout=min(self.timeout, 5.0))
+            return True
+        except Exception:
+            return False
+
     def _set_members(self, members) -> None:
         members = tuple(sorted(members))
         with self._lock:
@@ -109,7 +119,6 @@ class PeerSet:
         log.warning("peer %s failed (%s); reading its blocks from the source for now", node_id, why)
         self.counters["peer_failures"] += 1
         self._suspect_until[node_id] = time.monotonic() + max(5.0, 3 * self.refresh_interval)
-        self._handles.pop(node_id, None)
         self._set_members([n for n in self.ring.nodes if n != node_id])
 
     # -- routing ---------------------------------------------------------------------

@@ -38,6 +38,13 @@ class Placer:
         """Blocks found on disk at start, oldest first: (key, tier, size). Returns where the
         engine keeps each one it keeps (a key absent from the result is to be deleted)."""
         with self._lock:
+            try:  # keep every block where it is, if the engine accepts that placement
+                self._engine = Engine(self._specs, self.policy, announced=self.announced,
+                                      placement={k: (t, size) for k, t, size in blocks})
+                self._sizes.update((k, size) for k, _, size in blocks)
+                return self._engine.placement()
+            except ValueError:  # over a tier's share, or more than the policy would keep
+                self._engine = Engine(self._specs, self.policy, announced=self.announced)
             for key, _, size in blocks:
                 self._engine.access(key, size)
                 self._sizes[key] = size

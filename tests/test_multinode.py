@@ -68,10 +68,11 @@ def _files(tmp_path, n, size, seed=0):
     return out
 
 
-def _node_stats():
+def _node_stats(timeout=30):
     from cachemw import daemon
 
-    return {n["node_id"]: n["stats"] for n in daemon.status(runtime_dir="/nonexistent")}
+    return {n["node_id"]: n["stats"]
+            for n in daemon.status(runtime_dir="/nonexistent", timeout=timeout)}
 
 
 def _wait(predicate, timeout=30.0):
@@ -190,7 +191,7 @@ def test_hung_daemon_times_out_and_reads_fall_back(cluster, tmp_path):
         assert all(got[p] == again[p] for p in again)
         assert time.monotonic() - t < 30  # one timeout (3 s), not one per block
         fs.client.flush()
-        head_stats = _node_stats()[head]
+        head_stats = _node_stats(timeout=5)[head]
         assert fs.stats()["fallbacks"] > 0
         assert head_stats["counters"]["peer_fallbacks"] > 0
         assert head_stats["peers"]["peer_failures"] >= 1
