@@ -334,37 +334,45 @@ class CachedFile(AbstractBufferedFile):
         self.meta = meta
         self._mapped: dict[int, MappedBlock | None] = {}
         self._fast_hits = self._fast_bytes = 0
+        self._bs = fs.options.block_size
         super().__init__(fs, path, mode="rb", size=meta.size, **kwargs)
 
     def _fetch_range(self, start, end):
         start, end = _clip(start, end, self.meta.size)
         return self.fs.reader.read(self.meta, start, end)
 
+    def seek(self, loc, whence=0):
+        if whence == 0 and type(loc) is int and loc >= 0:  # the hot path of random reads
+            self.loc = loc
+            return loc
+        return super().seek(loc, whence)
+
     def read(self, length=-1):
+        # The fast path: a read inside one mapped block (after close, nothing is mapped).
         loc = self.loc
-        if length is None or length <= 0 or self.closed or loc >= self.size:
-            return super().read(length)
-        end = min(loc + int(length), self.size)
-        bs = self.fs.options.block_size
-        index = loc // bs
-        if (end - 1) // bs != index:
-            return super().read(length)
-        block = self._mapped.get(index)
-        if block is None and index not in self._mapped:
-            block = self._map(index)
-        if block is None:
-            return super().read(length)
-        base = index * bs
-        try:
-            data = block.read(loc - base, end - base)
-        except CorruptBlock:
-            self._unmap(index)
-            self._mapped[index] = None  # the normal path repairs it from now on
-            return super().read(length)
-        self.loc = end
-        self._fast_hits += 1
-        self._fast_bytes += len(data)
-        return data
+        if length is not None and length > 0 and loc < self.size:
+            end = loc + length
+            if end > self.size:
+                end = self.size
+            bs = self._bs
+            index = loc // bs
+            if (end - 1) // bs == index:
+                block = self._mapped.get(index)
+                if block is None and index not in self._mapped and not self.closed:
+                    block = self._map(index)
+                if block is not None:
+                    base = index * bs
+                    try:
+                        data = block.read(loc - base, end - base)
+                    except CorruptBlock:
+                        self._unmap(index)
+                        self._mapped[index] = None  # the normal path repairs it from now on
+                    else:
+                        self.loc = end
+                        self._fast_hits += 1
+                        self._fast_bytes += end - loc
+                        return data
+        return super().read(length)
 
     def _map(self, index: int) -> MappedBlock | None:
         """Map block ``index`` if a tier holds it; None (and the normal path) otherwise."""
