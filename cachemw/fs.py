@@ -328,7 +328,7 @@ class CachedFile(AbstractBufferedFile):
     a page checksum and a copy, not an open, a seek and a read.
     """
 
-    MAX_MAPPED = 64
+    MAX_MAPPED = 1024  # maps are address space, not memory: 8 GiB of 8 MiB blocks
 
     def __init__(self, fs: CacheFileSystem, path: str, meta, **kwargs) -> None:
         self.meta = meta
