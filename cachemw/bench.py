@@ -6,8 +6,9 @@ source, and through ``cachemw::file://...``. Prints per-epoch time, samples/s an
 cache's hit ratio side by side. ``--pfs-latency-ms`` adds a per-request delay to the
 source to stand in for a remote PFS or object store (0 = the raw local disk).
 
-It runs in a private runtime dir with its own embedded daemon, removed at the end, so it
-never disturbs (or is helped by) a daemon already running on the node.
+It runs in a private runtime dir with its own daemon (a process, as autostart makes it),
+stopped and removed at the end, so it never disturbs (or is helped by) a daemon already
+running on the node.
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def main(args) -> int:
     import torch.utils.data
 
     from .config import parse_size
-    from .embedded import stop_embedded_daemon
+    from .service import stop_local
     from .fs import CacheFileSystem
 
     size = parse_size(args.file_size, name="--file-size")
@@ -105,7 +106,7 @@ def main(args) -> int:
         cached = CacheFileSystem(fs=source, runtime_dir=runtime_dir, validate="ttl",
                                  daemon_options={"dram_capacity": max(2 * size * args.files, 1 << 26)},
                                  skip_instance_cache=True)
-        if not cached.client.connected():  # start the embedded daemon before workers fork
+        if not cached.client.connected():  # start the daemon before workers fork
             print("error: could not start the cache daemon", flush=True)
             return 1
         Dataset = _dataset_cls()
@@ -140,6 +141,6 @@ def main(args) -> int:
         print("\n" + format_stats(stats))
         return 0
     finally:
-        stop_embedded_daemon()
+        stop_local(runtime_dir)
         shutil.rmtree(runtime_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)

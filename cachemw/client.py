@@ -139,16 +139,14 @@ class DaemonClient:
         return conn
 
     def _autostart(self) -> DaemonAddress | None:
-        """No daemon runs: start one. A main process embeds it (it ends with the process);
-        any other process (a DataLoader worker) starts a detached one that outlives it and
-        exits once idle, so a dataset of plain cachemw:: URLs is cached with no setup."""
-        if is_main_process():
-            from .embedded import ensure_embedded_daemon
-
-            return ensure_embedded_daemon(self.runtime_dir, self.daemon_config)
+        """No daemon runs: start one, as a process of its own (never threads in the trainer,
+        which would fight it for the GIL). Started by a main process, it ends with that
+        process; started by a DataLoader worker (a dataset of plain cachemw:: URLs), it
+        outlives the worker and exits once idle."""
         from .service import spawn_detached
 
-        return spawn_detached(self.runtime_dir, self.daemon_config)
+        parent = os.getpid() if is_main_process() else None
+        return spawn_detached(self.runtime_dir, self.daemon_config, parent_pid=parent)
 
     def _set_tiers(self, address: DaemonAddress) -> None:
         if address != self._address:

@@ -33,7 +33,7 @@ class DaemonAddress:
     secret: str  # hex
     tiers: tuple  # ({"name", "path", "capacity"}, ...) fastest first
     meta_dir: str
-    kind: str = "embedded"  # or "ray"
+    kind: str = "autostarted"  # or "ray"
 
     @property
     def authkey(self) -> bytes:

@@ -1,8 +1,10 @@
 """NodeService: a node cache served on the node's local socket.
 
-This is the body of every daemon: the embedded one started inside a trainer process, the
-detached one a DataLoader worker starts when none runs (``python -m cachemw.service``, it
-exits after being idle), and the Ray actor started by ``cachemw start`` run the same thing. It takes the runtime dir's
+This is the body of every daemon: the one a process autostarts when none runs on the node
+(``python -m cachemw.service``: a process of its own, so it never competes with the trainer
+for its GIL; it ends with the main process that started it, or after being idle when a
+DataLoader worker started it) and the Ray actor started by ``cachemw start`` run the same
+thing. It takes the runtime dir's
 lock (one daemon per node), re-indexes the tiers, starts the socket server and eviction,
 and publishes its address for clients.
 """
@@ -25,7 +27,7 @@ class DaemonAlreadyRunning(RuntimeError):
 
 
 class NodeService:
-    def __init__(self, config: DaemonConfig, *, kind: str = "embedded") -> None:
+    def __init__(self, config: DaemonConfig, *, kind: str = "autostarted") -> None:
         self.config = config
         self.kind = kind
         ensure_private_dir(config.runtime_dir)
@@ -75,9 +77,10 @@ class NodeService:
 
 
 def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: float = 600,
-                   wait: float = 20.0):
-    """Start a daemon in its own session (it outlives the caller, exits when idle) and
-    return its address once published; None if none appeared in ``wait`` seconds."""
+                   parent_pid: int | None = None, wait: float = 20.0):
+    """Start a daemon process in its own session and return its address once published
+    (None if none appeared in ``wait`` seconds). It exits when ``parent_pid`` exits, if
+    given, or else after ``idle_exit`` seconds with no client."""
     import json
     import subprocess
     import sys
@@ -91,7 +94,8 @@ def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: 
         os.chmod(log_path, 0o600)
         subprocess.Popen(
             [sys.executable, "-m", "cachemw.service", "--runtime-dir", runtime_dir,
-             "--idle-exit", str(idle_exit), "--options", json.dumps(options or {})],
+             "--idle-exit", str(idle_exit), "--options", json.dumps(options or {}),
+             *(["--parent-pid", str(parent_pid)] if parent_pid else [])],
             stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
         )
     deadline = time.monotonic() + wait
@@ -104,7 +108,8 @@ def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """A detached daemon: serves until no client has been connected for --idle-exit s."""
+    """A daemon process: serves until --parent-pid exits, or, without one, until no client
+    has been connected for --idle-exit seconds."""
     import argparse
     import json
 
@@ -112,18 +117,55 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runtime-dir", required=True)
     p.add_argument("--idle-exit", type=float, default=600.0)
     p.add_argument("--options", default="{}", help="DaemonConfig.build keywords, as JSON")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when this process exits (the trainer that autostarted us)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = DaemonConfig.build(runtime_dir=args.runtime_dir, **json.loads(args.options))
     try:
-        service = NodeService(config, kind="detached")
+        service = NodeService(config, kind="autostarted")
     except DaemonAlreadyRunning:
         return 0
-    while not service.stopped.wait(1.0):
-        if service.server.idle_seconds() > args.idle_exit:
+    while not service.stopped.wait(0.5):
+        if args.parent_pid is not None:
+            if not _alive(args.parent_pid):
+                log.info("process %d that started us is gone: exiting", args.parent_pid)
+                service.close()
+        elif service.server.idle_seconds() > args.idle_exit:
             log.info("no client for %.0f s: exiting", args.idle_exit)
             service.close()
     return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_local(runtime_dir: str, timeout: float = 10.0) -> bool:
+    """Ask the daemon of ``runtime_dir`` to stop (whatever started it); True if one did."""
+    import time
+
+    from .client import DaemonClient
+    from .protocol import lookup
+
+    address = lookup(runtime_dir)
+    if address is None:
+        return False
+    client = DaemonClient(runtime_dir, autostart=False, timeout=timeout)
+    try:
+        client._call("shutdown")
+    finally:
+        client.close()
+    deadline = time.monotonic() + timeout
+    while lookup(runtime_dir) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return lookup(runtime_dir) is None
 
 
 if __name__ == "__main__":

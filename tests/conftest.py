@@ -9,7 +9,7 @@ import threading
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-# Every test session gets its own runtime dir, so the daemon a test starts (embedded or
+# Every test session gets its own runtime dir, so the daemon a test starts (autostarted or
 # Ray) never meets a user's real daemon or another session's.
 _SESSION_DIR = tempfile.mkdtemp(prefix="cachemw-test-")
 os.environ["CACHEMW_RUNTIME_DIR"] = os.path.join(_SESSION_DIR, "runtime")
@@ -19,9 +19,9 @@ os.environ.setdefault("CACHEMW_DRAM_CAPACITY", "2GiB")
 @pytest.fixture(scope="session", autouse=True)
 def _session_runtime():
     yield os.environ["CACHEMW_RUNTIME_DIR"]
-    from cachemw.embedded import stop_embedded_daemon
+    from cachemw.service import stop_local
 
-    stop_embedded_daemon()
+    stop_local(os.environ["CACHEMW_RUNTIME_DIR"])
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 

@@ -1,9 +1,9 @@
 """A torch DataLoader (2 workers) started by fork, forkserver and spawn reads a dataset
 through ``cachemw::file://...`` and gets the exact bytes; the second epoch is all hits.
 
-The embedded daemon of this (main) process serves the workers, as it would a user's
+The daemon this (main) process autostarts serves the workers, as it would a user's
 training script; when the main process never touched cachemw (a dataset of plain URLs),
-the first worker starts a detached daemon that outlives it.
+the first worker starts one that outlives it and exits once idle.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _epochs(dataset, method, n=2):
 def test_dataloader_workers_read_exact_bytes(files, method, holder):
     paths = sorted(files)
     fs = fsspec.filesystem("cachemw", target_protocol="file", block_size=BS)
-    assert fs.client.connected()  # the main process starts (or finds) the embedded daemon
+    assert fs.client.connected()  # the main process starts (or finds) the daemon
     assert pickle.loads(pickle.dumps(fs)).options == fs.options
     if holder == "fs":
         dataset = FsDataset(fs, paths)

@@ -10,7 +10,7 @@ class CachemwFixtures(abstract.AbstractFixtures):
     @pytest.fixture(scope="class")
     @classmethod
     def fs(cls):
-        # autostart: an embedded daemon in this test process serves the whole class.
+        # autostart: a daemon process tied to this test process serves the whole class.
         return fsspec.filesystem("cachemw", target_protocol="file",
                                  target_options={"auto_mkdir": True}, skip_instance_cache=True)
 
