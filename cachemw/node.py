@@ -351,6 +351,8 @@ class NodeCache:
             with self._lock:
                 self._pending.extend(moves)
             self._wake.set()
+        elif accesses and self.placer.announced:  # plan prefetch while the engine's
+            self._wake.set()  # view of the reader is freshest (hits arrive only in reports)
 
     def announce(self, items: list[tuple]) -> None:
         """A sampler's next reads in order, (key, length, url, source) each: the engine
@@ -425,37 +427,51 @@ class NodeCache:
         return True
 
     def _prefetch(self, budget: int = 256 << 20) -> None:
-        """Fetch announced blocks ahead of the reader, as the engine plans (never evicting a
-        block needed sooner than the one it brings in)."""
+        """Fetch announced blocks ahead of the reader, as the engine plans. Each planned block
+        is a fill in flight before the first is fetched: a reader that gets there first
+        waits for it (single flight) instead of reading the source a second time."""
         from .owner import source_for
 
-        moves = self.placer.prefetch(budget)
-        self._run([m for m in moves if not isinstance(m, Prefetch)])
-        for move in moves:
-            if not isinstance(move, Prefetch):
-                continue
-            with self._lock:
+        planned = []
+        with self._lock:  # a lease decides under this lock too: none slips in between
+            moves = self.placer.prefetch(budget)
+            for move in moves:
+                if not isinstance(move, Prefetch):
+                    continue
                 known = self._sources.pop(move.key, None)
-                present = move.key in self._index or move.key in self._inflight
-            if present:
-                continue
-            if known is None:
-                self.placer.drop(move.key)
-                continue
-            length, url, (target_json, path, index, block_size, file_size) = known
+                if move.key in self._index or move.key in self._inflight:
+                    continue
+                if known is None:
+                    self.placer.drop(move.key)
+                    continue
+                url = known[1]
+                fill = _Inflight(self, move.tier, move.size, url_tag(url) if url else None)
+                self._inflight[move.key] = fill
+                self._tiers[move.tier].reserved += move.size
+                planned.append((move, known, fill))
+        self._run([m for m in moves if not isinstance(m, Prefetch)])  # make room first
+        for move, (length, url, source), fill in planned:
+            target_json, path, index, block_size, file_size = source
+            block, stored = None, 0
             try:
                 block = source_for(target_json).read_block(path, index, block_size, file_size)
                 stored = self._tiers[move.tier].tier.put(move.key, block,
                                                          tag=url_tag(url) if url else b"")
             except Exception as exc:
                 log.warning("prefetch of %s block %d failed: %s", url, index, exc)
-                self.placer.drop(move.key)
-                continue
+                block = None
             with self._lock:
-                if move.key not in self._index:
-                    self._add(move.key, move.tier, stored, url_tag(url) if url else None)
-                self.counters["prefetched"] = self.counters.get("prefetched", 0) + 1
-                self.counters["bytes_from_source"] += len(block)
+                if self._inflight.get(move.key) is fill:
+                    del self._inflight[move.key]
+                self._tiers[move.tier].reserved -= move.size
+                if block is not None:
+                    if move.key not in self._index:
+                        self._add(move.key, move.tier, stored, fill.tag)
+                    self.counters["prefetched"] = self.counters.get("prefetched", 0) + 1
+                    self.counters["bytes_from_source"] += len(block)
+            if block is None:
+                self.placer.drop(move.key)
+            fill.done.set()
 
     # -- stats ---------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 
 from .config import TierConfig
-from .placement import Admit, Engine, Plan, TierSpec
+from .placement import Admit, Engine, Plan, Prefetch, TierSpec
+from .placement.future import NEVER
 
 # Nominal read bandwidths (bytes/s); the engine uses them only for its time model.
 _BANDWIDTH = {"gpu": 50e9, "dram": 10e9, "nvme": 2e9}
@@ -89,11 +90,53 @@ class Placer:
             self._engine.announce(order)
 
     def prefetch(self, budget: int) -> list:
+        """Prefetch moves, at most ``budget`` bytes, and never more than the cache can take
+        without evicting a block whose next read is announced (see _reclaimable)."""
         with self._lock:
-            plan = self._engine.prefetch(budget)
-            for move in plan.moves:
-                self._sizes.setdefault(move.key, move.size)
-            return list(plan.moves)
+            cursor = getattr(self._engine.policy, "cursor", 0)
+            moves, stale = [], True
+            while stale and budget > 0:  # the room a stale plan took is planned again
+                stale = False
+                for move in self._engine.prefetch(min(budget, self._reclaimable())).moves:
+                    if isinstance(move, Prefetch) and self._already_read(move, cursor):
+                        self._engine.drop(move.key)
+                        stale = True
+                        continue
+                    if isinstance(move, Prefetch):
+                        budget -= move.size
+                    self._sizes.setdefault(move.key, move.size)
+                    moves.append(move)
+            return moves
+
+    def _already_read(self, move: Prefetch, cursor: int) -> bool:
+        """The read a prefetch is for has happened (a miss the reader served itself).
+
+        The engine's cursor counts the reads it has heard of; hits reach the daemon in
+        access reports up to ``report_interval`` late while misses arrive at once, so the
+        cursor lags the reader and the engine may plan a block the reader has just read:
+        fetching it again would cost a source read, and the block would sit in the cache
+        with a next read in the past, out of the eviction order, until its next epoch.
+        """
+        next_use = getattr(self._engine.policy, "next_use", None)
+        return next_use is not None and next_use(move.key) != cursor + move.needed_at
+
+    def _reclaimable(self) -> int:
+        """Bytes prefetch may fill: free space plus blocks with no announced next read.
+
+        Why: the engine prefetches a block by evicting any block needed later than it, but
+        the evicted block must then be fetched again, so a prefetch that displaces a block
+        with an announced read costs one extra source read (with a cache of half the
+        dataset and per-epoch announcements, that undoes half the hits). Bounding prefetch
+        by what is free or dead (already read, not announced again) keeps the source reads
+        those of the clairvoyant policy without prefetch, just earlier. O(cached blocks).
+        """
+        policy = self._engine.policy
+        free = sum(t.capacity for t in self._specs) - sum(self._engine.used().values())
+        nxt = getattr(policy, "next", None)
+        if nxt is None:
+            return free
+        sizes = policy.sizes
+        return free + sum(sizes[k] for k, nu in nxt.items() if nu >= NEVER and k in sizes)
 
     def size_of(self, key: str) -> int | None:
         return self._sizes.get(key)
