@@ -10,6 +10,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 import fsspec
 import pytest
@@ -159,6 +160,15 @@ def test_importing_cachemw_never_imports_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+class SlowFsDataset(FsDataset):
+    """Each sample takes a little compute, so the daemon's prefetch (started by the
+    announcement the sampler makes in the main process) gets ahead of the workers."""
+
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return super().__getitem__(i)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_dataloader_with_forked_workers_prefetches_the_announced_order(tmp_path, runtime_dir,
@@ -176,7 +186,7 @@ def test_dataloader_with_forked_workers_prefetches_the_announced_order(tmp_path,
                            runtime_dir=runtime_dir, skip_instance_cache=True)
     inner = RandomSampler(range(len(paths)), generator=torch.Generator().manual_seed(0))
     sampler = AnnouncingSampler(inner, paths, fs=fs)
-    loader = DataLoader(FsDataset(fs, paths), batch_size=8, sampler=sampler, num_workers=2,
+    loader = DataLoader(SlowFsDataset(fs, paths), batch_size=8, sampler=sampler, num_workers=2,
                         multiprocessing_context="fork", collate_fn=lambda batch: batch)
     for _ in range(2):
         got = [item for batch in loader for item in batch]
@@ -184,5 +194,5 @@ def test_dataloader_with_forked_workers_prefetches_the_announced_order(tmp_path,
         for i, data in got:
             assert data == files[paths[i]]
     stats = wait_for(lambda: (s := daemon_stats(runtime_dir))["counters"].get("prefetched") and s,
-                     10, what="the daemon to prefetch the announced order")
+                     20, what="the daemon to prefetch the announced order")
     assert stats["counters"]["prefetched"] > 0
