@@ -202,7 +202,8 @@ class MappedBlock:
     def __init__(self, path: str, length: int) -> None:
         fd = os.open(path, os.O_RDONLY)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size, self.ino = st.st_size, st.st_ino
             if size != length + tail_size(length) or length == 0:
                 raise CorruptBlock(f"{path}: {size} bytes, expected a block of {length}")
             self._mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
@@ -229,6 +230,13 @@ class MappedBlock:
                 if _hash(view[i * ps:min((i + 1) * ps, self.length)]) != self._sums[i]:
                     raise CorruptBlock(f"{self.path}: checksum mismatch in page {i}")
         return bytes(view[start:end])
+
+    def still_cached(self) -> bool:
+        """Is the mapped file still the tier's file? (An evicted one only pins memory.)"""
+        try:
+            return os.stat(self.path).st_ino == self.ino
+        except OSError:
+            return False
 
     def close(self) -> None:
         self._view.release()

@@ -80,7 +80,8 @@ class DaemonClient:
     def _reset_after_fork(self) -> None:
         self._pid = os.getpid()
         self._local = threading.local()  # one connection per thread (leases are per connection)
-        self._conns: set[Connection] = set()
+        # weak: a thread that ends drops its connection (closed when collected)
+        self._conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         self._address: DaemonAddress | None = None
         self._tiers: list[DirectoryTier] = []
         self._next_try = 0.0
@@ -304,7 +305,7 @@ class DaemonClient:
     def close(self) -> None:
         self.flush()
         with self._lock:
-            conns, self._conns = list(self._conns), set()
+            conns, self._conns = list(self._conns), weakref.WeakSet()
         self._local = threading.local()
         for conn in conns:
             try:

@@ -16,6 +16,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 
@@ -127,7 +128,8 @@ def _start_local_ray(runtime_dir: str) -> dict:
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
     if ray_bin is None:
         raise RuntimeError("the `ray` command is not installed next to this Python")
-    temp_dir = os.path.join("/tmp", f"cachemw-ray-{os.getuid()}-{port}")
+    # unpredictable and 0700: a fixed name in /tmp could be taken first by another user
+    temp_dir = tempfile.mkdtemp(prefix=f"cachemw-ray-{os.getuid()}-", dir="/tmp")
     cmd = [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)

@@ -328,7 +328,7 @@ class CachedFile(AbstractBufferedFile):
     a page checksum and a copy, not an open, a seek and a read.
     """
 
-    MAX_MAPPED = 1024  # maps are address space, not memory: 8 GiB of 8 MiB blocks
+    MAX_MAPPED = 256  # 2 GiB of 8 MiB blocks; evicted ones are unmapped (see below)
 
     def __init__(self, fs: CacheFileSystem, path: str, meta, **kwargs) -> None:
         self.meta = meta
@@ -371,6 +371,8 @@ class CachedFile(AbstractBufferedFile):
                         self.loc = end
                         self._fast_hits += 1
                         self._fast_bytes += end - loc
+                        if not self._fast_hits & 4095:
+                            self._drop_evicted_maps()
                         return data
         return super().read(length)
 
@@ -392,6 +394,13 @@ class CachedFile(AbstractBufferedFile):
             self.fs.client.hit(key, tier.name, 0)
             return block
         return None
+
+    def _drop_evicted_maps(self) -> None:
+        """Unmap blocks the daemon evicted: their pages would stay allocated in the DRAM
+        tier's tmpfs for as long as this file is open, outside the tier's capacity."""
+        for index, block in list(self._mapped.items()):
+            if block is not None and not block.still_cached():
+                self._unmap(index)
 
     def _unmap(self, index: int) -> None:
         block = self._mapped.pop(index, None)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from .config import DaemonConfig, TierConfig
 from . import blockfile
 from .keys import url_tag
-from .placement import Demote, Evict, Prefetch, Promote
+from .placement import Admit, Demote, Evict, Promote
 from .placer import Placer
 from .tiers.directory import DirectoryTier
 
@@ -52,6 +52,7 @@ class _Inflight:
     nbytes: int
     tag: bytes | None
     done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False  # evicted or invalidated while in flight: do not index it
 
 
 @dataclass
@@ -138,14 +139,15 @@ class NodeCache:
 
     # -- leases: single-flight fills ---------------------------------------------
 
-    def lease(self, key: str, length: int, url: str | None, conn: object) -> tuple[str, str | None]:
+    def lease(self, key: str, length: int, url: str | None, conn: object,
+              wait: float | None = None) -> tuple[str, str | None]:
         """("present", tier) | ("fill", tier) | ("nofill", reason). Never blocks past lease_wait.
 
         ``length`` is the block's data length; the tier is charged what the block file
         will occupy (data + checksums + trailer).
         """
         nbytes = length + blockfile.tail_size(length)
-        deadline = time.monotonic() + self.lease_wait
+        deadline = time.monotonic() + (self.lease_wait if wait is None else wait)
         while True:
             with self._lock:
                 entry = self._index.get(key)
@@ -154,16 +156,21 @@ class NodeCache:
                 inflight = self._inflight.get(key)
                 if inflight is None:
                     tier, moves = self.placer.miss(key, nbytes)
+                    refused = None
                     if tier is None:
-                        return ("nofill", "policy")
-                    if self._tiers[tier].full_until > time.monotonic():
+                        refused = ("nofill", "policy")
+                    elif self._tiers[tier].full_until > time.monotonic():
                         self.placer.drop(key)
-                        return ("nofill", "full")
+                        refused = ("nofill", "full")
+                    if refused is not None:
+                        break
                     inflight = self._inflight[key] = _Inflight(
                         conn, tier, nbytes, url_tag(url) if url else None)
                     self._tiers[tier].reserved += nbytes
                     self.counters["leases"] += 1
                     break
+                if inflight.conn is conn:  # our own fill (a batch naming a block twice)
+                    return ("nofill", "busy")
                 self.counters["waits"] += 1
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not inflight.done.wait(remaining):
@@ -171,6 +178,8 @@ class NodeCache:
                     self.counters["busy"] += 1
                 return ("nofill", "busy")
         self._run(moves)  # make room first: the tier never holds more than its capacity
+        if refused is not None:  # the engine applied its moves even so: they ran above
+            return refused
         with self._lock:
             ts = self._tiers[tier]
             if ts.used + ts.reserved <= ts.config.capacity:
@@ -186,7 +195,10 @@ class NodeCache:
             del self._inflight[key]
             ts = self._tiers[tier]
             ts.reserved -= inflight.nbytes
-            self._add(key, tier, stored, inflight.tag)
+            if not inflight.cancelled:
+                self._add(key, tier, stored, inflight.tag)
+        if inflight.cancelled:  # evicted or invalidated meanwhile: its bytes may be stale
+            ts.tier.delete(key)
         inflight.done.set()
 
     def abort(self, key: str, reason: str, conn: object) -> None:
@@ -325,8 +337,12 @@ class NodeCache:
 
     def invalidate(self, url: str) -> int:
         """Drop every block of ``url`` (the file was written through the cache)."""
+        tag = url_tag(url)
         with self._lock:
-            keys = list(self._by_tag.get(url_tag(url), ()))
+            keys = list(self._by_tag.get(tag, ()))
+            for fill in self._inflight.values():
+                if fill.tag == tag:  # read before the write: must not land in the cache
+                    fill.cancelled = True
         for key in keys:
             self.drop(key, "invalidated")
         return len(keys)
@@ -345,7 +361,9 @@ class NodeCache:
                 if tier in self._tiers:
                     self._tiers[tier].hit_bytes += nbytes
         moves = []
-        for key, _ in accesses:  # the engine learns of every hit (recency, promotion)
+        with self._lock:  # a hit reported late, after an eviction, is no hit for the engine
+            hit = [key for key, _ in accesses if key in self._index]
+        for key in hit:  # the engine learns of every hit (recency, promotion)
             moves.extend(self.placer.hit(key))
         if moves:  # promotions copy data: not on the client's connection thread
             with self._lock:
@@ -387,17 +405,34 @@ class NodeCache:
         back to the engine (drop), never retried blindly."""
         with self._moves_lock:
             for move in moves:
-                if isinstance(move, Evict):
+                try:
+                    self._run_one(move)
+                except OSError as exc:  # a failing tier: forget the block, never stop
+                    log.warning("placement move %s failed: %s", type(move).__name__, exc)
+                    self.placer.drop(move.key)
                     with self._lock:
-                        entry = self._remove_locked(move.key)
-                        if entry is not None:
-                            self._tiers[entry.tier].evictions += 1
-                    if entry is not None:
-                        self._tiers[entry.tier].tier.delete(move.key)
-                elif isinstance(move, (Demote, Promote)):
-                    if not self._move_tier(move.key, move.dst):
-                        self.placer.drop(move.key)
-                        self.drop(move.key, "move failed")
+                        self._remove_locked(move.key)
+
+    def _run_one(self, move) -> None:
+        if isinstance(move, Evict):
+            with self._lock:
+                entry = self._remove_locked(move.key)
+                if entry is not None:
+                    self._tiers[entry.tier].evictions += 1
+                fill = self._inflight.get(move.key)
+                if fill is not None:
+                    fill.cancelled = True  # evicted before its fill landed
+            if entry is not None:
+                self._tiers[entry.tier].tier.delete(move.key)
+        elif isinstance(move, (Demote, Promote)):
+            if not self._move_tier(move.key, move.dst):
+                self.placer.drop(move.key)
+                self.drop(move.key, "move failed")
+        elif isinstance(move, Admit):  # re-admitted by a late hit report: not cached here
+            with self._lock:
+                present = move.key in self._index or move.key in self._inflight
+            if not present:
+                self.placer.drop(move.key)
 
     def _move_tier(self, key: str, dst: str) -> bool:
         with self._lock:
@@ -427,51 +462,9 @@ class NodeCache:
         return True
 
     def _prefetch(self, budget: int = 256 << 20) -> None:
-        """Fetch announced blocks ahead of the reader, as the engine plans. Each planned block
-        is a fill in flight before the first is fetched: a reader that gets there first
-        waits for it (single flight) instead of reading the source a second time."""
-        from .owner import source_for
+        from .prefetch import run_prefetch
 
-        planned = []
-        with self._lock:  # a lease decides under this lock too: none slips in between
-            moves = self.placer.prefetch(budget)
-            for move in moves:
-                if not isinstance(move, Prefetch):
-                    continue
-                known = self._sources.pop(move.key, None)
-                if move.key in self._index or move.key in self._inflight:
-                    continue
-                if known is None:
-                    self.placer.drop(move.key)
-                    continue
-                url = known[1]
-                fill = _Inflight(self, move.tier, move.size, url_tag(url) if url else None)
-                self._inflight[move.key] = fill
-                self._tiers[move.tier].reserved += move.size
-                planned.append((move, known, fill))
-        self._run([m for m in moves if not isinstance(m, Prefetch)])  # make room first
-        for move, (length, url, source), fill in planned:
-            target_json, path, index, block_size, file_size = source
-            block, stored = None, 0
-            try:
-                block = source_for(target_json).read_block(path, index, block_size, file_size)
-                stored = self._tiers[move.tier].tier.put(move.key, block,
-                                                         tag=url_tag(url) if url else b"")
-            except Exception as exc:
-                log.warning("prefetch of %s block %d failed: %s", url, index, exc)
-                block = None
-            with self._lock:
-                if self._inflight.get(move.key) is fill:
-                    del self._inflight[move.key]
-                self._tiers[move.tier].reserved -= move.size
-                if block is not None:
-                    if move.key not in self._index:
-                        self._add(move.key, move.tier, stored, fill.tag)
-                    self.counters["prefetched"] = self.counters.get("prefetched", 0) + 1
-                    self.counters["bytes_from_source"] += len(block)
-            if block is None:
-                self.placer.drop(move.key)
-            fill.done.set()
+        run_prefetch(self, budget)
 
     # -- stats ---------------------------------------------------------------------
 

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import fsspec
 
 from . import blockfile
-from .keys import url_tag
+from .keys import url_tag, version_token
 from .tiers.source import SourceTier
 
 log = logging.getLogger("cachemw.owner")
 
+OWNER_LEASE_WAIT = 3.0  # well under a peer's timeout: a slow fill must not evict us from rings
 _sources: dict[str, SourceTier] = {}
 _sources_lock = threading.Lock()
 
@@ -35,7 +36,9 @@ def source_for(target_json: str) -> SourceTier:
 
 
 def serve_blocks(node, requests: list[tuple]) -> list[bytes | None]:
-    """Owner side: each request is (key, length, url, (target_json, path, index, bs, size))."""
+    """Owner side: each request is (key, length, url, (target_json, path, index, bs, size,
+    version)); a block the owner cannot serve in time, or whose source has another version
+    here, is None (the requester reads its own source)."""
     out = []
     for key, length, url, source in requests:
         try:
@@ -56,15 +59,22 @@ def _serve_one(node, key, length, url, source):
         node.count("served_remote")
         return data
     requester = _Requester()
-    kind, tier = node.lease(key, length, url, requester)
+    kind, tier = node.lease(key, length, url, requester, wait=OWNER_LEASE_WAIT)
+    if kind == "nofill" and tier == "busy":
+        return None  # another fill of it is slow: do not hold the peer past its timeout
     if kind == "present":
         data = node.read_local(key, length)
         if data is not None:
             node.count("served_remote")
             return data
-    target_json, path, index, block_size, file_size = source
+    target_json, path, index, block_size, file_size, version = source
     try:
-        block = source_for(target_json).read_block(path, index, block_size, file_size)
+        src = source_for(target_json)
+        if version_token(src.fs.info(path)) != version:  # the requester saw another file
+            if kind == "fill":
+                node.abort(key, "changed", requester)
+            return None
+        block = src.read_block(path, index, block_size, file_size)
     except BaseException:
         if kind == "fill":
             node.abort(key, "source-error", requester)

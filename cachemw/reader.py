@@ -101,20 +101,40 @@ class BlockReader:
         return None
 
     def _item(self, p: _Piece) -> tuple:
-        """What the daemon needs to fetch a block itself: key, length, url, source ref."""
+        """What the daemon needs to fetch a block itself: key, length, url, source ref
+        (with the version token, so an owner node never caches another version's bytes)."""
         return (p.key, p.length, p.meta.url,
-                (self._source_json, p.meta.path, p.index, self.block_size, p.meta.size))
+                (self._source_json, p.meta.path, p.index, self.block_size, p.meta.size,
+                 p.meta.version))
 
     def announce_items(self, meta: FileMeta, start: int, end: int) -> list[tuple]:
         return [self._item(p) for p in self._pieces(meta, start, end)] if end > start else []
 
     def _misses(self, pieces: list[_Piece]) -> list[bytes]:
-        items = [self._item(p) for p in pieces]
-        replies = self.client.lease_many(items)
-        out = [self._resolve(p, None if replies is None else replies[i])
-               for i, p in enumerate(pieces)]
+        """One lease per distinct block (a batch may name a block twice); every fill lease
+        is finished or aborted, even when resolving an earlier piece raises."""
+        first: dict[str, int] = {}
+        for i, p in enumerate(pieces):
+            first.setdefault(p.key, i)
+        unique = [pieces[i] for i in first.values()]
+        replies = self.client.lease_many([self._item(p) for p in unique])
+        out: dict[int, bytes] = {}
+        done = 0
+        try:
+            for done, p in enumerate(unique):
+                out[first[p.key]] = self._resolve(p, None if replies is None else replies[done])
+            done = len(unique)
+        finally:
+            if replies is not None:
+                for p, reply in zip(unique[done + 1:], replies[done + 1:]):
+                    if reply[0] == "fill":
+                        self.client.abort(p.key, "error")
+        for i, p in enumerate(pieces):  # the repeats: from the tier now, or the source
+            if i not in out:
+                data = self._hit(p)
+                out[i] = data if data is not None else self._direct(p)
         self.client.maybe_flush()
-        return out
+        return [out[i] for i in range(len(pieces))]
 
     def _resolve(self, piece: _Piece, reply) -> bytes:
         client = self.client
@@ -132,10 +152,12 @@ class BlockReader:
             try:
                 data = tier.get(piece.key, piece.length, piece.lo, piece.hi) if tier else None
             except CorruptBlock:
+                client.count("corrupt_repaired")
                 data = None
             if data is not None:
                 client.hit(piece.key, arg, len(data))
                 return data
+            client.drop(piece.key, "missing")  # indexed but gone: let it be filled again
         client.count("fallbacks" if kind == "fallback" else "bypassed")
         return self._direct(piece)
 

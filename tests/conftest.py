@@ -208,3 +208,12 @@ def make_cache_fs(runtime_dir, spawn_daemon):
                                  skip_instance_cache=True, **options)
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _checkpoints_without_a_daemon(request, tmp_path_factory, monkeypatch):
+    """Checkpointer(fast_root="auto") lands saves in a running daemon's DRAM; the checkpoint
+    tests pin the no-daemon case (an empty runtime dir) unless they are about the daemon."""
+    name = request.node.module.__name__
+    if name.startswith("test_checkpoint_") and name != "test_checkpoint_daemon_tier":
+        monkeypatch.setenv("CACHEMW_RUNTIME_DIR", str(tmp_path_factory.mktemp("no-daemon")))

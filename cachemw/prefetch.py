@@ -1,0 +1,76 @@
+"""Executing the engine's prefetch plan on a node: fetch announced blocks ahead of the
+reader, as the placement engine plans them (clairvoyant, from an announced order).
+
+Each planned block is a fill in flight before the first is fetched, so a reader that
+gets there first waits for it (single flight) instead of reading the source a second
+time; whatever happens, every planned fill is finished or released.
+"""
+from __future__ import annotations
+
+import logging
+
+from .keys import url_tag
+from .placement import Prefetch
+
+log = logging.getLogger("cachemw.prefetch")
+
+
+def run_prefetch(node, budget: int) -> None:
+    from .node import _Inflight
+    from .owner import source_for
+
+    planned = []
+    with node._lock:  # a lease decides under this lock too: none slips in between
+        moves = node.placer.prefetch(budget)
+        for move in moves:
+            if not isinstance(move, Prefetch):
+                continue
+            known = node._sources.pop(move.key, None)
+            if move.key in node._index or move.key in node._inflight:
+                continue
+            if known is None:
+                node.placer.drop(move.key)
+                continue
+            url = known[1]
+            fill = _Inflight(node, move.tier, move.size, url_tag(url) if url else None)
+            node._inflight[move.key] = fill
+            node._tiers[move.tier].reserved += move.size
+            planned.append((move, known, fill))
+    try:
+        node._run([m for m in moves if not isinstance(m, Prefetch)])  # make room first
+        while planned:
+            move, (length, url, source), fill = planned.pop(0)
+            _fetch_one(node, move, url, source, fill, source_for)
+    finally:
+        for move, _, fill in planned:  # not fetched (an error above): release, never leak
+            _finish(node, move, fill, None, 0)
+
+
+def _fetch_one(node, move, url, source, fill, source_for) -> None:
+    target_json, path, index, block_size, file_size, _version = source
+    block, stored = None, 0
+    try:
+        block = source_for(target_json).read_block(path, index, block_size, file_size)
+        stored = node._tiers[move.tier].tier.put(move.key, block, tag=url_tag(url) if url else b"")
+    except Exception as exc:
+        log.warning("prefetch of %s block %d failed: %s", url, index, exc)
+        block = None
+    _finish(node, move, fill, block, stored)
+
+
+def _finish(node, move, fill, block, stored) -> None:
+    keep = block is not None and not fill.cancelled
+    with node._lock:
+        if node._inflight.get(move.key) is fill:
+            del node._inflight[move.key]
+        node._tiers[move.tier].reserved -= move.size
+        if keep and move.key not in node._index:
+            node._add(move.key, move.tier, stored, fill.tag)
+        if block is not None:
+            node.counters["prefetched"] = node.counters.get("prefetched", 0) + 1
+            node.counters["bytes_from_source"] += len(block)
+    if block is not None and not keep:  # evicted or invalidated while being fetched
+        node._tiers[move.tier].tier.delete(move.key)
+    if not keep:
+        node.placer.drop(move.key)
+    fill.done.set()

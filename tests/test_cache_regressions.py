@@ -1,0 +1,162 @@
+"""Regressions found in review: leases that waited on themselves or leaked, drift between
+the node's index and the placement engine, indexed-but-missing blocks, owner-side version
+checks, and per-thread connections that outlived their threads."""
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import fsspec
+import pytest
+
+from cachemw import blockfile
+from cachemw.config import DaemonConfig
+from cachemw.keys import block_key
+from cachemw.node import NodeCache
+
+L = 64 << 10
+STORED = L + blockfile.tail_size(L)
+
+
+def _node(tmp_path, blocks=3.2, placement="lru"):
+    cap = int(blocks * STORED / 0.95)  # the engine fills up to the high watermark
+    return NodeCache(DaemonConfig.build(runtime_dir=str(tmp_path / "rt"), dram_dir=str(tmp_path / "dram"),
+                                        dram_capacity=cap, placement=placement))
+
+
+KEYS = [block_key("file:///x", "v", i, L) for i in range(20)]
+
+
+def _fill(nc, key, conn, byte=b"x"):
+    reply = nc.lease(key, L, "file:///x", conn)
+    if reply[0] == "fill":
+        nc.filled(key, reply[1], nc.tier(reply[1]).put(key, byte * L), conn)
+    return reply
+
+
+def _engine_keys(nc):
+    return set(nc.placer._engine.placement())
+
+
+def test_a_late_hit_report_after_eviction_does_not_block_recaching(tmp_path):
+    nc, conn = _node(tmp_path), object()
+    for k in KEYS[:3]:
+        assert _fill(nc, k, conn)[0] == "fill"
+    assert _fill(nc, KEYS[3], conn)[0] == "fill"  # evicts KEYS[0] (LRU)
+    assert KEYS[0] not in nc._index
+    nc.report({"hits": 1}, [(KEYS[0], "dram")])  # the hit on KEYS[0], reported late
+    nc._run(nc._pending)
+    assert KEYS[0] not in _engine_keys(nc)
+    assert _fill(nc, KEYS[0], conn)[0] == "fill"  # it can be cached again
+    assert _engine_keys(nc) == set(nc._index)
+
+
+def test_a_fill_evicted_while_in_flight_is_not_indexed_and_admission_goes_on(tmp_path):
+    nc, slow, fast = _node(tmp_path), object(), object()
+    assert nc.lease(KEYS[0], L, "file:///x", slow)[0] == "fill"  # in flight
+    for k in KEYS[1:4]:  # the third evicts the in-flight KEYS[0] (whose bytes are
+        _fill(nc, k, fast)  # still reserved, so the tier may refuse it until they land)
+    nc.filled(KEYS[0], "dram", nc.tier("dram").put(KEYS[0], b"s" * L), slow)  # lands late
+    assert KEYS[0] not in nc._index and not nc.tier("dram").contains(KEYS[0])
+    assert _engine_keys(nc) == set(nc._index)
+    for k in KEYS[4:10]:  # admission never wedges
+        assert _fill(nc, k, fast)[0] == "fill"
+    ts = nc._tiers["dram"]
+    assert ts.used == ts.blocks * STORED <= ts.config.capacity
+    assert _engine_keys(nc) == set(nc._index)
+
+
+def test_invalidate_cancels_fills_in_flight(tmp_path):
+    nc, conn = _node(tmp_path), object()
+    assert nc.lease(KEYS[0], L, "file:///x", conn)[0] == "fill"
+    nc.invalidate("file:///x")  # written meanwhile: the fill read the old bytes
+    nc.filled(KEYS[0], "dram", nc.tier("dram").put(KEYS[0], b"old" * (L // 3) + b"o"), conn)
+    assert KEYS[0] not in nc._index and not nc.tier("dram").contains(KEYS[0])
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_naming_one_block_twice_does_not_wait_on_itself(make_cache_fs, tmp_path):
+    fs = make_cache_fs(block_size=L)
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(3 * L)
+    with open(path, "wb") as f:
+        f.write(data)
+    t = time.monotonic()
+    got = fs.cat_ranges([path, path, path], [0, 100, L + 5], [10, 110, L + 50])
+    assert got == [data[0:10], data[100:110], data[L + 5:L + 50]]
+    assert time.monotonic() - t < 5
+    s = fs.stats()
+    assert s["misses"] == 2 and s["bypassed"] == 0  # one fill per block, not per range
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_piece_does_not_leak_the_other_fill_leases(make_cache_fs, tmp_path):
+    fs = make_cache_fs(block_size=L, validate="ttl", ttl=3600)
+    a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
+    for p in (a, b):
+        with open(p, "wb") as f:
+            f.write(os.urandom(L))
+    fs.info(a), fs.info(b)  # metadata cached; then a disappears from the source
+    os.unlink(a)
+    with pytest.raises(FileNotFoundError):
+        fs.cat([a, b])
+    assert fs.client.daemon_stats()["inflight"] == 0
+    other = make_cache_fs(block_size=L, validate="ttl", ttl=3600)
+    t = time.monotonic()
+    assert other.cat_file(b) == open(b, "rb").read()
+    assert time.monotonic() - t < 5
+
+
+@pytest.mark.timeout(60)
+def test_an_indexed_block_whose_file_vanished_is_filled_again(make_cache_fs, tmp_path):
+    fs = make_cache_fs(block_size=L)
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(L)
+    with open(path, "wb") as f:
+        f.write(data)
+    assert fs.cat_file(path) == data
+    meta = fs.meta.file(path)
+    dram = fs.client.tiers()[0]
+    os.unlink(dram.block_path(block_key(meta.url, meta.version, 0, L)))  # /dev/shm cleaned
+    for _ in range(3):
+        assert fs.cat_file(path) == data
+    s = fs.stats()
+    assert s["misses"] == 2 and s["bypassed"] <= 1  # refilled, not bypassed for ever
+
+
+@pytest.mark.timeout(60)
+def test_connections_of_finished_threads_are_closed(make_cache_fs, tmp_path):
+    fs = make_cache_fs(block_size=L)
+    path = str(tmp_path / "f.bin")
+    with open(path, "wb") as f:
+        f.write(os.urandom(100))
+    fs.cat_file(path)
+
+    def reader():
+        fs.client.lease_many([])  # opens this thread's connection
+
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        t = threading.Thread(target=reader)
+        t.start()
+        t.join()
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= fds + 2
+    assert len(fs.client._conns) <= 2
+
+
+def test_owner_refuses_a_block_of_another_version(tmp_path):
+    from cachemw.owner import serve_blocks
+    from fsspec.implementations.local import LocalFileSystem
+
+    nc = _node(tmp_path, blocks=8)
+    path = str(tmp_path / "s.bin")
+    with open(path, "wb") as f:
+        f.write(os.urandom(L))
+    src = LocalFileSystem()
+    key = block_key(f"file://{path}", "stale-version", 0, L)
+    request = (key, L, f"file://{path}", (src.to_json(), path, 0, L, L, "stale-version"))
+    assert serve_blocks(nc, [request]) == [None]
+    assert key not in nc._index
