@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 
 from .config import DaemonConfig
 from .node import NodeCache
 from .protocol import SOCKET, DaemonAddress, DaemonLock, ensure_private_dir, publish, unpublish
 from .server import SocketServer
+from .tiers.directory import DirectoryTier
 
 log = logging.getLogger("cachemw.daemon")
 
@@ -119,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--options", default="{}", help="DaemonConfig.build keywords, as JSON")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process exits (the trainer that autostarted us)")
+    p.add_argument("--keep-dram", action="store_true",
+                   help="leave the DRAM tier's blocks in place at exit (by default an "
+                        "autostarted daemon frees the node's shared memory when it ends)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = DaemonConfig.build(runtime_dir=args.runtime_dir, **json.loads(args.options))
@@ -134,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         elif service.server.idle_seconds() > args.idle_exit:
             log.info("no client for %.0f s: exiting", args.idle_exit)
             service.close()
+    if not args.keep_dram:  # /dev/shm is the node's RAM, shared with other jobs
+        for tier in config.tiers:
+            if tier.name == "dram":
+                freed = DirectoryTier(tier.name, tier.path).clear()
+                shutil.rmtree(os.path.join(tier.path, "meta"), ignore_errors=True)  # ours
+                log.info("freed %d bytes of the DRAM tier %s", freed, tier.path)
     return 0
 
 

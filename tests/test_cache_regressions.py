@@ -160,3 +160,29 @@ def test_owner_refuses_a_block_of_another_version(tmp_path):
     request = (key, L, f"file://{path}", (src.to_json(), path, 0, L, L, "stale-version"))
     assert serve_blocks(nc, [request]) == [None]
     assert key not in nc._index
+
+
+@pytest.mark.timeout(60)
+def test_an_autostarted_daemon_frees_the_dram_tier_when_its_process_ends(tmp_path):
+    """/dev/shm is the node's RAM, shared with other jobs: a daemon autostarted by a
+    trainer frees its DRAM tier when that trainer exits (only its own block files)."""
+    import subprocess
+    import sys
+
+    rt = tmp_path / "rt"
+    src = tmp_path / "f.bin"
+    src.write_bytes(os.urandom(5000))
+    code = ("import fsspec, sys\n"
+            f"fs = fsspec.filesystem('cachemw', runtime_dir={str(rt)!r}, skip_instance_cache=True)\n"
+            f"fs.cat_file({str(src)!r})\n"
+            "print(fs.client.daemon_stats()['tiers']['dram']['path'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    dram = out.stdout.strip().splitlines()[-1]
+    (tmp_path / "rt" / "dram" / "not-ours.txt").write_text("keep me")
+    from conftest import wait_for
+    from cachemw.protocol import lookup
+
+    wait_for(lambda: lookup(str(rt)) is None, 20, what="the daemon to exit with its trainer")
+    wait_for(lambda: not any(len(n) == 2 for n in os.listdir(dram)), 10, what="the tier to be freed")
+    assert os.listdir(dram) == ["not-ours.txt"]

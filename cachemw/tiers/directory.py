@@ -86,5 +86,19 @@ class DirectoryTier:
                     yield BlockEntry(entry.name, st.st_size, max(st.st_atime, st.st_mtime),
                                      blockfile.read_tag(entry.path))
 
+    def clear(self) -> int:
+        """Delete every block file (and leftover temp file) of this tier; nothing else.
+        Returns the bytes freed. Only names this tier creates are touched, so a tier
+        pointed at a shared directory never deletes anything that is not ours."""
+        freed = 0
+        for entry in list(self.scan()):
+            freed += self.delete(entry.key)
+        for sub in _FANOUT:
+            try:
+                os.rmdir(os.path.join(self.path, sub))
+            except OSError:
+                pass
+        return freed
+
     def close(self) -> None:
         pass
