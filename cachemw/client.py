@@ -275,6 +275,19 @@ class DaemonClient:
         if due or time.monotonic() - self._last_flush > self.report_interval:
             self.flush()
 
+    def counted_hit(self, nbytes: int) -> None:
+        """A hit whose recency was already recorded (reads of an open file's mapped block)."""
+        with self._lock:
+            self.counters["hits"] += 1
+            self.counters["hit_bytes"] += nbytes
+            self._unsent["hits"] += 1
+            self._unsent["hit_bytes"] += nbytes
+
+    def accessed(self, key: str, tier: str) -> None:
+        """Recency only (the reads themselves are counted by the caller, with count())."""
+        with self._lock:
+            self._accesses.append((key, tier))
+
     def maybe_flush(self) -> None:
         if time.monotonic() - self._last_flush > self.report_interval:
             self.flush()

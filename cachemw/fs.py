@@ -333,7 +333,8 @@ class CachedFile(AbstractBufferedFile):
     def __init__(self, fs: CacheFileSystem, path: str, meta, **kwargs) -> None:
         self.meta = meta
         self._mapped: dict[int, MappedBlock | None] = {}
-        self._fast_hits = self._fast_bytes = 0
+        self._fast_reads = 0
+        self._client = fs.client
         self._bs = fs.options.block_size
         super().__init__(fs, path, mode="rb", size=meta.size, **kwargs)
 
@@ -369,9 +370,9 @@ class CachedFile(AbstractBufferedFile):
                         self._mapped[index] = None  # the normal path repairs it from now on
                     else:
                         self.loc = end
-                        self._fast_hits += 1
-                        self._fast_bytes += end - loc
-                        if not self._fast_hits & 4095:
+                        self._client.counted_hit(end - loc)
+                        self._fast_reads += 1
+                        if not self._fast_reads & 4095:
                             self._drop_evicted_maps()
                         return data
         return super().read(length)
@@ -391,7 +392,7 @@ class CachedFile(AbstractBufferedFile):
             if len(self._mapped) >= self.MAX_MAPPED:
                 self._unmap(next(iter(self._mapped)))
             self._mapped[index] = block
-            self.fs.client.hit(key, tier.name, 0)
+            self.fs.client.accessed(key, tier.name)  # reads are counted as they happen
             return block
         return None
 
@@ -410,10 +411,6 @@ class CachedFile(AbstractBufferedFile):
     def close(self):
         for index in list(self._mapped):
             self._unmap(index)
-        if self._fast_hits:
-            self.fs.client.count("hits", self._fast_hits)
-            self.fs.client.count("hit_bytes", self._fast_bytes)
-            self._fast_hits = self._fast_bytes = 0
         super().close()
 
 
