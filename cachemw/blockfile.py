@@ -206,7 +206,10 @@ class MappedBlock:
             size, self.ino = st.st_size, st.st_ino
             if size != length + tail_size(length) or length == 0:
                 raise CorruptBlock(f"{path}: {size} bytes, expected a block of {length}")
-            self._mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            # MAP_POPULATE: map every page now (they are in RAM or page cache), so random
+            # reads do not each take a page fault on first touch
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         self.path = path
