@@ -116,3 +116,14 @@ class DaemonLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def pid_alive(pid: int) -> bool:
+    """Is process ``pid`` alive on this node? (A pid owned by another user counts as alive.)"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -17,7 +17,8 @@ import threading
 
 from .config import DaemonConfig
 from .node import NodeCache
-from .protocol import SOCKET, DaemonAddress, DaemonLock, ensure_private_dir, publish, unpublish
+from .protocol import (SOCKET, DaemonAddress, DaemonLock, ensure_private_dir, pid_alive, publish,
+                       unpublish)
 from .server import SocketServer
 from .tiers.directory import DirectoryTier
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     while not service.stopped.wait(0.5):
         if args.parent_pid is not None:
-            if not _alive(args.parent_pid):
+            if not pid_alive(args.parent_pid):
                 log.info("process %d that started us is gone: exiting", args.parent_pid)
                 service.close()
         elif service.server.idle_seconds() > args.idle_exit:
@@ -146,16 +147,6 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(os.path.join(tier.path, "meta"), ignore_errors=True)  # ours
                 log.info("freed %d bytes of the DRAM tier %s", freed, tier.path)
     return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def stop_local(runtime_dir: str, timeout: float = 10.0) -> bool:

@@ -15,6 +15,8 @@ import re
 import socket
 import time
 
+from cachemw.protocol import pid_alive
+
 from .storage_io import Location
 from .writer import MANIFEST_NAME
 
@@ -35,16 +37,6 @@ def step_dir_name(step: int, save_id: str) -> str:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return f"step_{step:012d}-{save_id[:8]}"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class CheckpointDir:
