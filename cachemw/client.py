@@ -19,8 +19,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection, answer_challenge
 
-from .node import CLIENT_COUNTERS
-from .protocol import DaemonAddress, lookup
+from .protocol import CLIENT_COUNTERS, DaemonAddress, lookup
 from .tiers.directory import DirectoryTier
 
 log = logging.getLogger("cachemw.client")

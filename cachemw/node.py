@@ -27,15 +27,11 @@ from . import blockfile
 from .keys import url_tag
 from .placement import Admit, Demote, Evict, Promote
 from .placer import Placer
+from .protocol import CLIENT_COUNTERS
 from .tiers.directory import DirectoryTier
 
 log = logging.getLogger("cachemw.node")
 
-# Counters clients add to through access reports; the daemon adds the rest.
-CLIENT_COUNTERS = (
-    "hits", "hit_bytes", "misses", "fills", "bytes_from_source", "fallbacks",
-    "bypassed", "corrupt_repaired", "fill_errors", "remote_hits",
-)
 
 
 @dataclass

@@ -17,6 +17,12 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+# Counters clients add to through access reports; the daemon adds the rest.
+CLIENT_COUNTERS = (
+    "hits", "hit_bytes", "misses", "fills", "bytes_from_source", "fallbacks",
+    "bypassed", "corrupt_repaired", "fill_errors", "remote_hits",
+)
+
 REGISTRY = "daemon.json"
 LOCK = "daemon.lock"
 SOCKET = "daemon.sock"
