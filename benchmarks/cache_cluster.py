@@ -110,6 +110,9 @@ def main() -> int:
             t = time.perf_counter()
             n = sum(len(fs.cat_file(p)) for p in local)
             best_local = max(best_local, n / (time.perf_counter() - t))
+        t = time.perf_counter()
+        n = sum(len(fs.cat_file(p)) for p in remote[:256])
+        single = n / (time.perf_counter() - t)
         # the same run's ceiling: Ray alone moving the same bytes from another node
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         import numpy as np
@@ -135,10 +138,6 @@ def main() -> int:
             print(f"|   (local hits of the same reader, same run: {best_local / 1e9:.2f} GB/s) | | | |")
         print(f"|   (Ray alone, {per_call >> 20} MiB numpy arrays from another node, 4 in flight: "
               f"{raw / 1e9:.2f} GB/s; cachemw remote / Ray alone = {best_remote / raw:.2f}) | | | |")
-        single = 0.0
-        t = time.perf_counter()
-        n = sum(len(fs.cat_file(p)) for p in remote[:256])
-        single = n / (time.perf_counter() - t)
         print(f"|   (remote hits one cat_file at a time: {single / 1e9:.2f} GB/s) | | | |")
     finally:
         try:

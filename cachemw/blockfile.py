@@ -149,6 +149,24 @@ def read_range(path: str, length: int, start: int, end: int, page_size: int = PA
     return bytes(view[start - lo:end - lo])
 
 
+def hash_of(data: bytes | memoryview) -> int:
+    """The whole-data checksum a block's trailer records for ``data``."""
+    return _hash(data)
+
+
+def data_hash(fd: int, length: int, page_size: int = PAGE_SIZE) -> int:
+    """The whole-data checksum recorded in the trailer of the open block file ``fd``
+    (of ``length`` data bytes); CorruptBlock if the trailer does not describe that block."""
+    trailer = os.pread(fd, TRAILER_SIZE + 1, length + 8 * n_pages(length, page_size))
+    if len(trailer) != TRAILER_SIZE:
+        raise CorruptBlock(f"fd {fd}: block has the wrong size")
+    magic, fmt, dlen, psize, npg, _, dhash, _ = _TRAILER.unpack(trailer)
+    if (magic, fmt, dlen, psize, npg) != (MAGIC, FORMAT_VERSION, length, page_size,
+                                          n_pages(length, page_size)):
+        raise CorruptBlock(f"fd {fd}: not a cachemw block of {length} bytes")
+    return dhash
+
+
 def read_tag(path: str) -> bytes:
     """The tag recorded in a block file's trailer (b"" for a file that is no block)."""
     try:

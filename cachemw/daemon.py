@@ -30,7 +30,7 @@ ACTOR_PREFIX = "cachemw-daemon-"
 RAY_STATE = "ray.json"
 
 
-PEER_OPTIONS = ("peer_timeout", "refresh_interval", "replicate_after")
+PEER_OPTIONS = ("peer_timeout", "refresh_interval", "replicate_after", "cluster_secret")
 
 
 class DaemonActor:
@@ -53,16 +53,25 @@ class DaemonActor:
         opts = {k: (v.format(node_id=self.node_id) if isinstance(v, str) else v)
                 for k, v in options.items() if k not in PEER_OPTIONS}
         self.service = NodeService(DaemonConfig.build(node_id=self.node_id, **opts), kind="ray")
+        secret = options.get("cluster_secret")
+        self.blocks = None
+        if secret:  # the data plane for remote hits (Ray remains the control plane)
+            from .blockserver import BlockServer
+
+            self.blocks = BlockServer(self.service.node, ray.util.get_node_ip_address(),
+                                      bytes.fromhex(secret))
         self.peers = PeerSet(self.node_id, spawn=lambda n: place(n, self.options),
                              timeout=options.get("peer_timeout", 10.0),
-                             refresh_interval=options.get("refresh_interval", 2.0))
+                             refresh_interval=options.get("refresh_interval", 2.0),
+                             secret=secret, blocks=self.blocks.address if self.blocks else None)
         node = self.service.node
         node.remote = RemoteReads(node, self.peers,
                                   replicate_after=options.get("replicate_after", 2))
         self.peers.start()
 
     def address(self) -> dict:
-        return asdict(self.service.address)
+        return dict(asdict(self.service.address),
+                    blocks=list(self.blocks.address) if self.blocks else None)
 
     def stats(self) -> dict:
         stats = self.service.node.stats()
@@ -81,6 +90,8 @@ class DaemonActor:
 
     def stop(self) -> None:
         self.peers.close()
+        if self.blocks is not None:
+            self.blocks.close()
         self.service.close()
 
 
@@ -233,6 +244,8 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
                        **{k: v for k, v in options.items() if k not in PEER_OPTIONS})
     connect(address, runtime_dir, start_if_needed=address is None)
     ray = _ray()
+    # one secret for the cluster's block servers; a re-run keeps the running daemons' one
+    options.setdefault("cluster_secret", secrets.token_hex(32))
     handles = {}
     for node in ray.nodes():
         if node.get("Alive"):

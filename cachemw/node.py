@@ -257,6 +257,12 @@ class NodeCache:
             self.drop(key, "corrupt")
             return None
 
+    def block_path(self, key: str) -> str | None:
+        """Where the block file of an indexed block is (None if not cached here)."""
+        with self._lock:
+            entry = self._index.get(key)
+        return None if entry is None else self._tiers[entry.tier].tier.block_path(key)
+
     def tier(self, name: str):
         return self._tiers[name].tier
 

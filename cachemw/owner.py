@@ -111,6 +111,10 @@ class RemoteReads:
         self._memory = memory
         self._lock = threading.Lock()
 
+    def directory(self) -> dict | None:
+        """For readers of this node: the ring and the owners' block servers (blockserver.py)."""
+        return self.router.directory()
+
     def is_remote(self, key: str) -> bool:
         return self.router.owner(key) != self.router.self_id
 

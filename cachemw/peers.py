@@ -24,7 +24,8 @@ log = logging.getLogger("cachemw.peers")
 
 class PeerSet:
     def __init__(self, self_id: str, *, spawn=None, refresh_interval: float = 2.0,
-                 timeout: float = 10.0, vnodes: int = 1024) -> None:
+                 timeout: float = 10.0, vnodes: int = 1024, secret: str | None = None,
+                 blocks: tuple | None = None) -> None:
         import ray
 
         from .daemon import ACTOR_PREFIX, NAMESPACE
@@ -38,6 +39,8 @@ class PeerSet:
         self.timeout = timeout
         self.vnodes = vnodes
         self._handles: dict[str, object] = {}
+        self.secret = secret  # the cluster secret of the block servers (hex)
+        self._blocks: dict[str, tuple] = {self_id: blocks} if blocks else {}
         self._suspect_until: dict[str, float] = {}
         self._lock = threading.Lock()
         self.ring = HashRing([self_id], vnodes)
@@ -79,6 +82,8 @@ class PeerSet:
                     self._handles[node_id] = handle
             if handle is None:
                 continue
+            if node_id not in self._blocks:  # until it answers (it may still be starting)
+                self._learn_blocks(node_id, handle)
             if node_id != self.self_id and node_id in self._suspect_until:
                 if self._suspect_until[node_id] > now or not self._answers(handle):
                     continue
@@ -97,7 +102,28 @@ class PeerSet:
                     log.warning("could not place a daemon on node %s: %s", node_id, exc)
         for node_id in [n for n in self._handles if n not in alive]:
             del self._handles[node_id]  # node gone: a replacement gets a fresh handle
+            self._blocks.pop(node_id, None)
         self._set_members(members)
+
+    def _learn_blocks(self, node_id: str, handle) -> None:
+        """Where a peer's block server listens (for readers fetching its blocks directly)."""
+        if node_id == self.self_id or not self.secret:
+            return
+        try:
+            address = self._ray.get(handle.address.remote(), timeout=min(self.timeout, 5.0))
+        except Exception:
+            return
+        if address.get("blocks"):
+            self._blocks[node_id] = tuple(address["blocks"])
+
+    def directory(self) -> dict | None:
+        """What a reader needs to fetch blocks from their owners without Ray."""
+        if not self.secret or len(self.ring) < 2:
+            return None
+        ring = self.ring
+        return {"self": self.self_id, "members": list(ring.nodes), "vnodes": self.vnodes,
+                "blocks": {n: list(a) for n, a in self._blocks.items() if n in ring.nodes},
+                "secret": self.secret}
 
     def _answers(self, handle) -> bool:
         """A suspect peer rejoins only once it answers a ping within the timeout."""

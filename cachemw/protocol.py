@@ -20,14 +20,16 @@ from dataclasses import asdict, dataclass
 # Counters clients add to through access reports; the daemon adds the rest.
 CLIENT_COUNTERS = (
     "hits", "hit_bytes", "misses", "fills", "bytes_from_source", "fallbacks",
-    "bypassed", "corrupt_repaired", "fill_errors", "remote_hits",
+    "bypassed", "corrupt_repaired", "fill_errors",
+    "remote_hits",   # cached at their owner node, sent straight from there
+    "remote_reads",  # owned elsewhere and not cached there yet: fetched by the owner
 )
 
 REGISTRY = "daemon.json"
 LOCK = "daemon.lock"
 SOCKET = "daemon.sock"
 
-REPLY_OPS = frozenset({"hello", "lease", "lease_many", "invalidate", "stats", "ping",
+REPLY_OPS = frozenset({"hello", "lease", "lease_many", "invalidate", "ring", "stats", "ping",
                        "shutdown"})
 
 

@@ -158,6 +158,8 @@ class SocketServer:
                     reply = ("ok", node.invalidate(args[0]))
                 elif op == "hello":
                     reply = ("ok", node.config.node_id, os.getpid())
+                elif op == "ring":  # who owns what, and where to fetch it directly
+                    reply = ("ok", node.remote.directory() if node.remote is not None else None)
                 elif op == "stats":
                     reply = ("ok", node.stats())
                 elif op == "ping":
