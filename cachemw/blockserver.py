@@ -97,6 +97,7 @@ class BlockServer:
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
             try:
                 conn.settimeout(10.0)
                 if not authenticate_server(conn, self.secret):
@@ -145,6 +146,7 @@ class BlockClient:
     def __init__(self, address: tuple[str, int], secret: bytes, timeout: float) -> None:
         self.sock = socket.create_connection(tuple(address), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # owners run ahead
         authenticate_client(self.sock, secret)
 
     def request(self, items: list[tuple[str, int]]) -> None:
