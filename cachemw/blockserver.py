@@ -157,7 +157,10 @@ class BlockClient:
         """The blocks of the last request, verified; None for one the owner does not hold."""
         out = []
         for key, length in items:
-            status, n, data_hash = _REPLY.unpack(recv_exact(self.sock, _REPLY.size))
+            header = self.sock.recv(_REPLY.size, socket.MSG_WAITALL)
+            if len(header) < _REPLY.size:
+                header += bytes(recv_exact(self.sock, _REPLY.size - len(header)))
+            status, n, data_hash = _REPLY.unpack(header)
             if status != 1:
                 out.append(None)
                 continue
