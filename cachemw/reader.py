@@ -139,9 +139,10 @@ class BlockReader:
                 for p, reply in zip(unique[done + 1:], replies[done + 1:]):
                     if reply[0] == "fill":
                         self.client.abort(p.key, "error")
-        for i, p in enumerate(pieces):  # the repeats: from the tier now, or the source
+        for i, p in enumerate(pieces):  # the repeats: from the owner's copy, the tier, or the source
             if i not in out:
-                data = self._hit(p)
+                block = direct.get(p.key)
+                data = block[p.lo:p.hi] if block is not None else self._hit(p)
                 out[i] = data if data is not None else self._direct(p)
         self.client.maybe_flush()
         return [out[i] for i in range(len(pieces))]
