@@ -91,13 +91,8 @@ class FurthestFirst(Policy):
 
     def _make_room(self, need: int, nu: int) -> bool:
         # A victim must be needed strictly later than the newcomer, else bypass the newcomer.
-        victims = pop_victims(self._heap, self._seqs, self.sizes, need, lambda e: -e[0] > nu)
-        if victims is None:
-            return False
-        for victim in victims:
-            self.discard(victim)
-            self.evicted.append(victim)
-        return True
+        return self._evict_all(
+            pop_victims(self._heap, self._seqs, self.sizes, need, lambda e: -e[0] > nu))
 
     def _forget(self, key: Hashable) -> None:
         del self._seqs[key], self.next[key]

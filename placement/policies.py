@@ -111,6 +111,15 @@ class Policy:
     def _forget(self, key: Hashable) -> None:
         """Drop per-key bookkeeping of a block that left the cache (subclass hook)."""
 
+    def _evict_all(self, victims: List[Hashable] | None) -> bool:
+        """Evict the victims pop_victims chose; False if it found no way to make room."""
+        if victims is None:
+            return False
+        for victim in victims:
+            self.discard(victim)
+            self.evicted.append(victim)
+        return True
+
     def __contains__(self, key: Hashable) -> bool:
         return key in self.sizes
 
@@ -249,13 +258,8 @@ class HistoryPolicy(Policy):
     def _make_room(self, need: int, prior: int) -> bool:
         """Evict lowest-count blocks worth ``need`` bytes if ``prior`` beats each of them."""
         bar = prior / self.admit_ratio
-        victims = pop_victims(self._heap, self._stamp, self.sizes, need, lambda e: e[0] < bar)
-        if victims is None:
-            return False
-        for victim in victims:
-            self.discard(victim)
-            self.evicted.append(victim)
-        return True
+        return self._evict_all(
+            pop_victims(self._heap, self._stamp, self.sizes, need, lambda e: e[0] < bar))
 
     def _forget(self, key: Hashable) -> None:
         self._stamp.pop(key, None)
