@@ -11,8 +11,9 @@ secret (HMAC of a fresh nonce); the reader's own daemon gave it the secret over 
 socket. Each block comes with the whole-data checksum from the owner's block file, and the
 reader verifies the bytes against it, so a damaged or racing file is never returned.
 
-Wire format: request = u32 count, then count x (16-byte key, u64 length); reply per block
-= u8 status (1 sent, 0 absent), u64 length, u64 xxh3 of the data, then the data if sent.
+Wire format: request = u32 count, then count x (16-byte key, u64 length); reply = count x
+(u8 status (1 sent, 0 absent), u64 length, u64 xxh3 of the data), then the data of every
+sent block in order (headers first: one read for all of them, not one per block).
 """
 from __future__ import annotations
 
@@ -107,37 +108,46 @@ class BlockServer:
                 while True:
                     (count,) = _COUNT.unpack(recv_exact(conn, _COUNT.size))
                     body = recv_exact(conn, count * _ITEM.size)
-                    for i in range(count):
-                        key, length = _ITEM.unpack_from(body, i * _ITEM.size)
-                        self._send_block(conn, key.hex(), length)
+                    items = [_ITEM.unpack_from(body, i * _ITEM.size) for i in range(count)]
+                    self._send_blocks(conn, [(key.hex(), length) for key, length in items])
             except (ConnectionError, OSError, struct.error):
                 return
 
-    def _send_block(self, conn: socket.socket, key: str, length: int) -> None:
+    def _open(self, key: str, length: int) -> tuple[int, int] | None:
+        """(open fd, recorded data checksum) of a block held here; None if not held."""
         path = self.node.block_path(key)
-        fd = None
+        if path is None:
+            return None
         try:
-            if path is not None:
-                fd = os.open(path, os.O_RDONLY)
-                data_hash = blockfile.data_hash(fd, length)
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            return fd, blockfile.data_hash(fd, length)
         except (OSError, blockfile.CorruptBlock):
-            data_hash = None
-        if fd is None or data_hash is None:
-            if fd is not None:
-                os.close(fd)
-            conn.sendall(_REPLY.pack(0, length, 0))
-            return
-        try:
-            conn.sendall(_REPLY.pack(1, length, data_hash))
-            sent = 0
-            while sent < length:
-                n = os.sendfile(conn.fileno(), fd, sent, length - sent)
-                if n == 0:
-                    raise ConnectionError("block file shorter than its trailer says")
-                sent += n
-            self.node.count("served_direct")
-        finally:
             os.close(fd)
+            return None
+
+    def _send_blocks(self, conn: socket.socket, items: list[tuple[str, int]]) -> None:
+        opened = [self._open(key, length) for key, length in items]
+        try:
+            conn.sendall(b"".join(
+                _REPLY.pack(0, length, 0) if o is None else _REPLY.pack(1, length, o[1])
+                for (_, length), o in zip(items, opened)))
+            for (_, length), o in zip(items, opened):
+                if o is None:
+                    continue
+                sent = 0
+                while sent < length:  # the kernel copies the file into the socket
+                    n = os.sendfile(conn.fileno(), o[0], sent, length - sent)
+                    if n == 0:
+                        raise ConnectionError("block file shorter than its trailer says")
+                    sent += n
+            self.node.count("served_direct", sum(o is not None for o in opened))
+        finally:
+            for o in opened:
+                if o is not None:
+                    os.close(o[0])
 
 
 class BlockClient:
@@ -155,12 +165,13 @@ class BlockClient:
 
     def receive(self, items: list[tuple[str, int]]) -> list[bytes | None]:
         """The blocks of the last request, verified; None for one the owner does not hold."""
+        size = len(items) * _REPLY.size
+        headers = self.sock.recv(size, socket.MSG_WAITALL)
+        if len(headers) < size:
+            headers += bytes(recv_exact(self.sock, size - len(headers)))
         out = []
-        for key, length in items:
-            header = self.sock.recv(_REPLY.size, socket.MSG_WAITALL)
-            if len(header) < _REPLY.size:
-                header += bytes(recv_exact(self.sock, _REPLY.size - len(header)))
-            status, n, data_hash = _REPLY.unpack(header)
+        for i, (key, length) in enumerate(items):
+            status, n, data_hash = _REPLY.unpack_from(headers, i * _REPLY.size)
             if status != 1:
                 out.append(None)
                 continue
