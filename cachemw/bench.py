@@ -112,7 +112,12 @@ def main(args) -> int:
         Dataset = _dataset_cls()
 
         def loader(fs):
-            return torch.utils.data.DataLoader(Dataset(fs, paths), batch_size=args.batch_size,
+            # each run lists the dataset first, as loaders do (DLIO: os.listdir): through
+            # cachemw that listing is cached, and forked workers inherit it
+            listed = sorted(fs.find(data_dir))
+            if len(listed) != len(paths):
+                raise RuntimeError(f"{data_dir}: listed {len(listed)} files, wrote {len(paths)}")
+            return torch.utils.data.DataLoader(Dataset(fs, listed), batch_size=args.batch_size,
                                                shuffle=True, num_workers=args.workers)
 
         print(f"{args.epochs} epochs, DataLoader num_workers={args.workers}, batch "
