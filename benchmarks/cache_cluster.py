@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -29,6 +28,7 @@ def main() -> int:
 
     from cachemw import daemon
     from cachemw.ring import HashRing
+    from cache_node import make_files  # this folder is on sys.path when run as a script
 
     # 1. owner lookup per block (pure, no Ray)
     ring = HashRing([f"node-{i:04d}" for i in range(64)])
@@ -52,15 +52,7 @@ def main() -> int:
     try:
         n_files = 1024 if args.quick else 4096
         size = 128 << 10
-        src = os.path.join(work, "src")
-        os.makedirs(src)
-        rng = random.Random(0)
-        paths = []
-        for i in range(n_files):
-            p = os.path.join(src, f"s{i:05d}")
-            with open(p, "wb") as f:
-                f.write(rng.randbytes(size))
-            paths.append(p)
+        paths = make_files(os.path.join(work, "src"), n_files, size)
         template = os.path.join(work, "{node_id:.12}")
         cap_per_node = (n_files * size) // 4  # 3 nodes x S/4: 75% of the dataset fits
         daemon.start(c.address, runtime_dir=template, dram_capacity=cap_per_node * 103 // 100,

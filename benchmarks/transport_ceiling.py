@@ -21,19 +21,11 @@ import tempfile
 import time
 from multiprocessing.connection import Client, Listener
 
+from cache_node import make_files  # this folder is on sys.path when run as a script
+
 BLOCK = 128 << 10
 PER_REQUEST = 32
 ROUNDS = 20
-
-
-def _files(d: str) -> list[str]:
-    paths = []
-    for i in range(PER_REQUEST):
-        p = os.path.join(d, f"b{i}")
-        with open(p, "wb") as f:
-            f.write(os.urandom(BLOCK))
-        paths.append(p)
-    return paths
 
 
 def _read(path: str) -> bytes:
@@ -127,7 +119,7 @@ def sendfile_transport(paths) -> float:
 def main() -> int:
     work = tempfile.mkdtemp(prefix="cmw-tc-", dir="/dev/shm")
     try:
-        paths = _files(work)
+        paths = make_files(work, PER_REQUEST, BLOCK)
         print("| transport (2 owners, 32 x 128 KiB each per request) | GB/s |\n|---|---|")
         print(f"| multiprocessing.connection over TCP, owner reads in Python | "
               f"{connection_transport(paths) / 1e9:.2f} |")
