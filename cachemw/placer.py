@@ -138,9 +138,6 @@ class Placer:
         sizes = policy.sizes
         return free + sum(sizes[k] for k, nu in nxt.items() if nu >= NEVER and k in sizes)
 
-    def size_of(self, key: str) -> int | None:
-        return self._sizes.get(key)
-
     @staticmethod
     def _split(key: str, plan: Plan) -> tuple[str | None, list]:
         tier, before = None, []

@@ -108,17 +108,6 @@ class DaemonLock:
         self._fd = fd
         return True
 
-    def held_by_someone(self) -> bool:
-        """True if a live process holds the lock (we do not keep it)."""
-        if self._fd is not None:
-            return True
-        if not os.path.isdir(os.path.dirname(self.path)):
-            return False
-        if self.acquire():
-            self.release()
-            return False
-        return True
-
     def release(self) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
