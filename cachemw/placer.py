@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 
 from .config import TierConfig
-from .placement import Admit, Engine, Plan, Prefetch, TierSpec
+from .placement import Admit, Engine, Evict, Plan, Prefetch, TierSpec
 from .placement.future import NEVER
 
 # Nominal read bandwidths (bytes/s); the engine uses them only for its time model.
@@ -58,8 +58,11 @@ class Placer:
         """A block is missing: (tier to admit it into or None, moves to run first)."""
         with self._lock:
             plan = self._engine.access(key, size)
-            self._sizes[key] = size
-            return self._split(key, plan)
+            tier, moves = self._split(key, plan)
+            if tier is not None:  # sizes of what is cached only: never every key ever read
+                self._sizes[key] = size
+            self._forget_evicted(moves)
+            return tier, moves
 
     def admit(self, key: str, size: int) -> tuple[str | None, list]:
         """Like miss, for a block offered from elsewhere (a replica of a remote block)."""
@@ -71,7 +74,9 @@ class Placer:
             size = self._sizes.get(key)
             if size is None:
                 return []
-            return list(self._engine.access(key, size).moves)
+            moves = list(self._engine.access(key, size).moves)
+            self._forget_evicted(moves)
+            return moves
 
     def drop(self, key: str) -> None:
         with self._lock:
@@ -104,7 +109,10 @@ class Placer:
                         continue
                     if isinstance(move, Prefetch):
                         budget -= move.size
-                    self._sizes.setdefault(move.key, move.size)
+                    if isinstance(move, Evict):
+                        self._sizes.pop(move.key, None)
+                    else:
+                        self._sizes.setdefault(move.key, move.size)
                     moves.append(move)
             return moves
 
@@ -137,6 +145,11 @@ class Placer:
             return free
         sizes = policy.sizes
         return free + sum(sizes[k] for k, nu in nxt.items() if nu >= NEVER and k in sizes)
+
+    def _forget_evicted(self, moves) -> None:
+        for move in moves:
+            if isinstance(move, Evict):
+                self._sizes.pop(move.key, None)
 
     @staticmethod
     def _split(key: str, plan: Plan) -> tuple[str | None, list]:
