@@ -333,7 +333,8 @@ class CachedFile(AbstractBufferedFile):
     def __init__(self, fs: CacheFileSystem, path: str, meta, **kwargs) -> None:
         self.meta = meta
         self._mapped: dict[int, MappedBlock | None] = {}
-        self._fast_reads = 0
+        self._fast_reads = 0  # reads served from mapped blocks ...
+        self._fast_bytes = 0  # ... and their bytes, not yet added to the client's counters
         self._client = fs.client
         self._bs = fs.options.block_size
         super().__init__(fs, path, mode="rb", size=meta.size, **kwargs)
@@ -370,9 +371,10 @@ class CachedFile(AbstractBufferedFile):
                         self._mapped[index] = None  # the normal path repairs it from now on
                     else:
                         self.loc = end
-                        self._client.counted_hit(end - loc)
+                        self._fast_bytes += end - loc
                         self._fast_reads += 1
                         if not self._fast_reads & 4095:
+                            self._count_fast_reads()
                             self._drop_evicted_maps()
                         return data
         return super().read(length)
@@ -396,6 +398,12 @@ class CachedFile(AbstractBufferedFile):
             return block
         return None
 
+    def _count_fast_reads(self) -> None:
+        reads, self._fast_reads = self._fast_reads, 0
+        nbytes, self._fast_bytes = self._fast_bytes, 0
+        if reads:
+            self._client.counted_hits(reads, nbytes)
+
     def _drop_evicted_maps(self) -> None:
         """Unmap blocks the daemon evicted: their pages would stay allocated in the DRAM
         tier's tmpfs for as long as this file is open, outside the tier's capacity."""
@@ -409,6 +417,7 @@ class CachedFile(AbstractBufferedFile):
             block.close()
 
     def close(self):
+        self._count_fast_reads()
         for index in list(self._mapped):
             self._unmap(index)
         super().close()

@@ -153,3 +153,39 @@ def test_foreign_files_in_a_tier_are_ignored_on_restart(runtime_dir, spawn_daemo
                               runtime_dir=runtime_dir, skip_instance_cache=True)
     assert fresh.cat_file(path) == data
     assert fresh.stats()["misses"] == 0
+
+
+def test_open_file_small_reads_verify_mapped_pages_and_count_hits(make_cache_fs, runtime_dir,
+                                                                   tmp_path):
+    """An open file serves small reads from a memory map of the block file: each read
+    verifies the pages it touches (a page damaged while mapped is caught and repaired, with
+    the right bytes returned), and the reads are counted as hits by the time it closes."""
+    fs = make_cache_fs(block_size=BS)
+    dram = DirectoryTier("dram", daemon_stats(runtime_dir)["tiers"]["dram"]["path"])
+    data = random.Random(3).randbytes(3 * BS)
+    path = str(tmp_path / "mapped.bin")
+    with open(path, "wb") as f:
+        f.write(data)
+    assert fs.cat_file(path) == data  # cached
+    meta = fs.meta.file(path)
+    block = dram.block_path(block_key(meta.url, meta.version, 1, BS))
+    before = dict(fs.stats())
+    offsets = [BS + 4000, BS + 100, 2 * BS - 4096, BS + 8191]  # 1-2 pages each, in block 1
+    with fs.open(path, "rb") as f:
+        for o in offsets:
+            f.seek(o)
+            assert f.read(4096) == data[o:o + 4096]
+        assert 1 in f._mapped and f._mapped[1] is not None  # served from the map
+        with open(block, "r+b") as raw:  # damage page 1 of the mapped block in place
+            raw.seek(4096 + 7)
+            byte = raw.read(1)
+            raw.seek(4096 + 7)
+            raw.write(bytes([byte[0] ^ 0x01]))
+        f.seek(BS + 4000)
+        assert f.read(4096) == data[BS + 4000:BS + 8096]
+    after = fs.stats()
+    assert after["corrupt_repaired"] - before["corrupt_repaired"] == 1
+    assert after["misses"] - before["misses"] == 1  # refetched once
+    assert after["hits"] - before["hits"] == len(offsets)
+    assert after["hit_bytes"] - before["hit_bytes"] == 4096 * len(offsets)
+    assert blockfile.read_block(block, BS) == data[BS:2 * BS]  # the repaired block is sound
