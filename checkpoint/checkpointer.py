@@ -4,7 +4,9 @@
 then runs ``dcp.save`` with the spreading planner and the checksummed writer, on a private
 gloo group (``Coordinator``), so background collectives never touch the training group and
 run in the same order on every rank. With ``fast_root`` the save is written to the node-local
-fast tier first and drained to ``root`` file by file; the handle reports both commits.
+fast tier first and drained to ``root`` file by file; the handle reports both commits. There
+the snapshot is taken straight into the new step's files in the fast tier, each rank copying
+only its own share (``fast_save``), so host memory holds one copy of the state, not three.
 
 Order of a commit: every rank's files fsynced -> DCP gathers the results (the barrier) -> the
 coordinator writes ``.metadata`` then the manifest (temp, fsync, rename) -> ``latest`` moves ->
@@ -26,6 +28,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import watch as watch_channel
 from .chunk_plan import DEFAULT_CHUNK_BYTES
 from .coordination import Coordinator
+from .fast_save import FastSaver, FastSnapshot
+from .file_pool import sweep_pools
 from .errors import CheckpointBusyError, ChecksumError, CheckpointNotFoundError
 from .handle import SaveHandle
 from .layout import CheckpointDir, step_dir_name
@@ -128,6 +132,14 @@ class Checkpointer:
         self.root = CheckpointDir(Location(root))
         self.fast = CheckpointDir(Location(fast_root), recycle=True) if fast_root is not None else None
         self.coord = Coordinator(process_group, self.config.collective_timeout_s)
+        if not self.coord.enable_front(self.fast is not None) and self.fast is not None:
+            log.warning("fast tier %s disabled: not every rank has one", fast_root)
+            self.fast, fast_root = None, None
+        self.fast_saver = None if self.fast is None else FastSaver(
+            self.fast, self.root, self.coord, chunk_bytes=self.config.chunk_bytes,
+            thread_count=self.config.thread_count,
+            in_place=(self.config.compression is None and self.config.fast_keep_last == 1
+                      and self.config.device == "cpu"))
         self.stager = BufferStager(device=self.config.device, memory_budget=self.config.memory_budget)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachemw-ckpt")
         self._handles: list[SaveHandle] = []
@@ -140,6 +152,8 @@ class Checkpointer:
             self.fast.location.makedirs()
             self.fast.sweep(self.config.stale_after_s)
             self.fast.drop_spare()
+            if self.fast.location.local:
+                sweep_pools(self.fast.location.path)
 
     # -- saving -----------------------------------------------------------------------------
     def save(self, step: int, state: dict, *, if_busy: str | None = None) -> SaveHandle:
@@ -151,18 +165,31 @@ class Checkpointer:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         with self._lock:
             busy = [h for h in self._handles if not h.done()]
+            if self.fast_saver is not None:
+                if policy == "wait":
+                    for h in busy:
+                        h._durable.wait()
+                prepared = self.fast_saver.prepare(step, to_state_dict(state), policy == "refuse" and bool(busy),
+                                                   self._stage)
+                return self._submit(step, prepared.staged, prepared)
             if busy and policy == "refuse":
                 if not self.coord.no_dist:  # still take part in the vote, so the others refuse too
                     self._worker.submit(self._run, step, None, SaveHandle(step))
                 raise CheckpointBusyError(f"save of step {step} refused: step {busy[-1].step} is still writing")
             for h in busy:
                 h._durable.wait()
-            staged = self.stager.stage(to_state_dict(state))
-            self.stager.synchronize_staging()
-            handle = SaveHandle(step)
-            self._handles = [h for h in self._handles if not h.done() or h.exception() is not None] + [handle]
-            self._worker.submit(self._run, step, staged, handle)
-            return handle
+            return self._submit(step, self._stage(to_state_dict(state)), None)
+
+    def _stage(self, state_dict: dict) -> dict:
+        staged = self.stager.stage(state_dict)
+        self.stager.synchronize_staging()
+        return staged
+
+    def _submit(self, step: int, staged: dict, prepared: FastSnapshot | None) -> SaveHandle:
+        handle = SaveHandle(step)
+        self._handles = [h for h in self._handles if not h.done() or h.exception() is not None] + [handle]
+        self._worker.submit(self._run, step, staged, handle, prepared)
+        return handle
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every pending save; raise the first failure not yet raised by ``wait``."""
@@ -177,10 +204,10 @@ class Checkpointer:
         if errors:
             raise errors[0]
 
-    def _run(self, step: int, staged: dict | None, handle: SaveHandle) -> None:
+    def _run(self, step: int, staged: dict | None, handle: SaveHandle, prepared: FastSnapshot | None = None) -> None:
         name = None
         try:
-            if not self.coord.no_dist:
+            if prepared is None and not self.coord.no_dist:
                 votes = self.coord.all_gather(staged is not None)
                 if not all(votes):
                     refused = [r for r, v in enumerate(votes) if not v]
@@ -188,9 +215,12 @@ class Checkpointer:
                                               "the previous save was still writing there")
             if staged is None:
                 return
-            name = self.coord.broadcast(step_dir_name(step, uuid.uuid4().hex))
+            if prepared is not None:  # named by save() on the front group
+                name = prepared.name
+            else:
+                name = self.coord.broadcast(step_dir_name(step, uuid.uuid4().hex))
             handle.path = self.root.location.child(name).url
-            self._write(step, name, staged, handle)
+            self._write(step, name, staged, handle, prepared.pool if prepared is not None else None)
             handle._set_durable()
         except CheckpointException as exc:
             self._cleanup(name)
@@ -201,12 +231,12 @@ class Checkpointer:
         finally:
             staged = None
 
-    def _write(self, step: int, name: str, staged: dict, handle: SaveHandle) -> None:
+    def _write(self, step: int, name: str, staged: dict, handle: SaveHandle, pool: Any = None) -> None:
         first = self.fast or self.root
 
         def begin() -> None:
-            if self.coord.is_coordinator or self.fast is not None:
-                first.begin(name)
+            if (self.coord.is_coordinator or self.fast is not None) and pool is None:
+                first.begin(name)  # the in-place snapshot made its fast-tier directory already
             if self.fast is not None:
                 if self.coord.is_coordinator:
                     self.root.begin(name)
@@ -217,7 +247,8 @@ class Checkpointer:
         writer = CachemwStorageWriter(
             first.location.child(name), compression=self.config.compression, thread_count=self.config.thread_count,
             manifest_extra={"step": step, "world_size": self.coord.world_size},
-            on_file_durable=drainer.submit if drainer else None, reuse_files=self.fast is not None)
+            on_file_durable=drainer.submit if drainer else None, reuse_files=self.fast is not None and pool is None,
+            in_place=pool)
         try:
             dcp.save(staged, storage_writer=writer, planner=SpreadSavePlanner(chunk_bytes=self.config.chunk_bytes),
                      process_group=self.coord.group, no_dist=self.coord.no_dist)
@@ -229,6 +260,8 @@ class Checkpointer:
         if self.fast is not None:
             if self.coord.is_coordinator:
                 self._publish(self.fast, name, step, "memory", self.config.fast_keep_last)
+            if pool is not None:
+                self.fast.drop_spare()  # in-place saves recycle their own files; a spare would be a 2nd copy
             handle._set_fast()
             self.coord.run_everywhere(drainer.wait)
 
@@ -249,10 +282,10 @@ class Checkpointer:
         watch_channel.notify(self._channel, {"step": step, "name": name, "level": level})
 
     def _cleanup(self, name: str | None) -> None:
-        """Remove what a failed save left uncommitted (best effort, coordinator only)."""
-        if name is None or not self.coord.is_coordinator:
+        """Remove what a failed save left uncommitted (best effort; the root by the coordinator only)."""
+        if name is None:
             return
-        for tier in (self.fast, self.root):
+        for tier in (self.fast, self.root if self.coord.is_coordinator else None):
             if tier is not None and tier.manifest(name) is None:
                 try:
                     tier.remove(name)
@@ -302,8 +335,10 @@ class Checkpointer:
                                                                      thread_count=self.config.thread_count),
                          process_group=self.coord.group, no_dist=self.coord.no_dist)
                 break
-            except CheckpointException as exc:
-                error = unwrap(exc, self.coord.world_size)
+            except (CheckpointException, OSError, ValueError, AssertionError) as exc:
+                # A fast-tier copy may vanish under a reader (the next save recycles it): DCP
+                # reports that as an AssertionError in one process; the root copy is intact.
+                error = unwrap(exc, self.coord.world_size) if isinstance(exc, CheckpointException) else exc
                 if i == len(tiers) - 1:
                     raise error from None
                 log.warning("loading %s from %s failed (%s); trying the next tier", name, tier.location.url, error)
@@ -350,6 +385,8 @@ class Checkpointer:
         self.wait_quietly()
         self._worker.shutdown(wait=True)
         self.stager.close()
+        if self.fast_saver is not None:
+            self.fast_saver.close()  # unmap; a committed in-memory copy keeps its pages
         if self.fast is not None:
             self.fast.drop_spare()  # give the tmpfs pages back
 

@@ -38,6 +38,7 @@ class StoredItem:
     raw_length: int = 0
     data_offset: int = -1  # offset of the raw tensor bytes inside the raw blob, -1 if unknown
     data_nbytes: int = 0
+    file_size: int = 0  # size of the whole data file when it is laid out ahead (fast-tier snapshot files)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -6,6 +6,11 @@ creates its own gloo group over the same ranks at construction, in the main thre
 every rank calls it in the same order; all background collectives of one Checkpointer then run
 on one worker thread, in the same order on every rank. Without an initialized process group
 everything degrades to a single process (``no_dist``).
+
+A second private group, the *front* group, serves the few collectives ``save`` itself runs in
+the calling thread before the snapshot (fast tier: busy vote, step name, plan). It is separate
+so that they can never interleave with the worker's collectives of a previous save still
+running (e.g. one that is being refused).
 """
 from __future__ import annotations
 
@@ -24,11 +29,14 @@ class Coordinator:
             # new_group is itself collective over the default group: every rank calls it here.
             self.group = dist.new_group(ranks=ranks, backend="gloo",
                                         timeout=datetime.timedelta(seconds=timeout_s))
+            self.ranks = ranks
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
             self.no_dist = False
         else:
             self.group, self.rank, self.world_size, self.no_dist = None, 0, 1, True
+        self.front: Any = None
+        self.timeout_s = timeout_s
 
     @property
     def is_coordinator(self) -> bool:
@@ -39,6 +47,30 @@ class Coordinator:
             return [obj]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def enable_front(self, wanted: bool) -> bool:
+        """Agree (calling thread, at construction) whether every rank wants the front group; make it if so.
+
+        Used for the fast tier: if some rank has none (no daemon on its node), no rank uses one,
+        rather than ranks running different sequences of collectives.
+        """
+        if self.no_dist:
+            return wanted
+        if not all(self.all_gather(wanted)):
+            return False
+        self.front = dist.new_group(ranks=self.ranks, backend="gloo",
+                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+        return True
+
+    def front_gather(self, obj: Any) -> list[Any]:
+        """``all_gather`` on the front group (from the thread calling ``save``)."""
+        if self.no_dist:
+            return [obj]
+        if self.front is None:
+            raise RuntimeError("front collectives need enable_front() first")
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.front)
         return out
 
     def broadcast(self, obj: Any) -> Any:

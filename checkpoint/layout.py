@@ -86,9 +86,9 @@ class CheckpointDir:
         except (FileNotFoundError, OSError):
             return False
 
-    def begin(self, name: str) -> None:
+    def begin(self, name: str, reuse_spare: bool = True) -> None:
         """Create the directory of a save and record who writes it (for the sweeper)."""
-        if self.recycle and self.location.exists(SPARE_NAME):
+        if reuse_spare and self.recycle and self.location.exists(SPARE_NAME):
             try:
                 os.rename(self.location.join(SPARE_NAME), self.location.join(name))
             except OSError:

@@ -16,6 +16,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
 from torch.futures import Future
 from typing import Any, Callable
 
@@ -69,13 +70,17 @@ class CachemwStorageWriter(StorageWriter):
     def __init__(self, path: str | os.PathLike | Location | None = None, *, compression: str | None = None,
                  frame_bytes: int = 1 << 20, thread_count: int = 2, sync_files: bool = True,
                  manifest_extra: dict | None = None,
-                 on_file_durable: Callable[[str], None] | None = None, reuse_files: bool = False) -> None:
+                 on_file_durable: Callable[[str], None] | None = None, reuse_files: bool = False,
+                 in_place: Any = None) -> None:
         super().__init__()
         self.config = WriterConfig(compression, frame_bytes, thread_count, sync_files)
         self.location = as_location(path) if path is not None else None
         self.manifest_extra = dict(manifest_extra or {})
         self.on_file_durable = on_file_durable
         self.reuse_files = reuse_files  # overwrite existing files in place (recycled tmpfs pages)
+        # A FilePool holding this rank's chunks already in place (fast-tier snapshot): frame and
+        # checksum them there; only what is not in the pool (pickled values) is written here.
+        self.in_place = in_place
         self.rank = 0
         self.save_id = uuid.uuid4().hex
         self.files_written: list[str] = []
@@ -102,6 +107,11 @@ class CachemwStorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data if isinstance(plan.storage_data, str) else f"__{self.rank}_"
+        if self.in_place is not None:
+            results = self._write_in_place(prefix, plan, planner)
+            fut_in_place: Future[list[WriteResult]] = Future()
+            fut_in_place.set_result(results)
+            return fut_in_place
         buckets = bucket_items(list(plan.items), self.config.thread_count)
         jobs = [(f"{prefix}{n}.distcp", [(item, planner.resolve_data(item)) for item in bucket])
                 for n, bucket in enumerate(buckets)]
@@ -126,7 +136,8 @@ class CachemwStorageWriter(StorageWriter):
         self.location.write_atomic(METADATA_NAME, pickle.dumps(metadata))
         files: dict[str, int] = {}
         for item in stored.values():
-            files[item.relative_path] = max(files.get(item.relative_path, 0), item.offset + item.length)
+            files[item.relative_path] = max(files.get(item.relative_path, 0), item.offset + item.length,
+                                            item.file_size)
         manifest = {
             "format": MANIFEST_FORMAT,
             "save_id": self.save_id,
@@ -146,6 +157,46 @@ class CachemwStorageWriter(StorageWriter):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     # -- internals --------------------------------------------------------------------------
+    def _write_in_place(self, prefix: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        layout = self.in_place.layout
+        slots = layout.slots()
+        per_file: dict[str, list] = {}
+        extra: list[tuple[WriteItem, Any]] = []
+        for item in plan.items:
+            key = item_key(item.index)
+            if key in slots:
+                f, slot = slots[key]
+                if not f.rel.startswith(prefix):
+                    raise ValueError(f"snapshot file {f.rel} does not belong to this rank's plan ({prefix}*)")
+                per_file.setdefault(f.rel, []).append((item, f, slot))
+            elif item.tensor_data is None:
+                extra.append((item, planner.resolve_data(item)))
+            elif item_nbytes(item) == 0:
+                chunk = item.tensor_data.chunk
+                extra.append((item, torch.empty(tuple(chunk.sizes), dtype=item.tensor_data.properties.dtype)))
+            else:
+                raise ValueError(f"chunk {key!r} of the save plan is not in the snapshot: the plan changed after it")
+
+        def seal_file(rel: str) -> list[WriteResult]:
+            out = []
+            for item, f, slot in per_file[rel]:
+                stored = self.in_place.seal(f, slot)
+                out.append(WriteResult(index=item.index, size_in_bytes=stored.length, storage_data=stored))
+            if self.config.sync_files:
+                self.in_place.flush(rel)
+            self.files_written.append(rel)
+            if self.on_file_durable is not None:
+                self.on_file_durable(rel)
+            return out
+
+        jobs = [lambda rel=rel: seal_file(rel) for rel in per_file]
+        if extra:
+            jobs.append(lambda: self._write_file(layout.extra_rel, extra))
+        if len(jobs) <= 1:
+            return [r for job in jobs for r in job()]
+        with ThreadPoolExecutor(min(len(jobs), self.config.thread_count), thread_name_prefix="cachemw-write") as pool:
+            return [r for rs in pool.map(lambda job: job(), jobs) for r in rs]
+
     def _write_file(self, rel: str, pairs: list[tuple[WriteItem, Any]]) -> list[WriteResult]:
         codec = self.config.compression or "raw"
         reuse = self.reuse_files and self.location.local and self.location.exists(rel)

@@ -275,7 +275,7 @@ def test_root_may_be_any_fsspec_url(tmp_path, url):
             fsspec.filesystem("memory").rm("/cachemw-test-ckpt", recursive=True)
 
 
-def test_fast_tier_recycles_evicted_files_in_place(tmp_path):
+def test_fast_tier_recycles_its_own_files_in_place(tmp_path):
     root, fast = tmp_path / "root", tmp_path / "fast"
     with Checkpointer(str(root), fast_root=str(fast)) as ck:
         inodes = []
@@ -283,8 +283,10 @@ def test_fast_tier_recycles_evicted_files_in_place(tmp_path):
             ck.save(step, {"t": torch.full((2000, 10), float(step))}).wait(60)
             name = committed_dirs(fast)[-1]
             inodes.append((fast / name / "__0_0.distcp").stat().st_ino)
-        assert inodes[2] == inodes[0]  # step 3 overwrote step 1's evicted files
-        assert committed_dirs(fast) == [name] and (fast / ".spare").exists()
+            assert committed_dirs(fast) == [name]  # one in-memory copy, no spare
+        assert inodes[0] == inodes[1] == inodes[2]  # every snapshot overwrote the same pages
+        assert not (fast / ".spare").exists()
         out = {"t": torch.zeros(2000, 10)}
         assert ck.load(out) == 3 and torch.all(out["t"] == 3.0)
-    assert not (fast / ".spare").exists()  # close() gives the pages back
+    assert not [p for p in fast.iterdir() if p.name.startswith(".pool-")]  # close() unmaps and unlinks the pool
+    assert committed_dirs(fast) == [name]  # the committed in-memory copy stays

@@ -35,8 +35,21 @@ def _rank_main(rank, world, rdv, root, action, out_dir):
     from cachemw.checkpoint import Checkpointer
 
     result = {"rank": rank}
-    ck = Checkpointer(root, collective_timeout_s=8, chunk_bytes=256 << 10)
-    if action == "save":
+    fast_root = root + "-fast" if action == "fast" else None
+    ck = Checkpointer(root, collective_timeout_s=8, chunk_bytes=256 << 10, fast_root=fast_root)
+    if action == "fast":  # two saves through a shared node-local fast tier, then a load
+        ck.save(1, replicated_state(fill=1.0)).wait(60)
+        handle = ck.save(7, replicated_state())
+        handle.wait(60)
+        result["path"] = handle.path
+        pool = ck.fast_saver.pool
+        result["pool_bytes"] = sum(os.path.getsize(os.path.join(pool.dir, f)) for f in os.listdir(pool.dir))
+        state = replicated_state(fill=0.0)
+        result["step"] = ck.load(state)
+        expected = replicated_state()
+        result["ok"] = bool(torch.equal(state["w"], expected["w"]) and torch.equal(state["b"], expected["b"])
+                            and state["meta"] == expected["meta"])
+    elif action == "save":
         handle = ck.save(7, replicated_state())
         handle.wait(60)
         result["path"] = handle.path
@@ -193,3 +206,22 @@ def test_single_process_sigkill_mid_save_partial_is_invisible_and_swept(tmp_path
         assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == dirs[:1]
         state = replicated_state(fill=0.0)
         assert ck.load(state) == 1 and state["meta"] == {"epoch": 9}
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_snapshot_their_own_share_into_a_shared_fast_tier(tmp_path):
+    root = tmp_path / "ckpt"
+    results = run_ranks(tmp_path, 2, root, "fast")
+    assert len(results) == 2 and results[0]["path"] == results[1]["path"]
+    assert all(r["step"] == 7 and r["ok"] for r in results.values()), results
+    total = (2048 * 256 + 4096) * 4
+    for r in results.values():  # each rank holds (and copied) about half the state, not all of it
+        assert 0.45 * total <= r["pool_bytes"] <= 0.55 * total + (64 << 10), results
+    fast = tmp_path / "ckpt-fast"
+    assert len([p for p in fast.iterdir() if (p / "cachemw-manifest.json").exists()]) == 1
+    plain = replicated_state(fill=0.0)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(plain, checkpoint_id=results[0]["path"], no_dist=True)  # DCP's own reader, at the root
+    expected = replicated_state()
+    assert torch.equal(plain["w"], expected["w"]) and torch.equal(plain["b"], expected["b"])

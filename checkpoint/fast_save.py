@@ -1,0 +1,169 @@
+"""The snapshot of a save with a fast tier: straight into the new step's files, own share only.
+
+Without a fast tier a save stages the whole state into reusable buffers (``BufferStager``) and
+the writer serializes from there. With one, that would hold three copies of the state in host
+memory at the peak (buffers, the new in-memory checkpoint, the previous one). Here instead:
+
+1. Every rank builds the DCP local plan from *placeholders* (meta tensors of the same shapes,
+   copies of the plain values) and the ranks agree, on the Coordinator's front group from the
+   calling thread, on busy/refuse, on the step directory's name and on the global plan, which
+   is deterministic (``SpreadSavePlanner``), so it is computed once and reused while no rank's
+   local plan changes.
+2. The previous in-memory copy of this rank's files leaves the fast tier's committed set
+   (manifest removed first) before a byte of it is overwritten; it is already committed at the
+   root, since a save starts only once the previous one is durable there. If it is not (its
+   drain failed), it is kept and fresh files are written instead.
+3. Each rank copies only the chunks the plan gives it, into its mapped pool files
+   (``FilePool``), hard-linked into the new step directory. That copy is the whole stall.
+
+The background writer then frames the chunks in place and checksums them, and the files drain
+to the root as before. States this path does not cover (compression, non-CPU or non-plain
+tensors, ``fast_keep_last > 1``, a non-local fast tier) use the buffer stager; so does a rank
+whose in-place preparation fails locally (e.g. a full tmpfs), after the collective steps, so
+the ranks never disagree on them.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import logging
+import pickle
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+from .coordination import Coordinator
+from .errors import CheckpointBusyError
+from .file_pool import FilePool, blob_reserve
+from .layout import CheckpointDir, step_dir_name
+from .planner import SpreadSavePlanner, item_key, item_nbytes
+from .reader import narrow_box
+from .slot_layout import SlotRequest, SnapshotLayout, plan_layout
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class FastSnapshot:
+    """What ``save`` hands to the background worker: the agreed name, the staged dict, the pool if used."""
+
+    name: str
+    staged: dict
+    pool: FilePool | None
+
+
+def placeholders(obj: Any) -> Any:
+    """The state with every tensor replaced by a meta tensor of the same shape and dtype.
+
+    DCP plans from these exactly as from the snapshot buffers (same sizes, dtypes, and
+    properties: not pinned, no grad), without holding any data; plain values are deep-copied,
+    as the buffer stager does, since they are pickled later in the background.
+    """
+    if isinstance(obj, dict):
+        return {k: placeholders(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [placeholders(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(placeholders(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+    return copy.deepcopy(obj)
+
+
+def in_place_capable(obj: Any) -> bool:
+    """True if every tensor is a plain (or Parameter) CPU tensor: DTensors & co. keep the stager."""
+    if isinstance(obj, dict):
+        return all(in_place_capable(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(in_place_capable(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        return type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu"
+    return True
+
+
+def slot_requests(items) -> list[SlotRequest]:
+    out = []
+    for item in items:
+        td = item.tensor_data
+        if td is None or item_nbytes(item) == 0:
+            continue
+        out.append(SlotRequest(item_key(item.index), item.index.fqn, tuple(int(o) for o in td.chunk.offsets),
+                               tuple(int(s) for s in td.chunk.sizes), str(td.properties.dtype), item_nbytes(item)))
+    return out
+
+
+class FastSaver:
+    """The fast-tier half of ``Checkpointer.save`` (one per Checkpointer)."""
+
+    def __init__(self, fast: CheckpointDir, root: CheckpointDir, coord: Coordinator, *, chunk_bytes: int,
+                 thread_count: int, in_place: bool) -> None:
+        self.fast, self.root, self.coord = fast, root, coord
+        self.chunk_bytes, self.thread_count = chunk_bytes, thread_count
+        self.in_place = in_place and fast.location.local
+        self.pool = FilePool(fast.location.path, coord.rank)
+        self._digests: tuple | None = None
+        self._layout: SnapshotLayout | None = None
+
+    def prepare(self, step: int, state_dict: dict, busy: bool, stage_buffers) -> FastSnapshot:
+        """Agree with the other ranks, then snapshot; ``stage_buffers(sd)`` is the fallback stager."""
+        staged = placeholders(state_dict)
+        planner = SpreadSavePlanner(chunk_bytes=self.chunk_bytes)
+        planner.set_up_planner(staged, None, self.coord.is_coordinator)
+        local_plan = planner.create_local_plan()
+        digest = hashlib.blake2b(pickle.dumps(local_plan.items), digest_size=16).hexdigest()
+        votes = self.coord.front_gather((busy, uuid.uuid4().hex, digest))
+        busy_ranks = [r for r, v in enumerate(votes) if v[0]]
+        if busy_ranks:
+            raise CheckpointBusyError(f"save of step {step} refused: the previous save is still writing on "
+                                      f"rank(s) {busy_ranks}")
+        name = step_dir_name(step, votes[0][1])
+        digests = tuple(v[2] for v in votes)
+        if digests != self._digests:  # some rank's state changed shape: plan again (everyone does)
+            plans = self.coord.front_gather(local_plan)
+            global_plans, _ = planner.create_global_plan(plans)
+            mine = slot_requests(global_plans[self.coord.rank].items)
+            reserves = {(r.dtype, len(r.sizes)): blob_reserve(r.dtype, len(r.sizes)) for r in mine}
+            self._layout = plan_layout(f"__{self.coord.rank}_", mine, reserves, self.thread_count)
+            self._digests = digests
+        if self.in_place and in_place_capable(state_dict):
+            try:
+                self._snapshot(name, state_dict)
+                return FastSnapshot(name, staged, self.pool)
+            except (OSError, ValueError) as exc:
+                log.warning("in-place snapshot into %s failed (%s); staging into buffers instead",
+                            self.fast.location.url, exc)
+                self.fast.remove(name)
+                self.pool.release()
+        return FastSnapshot(name, stage_buffers(state_dict), None)
+
+    def _snapshot(self, name: str, state_dict: dict) -> None:
+        self._evict_previous()
+        self.pool.ensure(self._layout)
+        self.fast.begin(name, reuse_spare=False)
+        self.pool.link_into(self.fast.location.join(name))
+        flat, _ = flatten_state_dict(state_dict)
+        for f in self._layout.files:
+            for slot in f.slots:
+                req = slot.request
+                src = flat[req.fqn].detach()
+                self.pool.view(f, slot).copy_(narrow_box(src, req.offsets, req.sizes))
+
+    def _evict_previous(self) -> None:
+        """Take the pool's previous step out of the fast tier's committed set before overwriting it."""
+        linked = self.pool.linked
+        if linked is None:
+            return
+        if self.fast.manifest(linked) is not None and self.root.manifest(linked) is None:
+            # Committed in memory only (its drain failed): it may be the newest checkpoint, keep it.
+            log.warning("fast-tier checkpoint %s is not committed at the root; keeping it, writing fresh files", linked)
+            self.pool.release()
+            return
+        self.fast.remove(linked)  # manifest first: never readable while being overwritten
+        self.pool.linked = None
+
+    def close(self) -> None:
+        self.pool.release()
+

@@ -1,0 +1,162 @@
+"""Saves with a fast tier: the snapshot goes straight into the new step's files (one copy in memory).
+
+What must hold: the previous in-memory copy leaves the committed set before it is overwritten
+(a load during a save never reads a half-written step), a copy that is not yet at the root is
+never overwritten, a change of shapes or dtypes re-plans on fresh files, every kind of value
+round-trips, plain DCP loads the result at the root, and memory stays at one copy.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+from cachemw.checkpoint import Checkpointer  # noqa: E402
+from cachemw.checkpoint.file_pool import blob_reserve, held_bytes  # noqa: E402
+from cachemw.checkpoint.slot_layout import SlotRequest, plan_layout  # noqa: E402
+from cachemw.checkpoint.writer import MANIFEST_NAME  # noqa: E402
+from test_checkpoint_checkpointer import gate_writes  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+def committed(directory):
+    return sorted(p.name for p in directory.iterdir() if (p / MANIFEST_NAME).exists())
+
+
+def pools(fast):
+    return [p for p in fast.iterdir() if p.name.startswith(".pool-")]
+
+
+def mixed_state(scale: float = 1.0):
+    g = torch.Generator().manual_seed(1)
+    return {
+        "w": torch.randn(700, 300, generator=g) * scale,
+        "nested": {"ids": torch.arange(33) * int(scale), "meta": {"epoch": scale, "names": ["a", "b"]}},
+        "half": (torch.randn(9, 7, generator=g) * scale).bfloat16(),
+        "scalar": torch.tensor(2.5 * scale),
+        "empty": torch.zeros(0, 4),
+        "flags": torch.tensor([True, False, True]),
+        "param": torch.nn.Parameter(torch.full((5, 5), scale)),
+    }
+
+
+def zeros_like(state):
+    out = {k: torch.zeros_like(v.detach()) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+    out["nested"] = {"ids": torch.zeros(33, dtype=torch.long), "meta": {"epoch": 0, "names": None}}
+    return out
+
+
+def assert_same(out, state):
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(out[k], v.detach()), k
+    assert torch.equal(out["nested"]["ids"], state["nested"]["ids"])
+    assert out["nested"]["meta"] == state["nested"]["meta"]
+
+
+def test_every_kind_of_value_roundtrips_and_plain_dcp_loads_the_root_copy(tmp_path):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with Checkpointer(str(root), fast_root=str(fast), chunk_bytes=300_000) as ck:
+        for scale in (1.0, 2.0, 3.0):
+            state = mixed_state(scale)
+            ck.save(int(scale), state).wait(60)
+            out = zeros_like(state)
+            assert ck.load(out) == int(scale)  # from the fast tier
+            assert_same(out, state)
+        assert len(pools(fast)) == 1
+    plain = zeros_like(state)
+    dcp.load(plain, checkpoint_id=str(root / committed(root)[-1]), no_dist=True)  # DCP's own reader
+    assert_same(plain, state)
+    manifest = json.loads((root / committed(root)[-1] / MANIFEST_NAME).read_text())
+    assert sum(1 for k in manifest["items"] if k.startswith("w@")) > 1  # cut into chunks, framed in place
+
+
+def test_previous_copy_leaves_the_committed_set_before_it_is_overwritten(tmp_path):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        ck.save(1, {"t": torch.full((3000, 10), 1.0)}).wait(60)
+        gate = gate_writes(ck)
+        handle = ck.save(2, {"t": torch.full((3000, 10), 2.0)})  # snapshot taken, write held
+        try:
+            assert committed(fast) == []  # step 1 is no longer readable in memory...
+            pool_file = next(pools(fast)[0].iterdir())
+            assert torch.full((1000,), 2.0).numpy().tobytes() in pool_file.read_bytes()  # step 2 is in place
+            with Checkpointer(str(root), fast_root=str(fast)) as reader:  # e.g. a watcher process
+                out = {"t": torch.zeros(3000, 10)}
+                assert reader.load(out) == 1 and torch.all(out["t"] == 1.0)  # ...but is at the root
+        finally:
+            gate.set()
+        handle.wait(60)
+        out = {"t": torch.zeros(3000, 10)}
+        assert ck.load(out) == 2 and torch.all(out["t"] == 2.0)
+        assert len(committed(fast)) == 1
+
+
+def test_a_copy_not_yet_at_the_root_is_never_overwritten(tmp_path):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        ck.save(1, {"t": torch.full((3000, 10), 1.0)}).wait(60)
+        name = committed(fast)[0]
+        (root / name / MANIFEST_NAME).unlink()  # as if its drain to the root had failed
+        gate = gate_writes(ck)
+        handle = ck.save(2, {"t": torch.full((3000, 10), 2.0)})
+        try:
+            assert committed(fast) == [name]  # still committed in memory, and intact
+            with Checkpointer(str(root), fast_root=str(fast)) as reader:
+                out = {"t": torch.zeros(3000, 10)}
+                assert reader.load(out) == 1 and torch.all(out["t"] == 1.0)
+        finally:
+            gate.set()
+        handle.wait(60)
+        assert ck.steps() == [2]  # step 1 was only in memory; retention kept the newest
+        assert len(pools(fast)) == 1
+
+
+def test_shape_or_dtype_change_replans_on_fresh_files(tmp_path):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    states = [{"t": torch.randn(1000, 10)}, {"t": torch.randn(1000, 10).double()},
+              {"t": torch.randn(1500, 10).double(), "u": torch.ones(7)}, {"t": torch.randn(1500, 10).double(), "u": torch.ones(7)}]
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        names = []  # a pool is recreated under a new name (inode numbers may be reused)
+        for step, state in enumerate(states):
+            ck.save(step, state).wait(60)
+            (pool,) = pools(fast)
+            names.append(pool.name)
+            out = {k: torch.zeros_like(v) for k, v in state.items()}
+            assert ck.load(out) == step and all(torch.equal(out[k], v) for k, v in state.items())
+        assert len(set(names[:3])) == 3 and names[2] == names[3]
+        state_bytes = sum(v.numel() * v.element_size() for v in states[-1].values())
+        assert held_bytes(str(fast)) <= 1.05 * state_bytes + (64 << 10)  # one copy, old ones freed
+
+
+def test_compression_with_a_fast_tier_stages_into_buffers(tmp_path):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    state = {"t": torch.zeros(2000, 50), "v": 3}
+    with Checkpointer(str(root), fast_root=str(fast), compression="lz4") as ck:
+        for step in range(2):
+            ck.save(step, state).wait(60)
+        assert pools(fast) == [] and ck.stager.nbytes == 2000 * 50 * 4
+        out = {"t": torch.ones(2000, 50), "v": 0}
+        assert ck.load(out) == 1 and torch.count_nonzero(out["t"]) == 0 and out["v"] == 3
+
+
+def test_layout_reserves_room_for_any_blob_and_is_deterministic():
+    reqs = [SlotRequest(f"k{i}", f"k{i}", (0, 0), (n, 3), "torch.float32", n * 12) for i, n in enumerate((5, 900, 40))]
+    reserves = {("torch.float32", 2): blob_reserve("torch.float32", 2)}
+    a, b = plan_layout("__0_", reqs, reserves, 2), plan_layout("__0_", list(reversed(reqs)), reserves, 2)
+    assert a == b and len(a.files) == 2 and a.extra_rel == "__0_2.distcp"
+    for f in a.files:
+        for s in f.slots:
+            assert s.start < s.data_pos < s.end <= f.size and s.data_pos % 64 == 0
+    head, tail = reserves[("torch.float32", 2)]
+    big = torch.empty(1 << 20, 3)  # more digits in every pickled integer than the proxy had
+    from cachemw.checkpoint.file_pool import _Measure
+
+    sink = _Measure(big.data_ptr(), big.numel() * 4)
+    torch.save(big, sink)
+    assert 0 <= sink.data_at <= head and sink.pos - sink.data_at - big.numel() * 4 <= tail
