@@ -103,9 +103,11 @@ def gate_writes(ck):
     return gate
 
 
-def test_busy_save_is_refused_or_waits(tmp_path):
-    state = {"t": torch.randn(100)}
-    with Checkpointer(str(tmp_path), if_busy="refuse") as ck:
+@pytest.mark.parametrize("fast", [False, True], ids=["no-fast-tier", "fast-tier"])
+def test_busy_save_is_refused_or_waits(tmp_path, fast):
+    state = {"t": torch.randn(3000, 10)}
+    fast_root = str(tmp_path / "fast") if fast else None  # with one, a refusal is decided before the snapshot
+    with Checkpointer(str(tmp_path / "root"), if_busy="refuse", fast_root=fast_root) as ck:
         gate = gate_writes(ck)
         first = ck.save(1, state)
         with pytest.raises(CheckpointBusyError):
@@ -117,9 +119,11 @@ def test_busy_save_is_refused_or_waits(tmp_path):
         second = ck.save(3, state)
         threading.Timer(0.2, gate.set).start()
         third = ck.save(4, state, if_busy="wait")  # blocks until step 3 is written
-        assert second.done()
+        assert second.done() and second.durable
         third.wait(60)
         assert ck.steps() == [1, 3, 4]
+        out = {"t": torch.zeros(3000, 10)}
+        assert ck.load(out) == 4 and torch.equal(out["t"], state["t"])
 
 
 def test_fast_tier_commits_first_and_load_prefers_it(tmp_path):

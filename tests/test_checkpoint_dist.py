@@ -181,13 +181,12 @@ def _killed_saver(root, marker):
     ck.save(2, replicated_state()).wait(300)
 
 
-@pytest.mark.timeout(120)
-def test_single_process_sigkill_mid_save_partial_is_invisible_and_swept(tmp_path):
-    root, marker = tmp_path / "ckpt", tmp_path / "marker"
-    proc = mp.get_context("spawn").Process(target=_killed_saver, args=(str(root), str(marker)))
+def kill_when_marked(target, args, marker, timeout=60):
+    """Run ``target(*args)`` in a spawned process and SIGKILL it once ``marker`` exists."""
+    proc = mp.get_context("spawn").Process(target=target, args=args)
     proc.start()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert marker.exists()
@@ -197,6 +196,12 @@ def test_single_process_sigkill_mid_save_partial_is_invisible_and_swept(tmp_path
         if proc.is_alive():
             proc.kill()
             proc.join(5)
+
+
+@pytest.mark.timeout(120)
+def test_single_process_sigkill_mid_save_partial_is_invisible_and_swept(tmp_path):
+    root, marker = tmp_path / "ckpt", tmp_path / "marker"
+    kill_when_marked(_killed_saver, (str(root), str(marker)), marker)
     dirs = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
     assert len(dirs) == 2  # the partial one is there, but not committed
     from cachemw.checkpoint import Checkpointer

@@ -8,6 +8,7 @@ round-trips, plain DCP loads the result at the root, and memory stays at one cop
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -20,6 +21,7 @@ from cachemw.checkpoint.file_pool import blob_reserve, held_bytes  # noqa: E402
 from cachemw.checkpoint.slot_layout import SlotRequest, plan_layout  # noqa: E402
 from cachemw.checkpoint.writer import MANIFEST_NAME  # noqa: E402
 from test_checkpoint_checkpointer import gate_writes  # noqa: E402
+from test_checkpoint_dist import kill_when_marked  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -160,3 +162,32 @@ def test_layout_reserves_room_for_any_blob_and_is_deterministic():
     sink = _Measure(big.data_ptr(), big.numel() * 4)
     torch.save(big, sink)
     assert 0 <= sink.data_at <= head and sink.pos - sink.data_at - big.numel() * 4 <= tail
+
+
+def _killed_fast_saver(root, fast, marker):
+    from cachemw.checkpoint.file_pool import FilePool
+
+    ck = Checkpointer(root, fast_root=fast)
+    ck.save(1, {"t": torch.full((3000, 10), 1.0)}).wait(60)
+    original = FilePool.seal
+
+    def slow(self, *args, **kwargs):
+        stored = original(self, *args, **kwargs)
+        open(marker, "w").close()
+        time.sleep(120)
+        return stored
+
+    FilePool.seal = slow
+    ck.save(2, {"t": torch.full((3000, 10), 2.0)}).wait(300)
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_mid_in_place_save_leaves_the_previous_step_loadable_and_is_swept(tmp_path):
+    root, fast, marker = tmp_path / "root", tmp_path / "fast", tmp_path / "marker"
+    kill_when_marked(_killed_fast_saver, (str(root), str(fast), str(marker)), marker)
+    assert committed(fast) == [] and len(pools(fast)) == 1  # step 1 left memory before being overwritten
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:  # a restart
+        assert ck.steps() == [1]
+        assert pools(fast) == [] and not [p for p in fast.iterdir() if p.name.startswith("step_")]
+        out = {"t": torch.zeros(3000, 10)}
+        assert ck.load(out) == 1 and torch.all(out["t"] == 1.0)
