@@ -191,3 +191,47 @@ def test_sigkill_mid_in_place_save_leaves_the_previous_step_loadable_and_is_swep
         assert pools(fast) == [] and not [p for p in fast.iterdir() if p.name.startswith("step_")]
         out = {"t": torch.zeros(3000, 10)}
         assert ck.load(out) == 1 and torch.all(out["t"] == 1.0)
+
+
+def test_a_reader_holding_the_overwritten_files_gets_a_checksum_error_not_wrong_data(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from cachemw.checkpoint import CachemwStorageReader, ChecksumError
+
+    root, fast, held = tmp_path / "root", tmp_path / "fast", tmp_path / "held"
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        ck.save(1, {"t": torch.full((3000, 10), 1.0)}).wait(60)
+        step1 = fast / committed(fast)[0]
+        held.mkdir()  # what a reader that opened step 1 in memory still sees: its manifest, the same inodes
+        for p in step1.iterdir():
+            (held / p.name).hardlink_to(p) if p.name.endswith(".distcp") else (held / p.name).write_bytes(p.read_bytes())
+        ck.save(2, {"t": torch.full((3000, 10), 2.0)}).wait(60)
+        out = {"t": torch.zeros(3000, 10)}
+        with pytest.raises(CheckpointException) as info:  # DCP's wrapper of the reader's error
+            dcp.load(out, storage_reader=CachemwStorageReader(str(held)), no_dist=True)
+        assert "checksum mismatch in chunk 't@0,0'" in str(info.value)
+        assert isinstance(info.value.failures[0][0], ChecksumError)
+
+
+def test_load_falls_back_to_the_root_when_the_fast_copy_is_recycled_mid_load(tmp_path, monkeypatch):
+    from cachemw.checkpoint import CachemwStorageReader
+
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        ck.save(1, {"t": torch.full((3000, 10), 1.0)}).wait(60)
+        gate = gate_writes(ck)
+        original, started = CachemwStorageReader.read_data, []
+
+        def racing(self, plan, planner):
+            if not started and str(self.location.url).startswith(str(fast)):
+                started.append(ck.save(2, {"t": torch.full((3000, 10), 2.0)}))  # overwrites step 1 in memory
+            return original(self, plan, planner)
+
+        monkeypatch.setattr(CachemwStorageReader, "read_data", racing)
+        try:
+            with Checkpointer(str(root), fast_root=str(fast)) as reader:
+                out = {"t": torch.zeros(3000, 10)}
+                assert reader.load(out) == 1 and torch.all(out["t"] == 1.0)  # from the root, whole
+        finally:
+            gate.set()
+        assert started and started[0].wait(60) is None
