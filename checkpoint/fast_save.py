@@ -28,7 +28,6 @@ import copy
 import dataclasses
 import hashlib
 import logging
-import pickle
 import uuid
 from typing import Any
 
@@ -55,33 +54,47 @@ class FastSnapshot:
     pool: FilePool | None
 
 
-def placeholders(obj: Any) -> Any:
-    """The state with every tensor replaced by a meta tensor of the same shape and dtype.
+@dataclasses.dataclass
+class Described:
+    """One walk over the state: the staged dict for DCP, a structural signature, the path to use."""
 
-    DCP plans from these exactly as from the snapshot buffers (same sizes, dtypes, and
-    properties: not pinned, no grad), without holding any data; plain values are deep-copied,
-    as the buffer stager does, since they are pickled later in the background.
+    staged: Any
+    signature: list
+    in_place_capable: bool = True
+
+
+def describe(obj: Any, path: tuple = (), out: Described | None = None) -> Described:
+    """Placeholders for DCP and the state's signature, in one walk.
+
+    Every tensor becomes a meta tensor of the same shape and dtype: DCP plans from these
+    exactly as from snapshot buffers (same sizes, dtypes and properties: not pinned, no grad)
+    without holding data. Plain values are deep-copied, as the buffer stager does, since they
+    are pickled later in the background. The signature records every key, length, tensor
+    shape/dtype and leaf type: a superset of what DCP's plan depends on (not the values), so
+    an unchanged signature means an unchanged plan and the planning is skipped.
+    ``in_place_capable`` is false if a tensor is not a plain (or Parameter) CPU tensor.
     """
+    top = out is None
+    out = out or Described(None, [])
     if isinstance(obj, dict):
-        return {k: placeholders(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [placeholders(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(placeholders(v) for v in obj)
-    if isinstance(obj, torch.Tensor):
-        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
-    return copy.deepcopy(obj)
-
-
-def in_place_capable(obj: Any) -> bool:
-    """True if every tensor is a plain (or Parameter) CPU tensor: DTensors & co. keep the stager."""
-    if isinstance(obj, dict):
-        return all(in_place_capable(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return all(in_place_capable(v) for v in obj)
-    if isinstance(obj, torch.Tensor):
-        return type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu"
-    return True
+        out.signature.append((path, "dict", tuple(str(k) for k in obj)))
+        staged: Any = {k: describe(v, path + (str(k),), out).staged for k, v in obj.items()}
+    elif isinstance(obj, (list, tuple)):  # namedtuples become tuples, as with the buffer stager
+        out.signature.append((path, "list" if isinstance(obj, list) else "tuple", len(obj)))
+        items = [describe(v, path + (i,), out).staged for i, v in enumerate(obj)]
+        staged = items if isinstance(obj, list) else tuple(items)
+    elif isinstance(obj, torch.Tensor):
+        plain = type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu"
+        out.in_place_capable &= plain
+        out.signature.append((path, str(obj.dtype), tuple(obj.shape), type(obj).__name__, obj.device.type))
+        staged = torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+    else:
+        out.signature.append((path, type(obj).__name__))
+        staged = copy.deepcopy(obj)
+    if top:
+        out.staged = staged
+        return out
+    return Described(staged, out.signature)
 
 
 def slot_requests(items) -> list[SlotRequest]:
@@ -109,11 +122,9 @@ class FastSaver:
 
     def prepare(self, step: int, state_dict: dict, busy: bool, stage_buffers) -> FastSnapshot:
         """Agree with the other ranks, then snapshot; ``stage_buffers(sd)`` is the fallback stager."""
-        staged = placeholders(state_dict)
-        planner = SpreadSavePlanner(chunk_bytes=self.chunk_bytes)
-        planner.set_up_planner(staged, None, self.coord.is_coordinator)
-        local_plan = planner.create_local_plan()
-        digest = hashlib.blake2b(pickle.dumps(local_plan.items), digest_size=16).hexdigest()
+        described = describe(state_dict)
+        staged = described.staged
+        digest = hashlib.blake2b(repr(described.signature).encode(), digest_size=16).hexdigest()
         votes = self.coord.front_gather((busy, uuid.uuid4().hex, digest))
         busy_ranks = [r for r, v in enumerate(votes) if v[0]]
         if busy_ranks:
@@ -122,13 +133,15 @@ class FastSaver:
         name = step_dir_name(step, votes[0][1])
         digests = tuple(v[2] for v in votes)
         if digests != self._digests:  # some rank's state changed shape: plan again (everyone does)
-            plans = self.coord.front_gather(local_plan)
+            planner = SpreadSavePlanner(chunk_bytes=self.chunk_bytes)
+            planner.set_up_planner(staged, None, self.coord.is_coordinator)
+            plans = self.coord.front_gather(planner.create_local_plan())
             global_plans, _ = planner.create_global_plan(plans)
             mine = slot_requests(global_plans[self.coord.rank].items)
             reserves = {(r.dtype, len(r.sizes)): blob_reserve(r.dtype, len(r.sizes)) for r in mine}
             self._layout = plan_layout(f"__{self.coord.rank}_", mine, reserves, self.thread_count)
             self._digests = digests
-        if self.in_place and in_place_capable(state_dict):
+        if self.in_place and described.in_place_capable:
             try:
                 self._snapshot(name, state_dict)
                 return FastSnapshot(name, staged, self.pool)
@@ -156,7 +169,7 @@ class FastSaver:
         linked = self.pool.linked
         if linked is None:
             return
-        if self.fast.manifest(linked) is not None and self.root.manifest(linked) is None:
+        if self.fast.is_committed(linked) and not self.root.is_committed(linked):
             # Committed in memory only (its drain failed): it may be the newest checkpoint, keep it.
             log.warning("fast-tier checkpoint %s is not committed at the root; keeping it, writing fresh files", linked)
             self.pool.release()

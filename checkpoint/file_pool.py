@@ -137,6 +137,7 @@ class FilePool:
         self.layout: SnapshotLayout | None = None
         self.maps: dict[str, mmap.mmap] = {}
         self.linked: str | None = None  # the step directory holding links to these files
+        self._views: dict[str, torch.Tensor] = {}  # per chunk key, valid while the layout is
 
     def ensure(self, layout: SnapshotLayout) -> bool:
         """Have files for ``layout``; True if the existing (mapped, populated) ones were reused."""
@@ -158,8 +159,11 @@ class FilePool:
     def view(self, f: FileLayout, slot: Slot) -> torch.Tensor:
         """The chunk's tensor over the mapped file (its storage is exactly the chunk's bytes)."""
         req = slot.request
-        arr = np.frombuffer(self.maps[f.rel], dtype=np.uint8, count=req.nbytes, offset=slot.data_pos)
-        return torch.from_numpy(arr).view(dtype_of(req.dtype)).reshape(req.sizes)
+        view = self._views.get(req.key)
+        if view is None:
+            arr = np.frombuffer(self.maps[f.rel], dtype=np.uint8, count=req.nbytes, offset=slot.data_pos)
+            view = self._views[req.key] = torch.from_numpy(arr).view(dtype_of(req.dtype)).reshape(req.sizes)
+        return view
 
     def link_into(self, step_dir: str) -> None:
         for f in self.layout.files if self.layout else ():
@@ -181,6 +185,7 @@ class FilePool:
 
     def release(self) -> None:
         """Drop the pool: unmap and unlink (pages still linked from a committed step stay)."""
+        self._views.clear()  # they export the mappings' buffers
         for mm in self.maps.values():
             try:
                 mm.close()

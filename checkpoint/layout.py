@@ -63,6 +63,10 @@ class CheckpointDir:
         except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
             return None
 
+    def is_committed(self, name: str) -> bool:
+        """Cheaper than ``manifest`` when only the commit mark matters (no parsing)."""
+        return self.location.exists(f"{name}/{MANIFEST_NAME}")
+
     def committed(self) -> list[Entry]:
         """Committed checkpoints, oldest first (ties on step broken by commit time)."""
         out = []

@@ -32,13 +32,15 @@ def committed_dirs(root):
     return sorted(p.name for p in root.iterdir() if (p / MANIFEST_NAME).exists())
 
 
-def test_save_load_roundtrip_modules_optimizers_and_values(tmp_path):
+@pytest.mark.parametrize("fast", [False, True], ids=["no-fast-tier", "fast-tier"])
+def test_save_load_roundtrip_modules_optimizers_and_values(tmp_path, fast):
     state = trainer_state(1)
-    with Checkpointer(str(tmp_path)) as ck:
+    with Checkpointer(str(tmp_path / "root"), fast_root=str(tmp_path / "fast") if fast else None) as ck:
+        ck.save(4, trainer_state(3)).wait(timeout=60)  # with a fast tier, the next save recycles its files
         handle = ck.save(5, state)
         handle.wait(timeout=60)
         assert handle.done() and handle.durable and handle.in_memory
-        assert ck.steps() == [5]
+        assert ck.steps() == [4, 5]
         fresh = trainer_state(2)
         assert ck.load(fresh) == 5
     for a, b in zip(state["model"].parameters(), fresh["model"].parameters()):
@@ -49,9 +51,10 @@ def test_save_load_roundtrip_modules_optimizers_and_values(tmp_path):
     assert fresh["extra"]["epoch"] == 1 and torch.equal(fresh["extra"]["big"], state["extra"]["big"])
 
 
-def test_snapshot_is_taken_at_save_time(tmp_path):
+@pytest.mark.parametrize("fast", [False, True], ids=["no-fast-tier", "fast-tier"])
+def test_snapshot_is_taken_at_save_time(tmp_path, fast):
     state = {"t": torch.zeros(1000)}
-    with Checkpointer(str(tmp_path)) as ck:
+    with Checkpointer(str(tmp_path / "root"), fast_root=str(tmp_path / "fast") if fast else None) as ck:
         handle = ck.save(0, state)
         state["t"].fill_(7)  # training goes on while the write runs
         handle.wait(60)
