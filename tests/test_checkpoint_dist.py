@@ -35,15 +35,16 @@ def _rank_main(rank, world, rdv, root, action, out_dir):
     from cachemw.checkpoint import Checkpointer
 
     result = {"rank": rank}
-    fast_root = root + "-fast" if action == "fast" else None
+    fast_root = root + "-fast" if action == "fast" or (action == "fast-on-rank0" and rank == 0) else None
     ck = Checkpointer(root, collective_timeout_s=8, chunk_bytes=256 << 10, fast_root=fast_root)
-    if action == "fast":  # two saves through a shared node-local fast tier, then a load
+    result["fast"] = ck.fast is not None
+    if action.startswith("fast"):  # two saves through a shared node-local fast tier, then a load
         ck.save(1, replicated_state(fill=1.0)).wait(60)
         handle = ck.save(7, replicated_state())
         handle.wait(60)
         result["path"] = handle.path
-        pool = ck.fast_saver.pool
-        result["pool_bytes"] = sum(os.path.getsize(os.path.join(pool.dir, f)) for f in os.listdir(pool.dir))
+        pool = ck.fast_saver.pool if ck.fast_saver else None
+        result["pool_bytes"] = sum(os.path.getsize(os.path.join(pool.dir, f)) for f in os.listdir(pool.dir)) if pool else 0
         state = replicated_state(fill=0.0)
         result["step"] = ck.load(state)
         expected = replicated_state()
@@ -230,3 +231,10 @@ def test_two_ranks_snapshot_their_own_share_into_a_shared_fast_tier(tmp_path):
     dcp.load(plain, checkpoint_id=results[0]["path"], no_dist=True)  # DCP's own reader, at the root
     expected = replicated_state()
     assert torch.equal(plain["w"], expected["w"]) and torch.equal(plain["b"], expected["b"])
+
+
+@pytest.mark.timeout(180)
+def test_a_fast_tier_on_some_ranks_only_is_disabled_on_all(tmp_path):
+    results = run_ranks(tmp_path, 2, tmp_path / "ckpt", "fast-on-rank0")
+    assert len(results) == 2 and not results[0]["fast"] and not results[1]["fast"]  # same collectives everywhere
+    assert all(r["step"] == 7 and r["ok"] for r in results.values()), results
