@@ -171,6 +171,8 @@ class Checkpointer:
                         h._durable.wait()
                 prepared = self.fast_saver.prepare(step, to_state_dict(state), policy == "refuse" and bool(busy),
                                                    self._stage)
+                if prepared.pool is not None:
+                    self.stager.close()  # buffers of an earlier fallback save (done by now) would be a 2nd copy
                 return self._submit(step, prepared.staged, prepared)
             if busy and policy == "refuse":
                 if not self.coord.no_dist:  # still take part in the vote, so the others refuse too

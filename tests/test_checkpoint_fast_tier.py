@@ -235,3 +235,24 @@ def test_load_falls_back_to_the_root_when_the_fast_copy_is_recycled_mid_load(tmp
         finally:
             gate.set()
         assert started and started[0].wait(60) is None
+
+
+def test_a_full_fast_tier_at_snapshot_time_falls_back_to_buffers(tmp_path, monkeypatch):
+    import errno
+
+    import cachemw.checkpoint.file_pool as file_pool
+
+    def full(path, size):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+
+    monkeypatch.setattr(file_pool, "_map_new", full)
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    state = {"t": torch.randn(3000, 10), "v": {"epoch": 2}}
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        ck.save(1, state).wait(60)  # the training goes on; this save is staged into buffers
+        assert pools(fast) == [] and ck.stager.nbytes == 3000 * 10 * 4
+        out = {"t": torch.zeros(3000, 10), "v": {"epoch": 0}}
+        assert ck.load(out) == 1 and torch.equal(out["t"], state["t"]) and out["v"] == {"epoch": 2}
+        monkeypatch.undo()
+        ck.save(2, state).wait(60)  # room again: back to the in-place path
+        assert len(pools(fast)) == 1 and ck.stager.nbytes == 0  # and the buffers are given back
