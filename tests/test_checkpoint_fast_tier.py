@@ -20,7 +20,7 @@ from cachemw.checkpoint import Checkpointer  # noqa: E402
 from cachemw.checkpoint.file_pool import blob_reserve, held_bytes  # noqa: E402
 from cachemw.checkpoint.slot_layout import SlotRequest, plan_layout  # noqa: E402
 from cachemw.checkpoint.writer import MANIFEST_NAME  # noqa: E402
-from test_checkpoint_checkpointer import gate_writes  # noqa: E402
+from test_checkpoint_checkpointer import gate_writes, tiny_disk  # noqa: E402,F401 (a fixture)
 from test_checkpoint_dist import kill_when_marked  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -256,3 +256,21 @@ def test_a_full_fast_tier_at_snapshot_time_falls_back_to_buffers(tmp_path, monke
         monkeypatch.undo()
         ck.save(2, state).wait(60)  # room again: back to the in-place path
         assert len(pools(fast)) == 1 and ck.stager.nbytes == 0  # and the buffers are given back
+
+
+@pytest.mark.parametrize("full", ["fast", "root"])
+def test_full_fast_tier_or_root_fails_the_handle_not_the_training(tmp_path, tiny_disk, full):
+    root = tiny_disk if full == "root" else tmp_path / "root"
+    fast = tiny_disk if full == "fast" else tmp_path / "fast"
+    small = {"t": torch.randn(64, 1024)}  # 256 KiB
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        ck.save(1, small).wait(60)
+        handle = ck.save(2, {"t": torch.randn(1024, 1024)})  # 4 MiB > 2 MiB
+        with pytest.raises(OSError) as info:
+            handle.wait(60)
+        assert info.value.errno == 28  # ENOSPC
+        out = {"t": torch.zeros(64, 1024)}
+        assert ck.load(out, step=1) == 1 and torch.equal(out["t"], small["t"])  # the older checkpoint is intact
+        ck.save(3, small).wait(60)  # and the next save works
+        assert ck.steps() == [1, 3]
+        assert ck.load(out) == 3 and torch.equal(out["t"], small["t"])
