@@ -52,6 +52,9 @@ class CheckpointerConfig:
     keep_last: int | None = None
     compression: str | None = None
     fast_root: str | None = None
+    # In-memory copies kept in the fast tier. With 1 (the default) a save overwrites the previous
+    # copy in place once that one is committed at the root: one copy of the state in host memory,
+    # none committed in the fast tier while the save runs. More than 1 stages through buffers.
     fast_keep_last: int = 1
     if_busy: str = "wait"
     chunk_bytes: int = DEFAULT_CHUNK_BYTES

@@ -145,7 +145,7 @@ class FastSaver:
             try:
                 self._snapshot(name, state_dict)
                 return FastSnapshot(name, staged, self.pool)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, KeyError, RuntimeError) as exc:
                 log.warning("in-place snapshot into %s failed (%s); staging into buffers instead",
                             self.fast.location.url, exc)
                 self.fast.remove(name)
@@ -175,6 +175,7 @@ class FastSaver:
             self.pool.release()
             return
         self.fast.remove(linked)  # manifest first: never readable while being overwritten
+        self.fast.location.sync_dir()  # on a persistent fast tier, not resurrected by a crash either
         self.pool.linked = None
 
     def close(self) -> None:
