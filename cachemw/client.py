@@ -81,9 +81,6 @@ class DaemonClient:
         self._local = threading.local()  # one connection per thread (leases are per connection)
         # weak: a thread that ends drops its connection (closed when collected)
         self._conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
-        # open files that tally their hits themselves (fold_tally), folded in on flush/stats;
-        # keyed by id: fsspec's read-mode files compare equal when they name the same file
-        self.tallies: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
         self._address: DaemonAddress | None = None
         self._tiers: list[DirectoryTier] = []
         self._next_try = 0.0
@@ -110,7 +107,7 @@ class DaemonClient:
         """This thread's connection to the daemon, opened on first use (None: unreachable).
 
         Each thread has its own, so one thread waiting on a lease never holds up another
-        thread's messages (such as the 'put' that ends that wait).
+        thread's messages (such as the 'filled' that ends that wait).
         """
         if os.getpid() != self._pid:
             self._reset_after_fork()
@@ -236,19 +233,8 @@ class DaemonClient:
         """Tell the daemon the next reads, in order: (key, length, url, source) each."""
         return self._send("announce", items)
 
-    def put(self, key: str, tier: str, tag: bytes, data) -> bool:
-        """Hand a leased block's bytes to the daemon, which writes the tier file (one-way:
-        the reader has its bytes already). False if the daemon is unreachable."""
-        conn = self._connect()
-        if conn is None:
-            return False
-        try:
-            conn.send(("put", key, tier, tag))
-            conn.send_bytes(data)  # raw: no pickling copy of the block
-            return True
-        except (OSError, EOFError) as exc:
-            self._unreachable(str(exc) or type(exc).__name__)
-            return False
+    def filled(self, key: str, tier: str, stored: int) -> None:
+        self._send("filled", key, tier, stored)
 
     def abort(self, key: str, reason: str) -> None:
         self._send("abort", key, reason)
@@ -261,8 +247,7 @@ class DaemonClient:
         return self._call("invalidate", url) is not None
 
     def daemon_stats(self) -> dict | None:
-        """The daemon's stats, once every fill this process handed over is written."""
-        self.sync()
+        self.flush()
         reply = self._call("stats")
         return None if reply is None else reply[1]
 
@@ -304,27 +289,14 @@ class DaemonClient:
         with self._lock:
             self._accesses.append((key, tier))
 
-    def sync(self) -> bool:
-        """Flush, then wait until the daemon has written every fill handed over so far
-        (this thread's are ahead on its ordered connection). False if the daemon is
-        unreachable or its writer is stuck."""
-        self.flush()
-        reply = self._call("sync")
-        return reply is not None and reply[0] == "ok" and bool(reply[1])
-
     def maybe_flush(self) -> None:
         if time.monotonic() - self._last_flush > self.report_interval:
             self.flush()
-
-    def fold_tallies(self) -> None:
-        for f in list(self.tallies.values()):
-            f.fold_tally()
 
     def flush(self) -> None:
         """Send the counters and recency gathered since the last report (one-way)."""
         if os.getpid() != self._pid:
             return
-        self.fold_tallies()
         self._last_flush = time.monotonic()
         with self._lock:
             if not self._accesses and not any(self._unsent.values()):

@@ -3,11 +3,10 @@
 It owns the node's tier accounting: which blocks are where, how full each tier is, who is
 filling what. Clients read hits straight from the tier files; on a miss they ask for a
 *lease*: the node cache answers "present in tier T" (someone filled it meanwhile), "fill it
-into tier T" (the caller fetches from the source, returns the bytes to its reader at once
-and hands them over with "put"; the daemon writes the block file on its own core), or "do
-not cache" (tiers full, or the filler is stuck). So a block is fetched once per node however
-many processes miss it at once (single flight), the source reads run in the clients'
-processes in parallel, and writing the tier file is off the reader's critical path.
+into tier T" (the caller fetches from the source and writes the block file, then reports
+"filled"), or "do not cache" (tiers full, or the filler is stuck). So a block is fetched
+once per node however many processes miss it at once (single flight), fills run in the
+clients' processes in parallel, and the daemon stays a light coordinator.
 
 Placement: what to keep and where is decided by the placement engine (placer.py): a miss
 is admitted into the tier it names, after the evictions and demotions it plans to make
@@ -16,7 +15,6 @@ prefetch. A tier never holds more than its capacity.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -26,10 +24,8 @@ from dataclasses import dataclass, field
 
 from .config import DaemonConfig, TierConfig
 from . import blockfile
-from .fills import FillWriter
-from .moves import MoveRunner
-from .placement import Demote
 from .keys import url_tag
+from .placement import Admit, Demote, Evict, Promote
 from .placer import Placer
 from .protocol import CLIENT_COUNTERS
 from .tiers.directory import DirectoryTier
@@ -53,7 +49,6 @@ class _Inflight:
     tag: bytes | None
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False  # evicted or invalidated while in flight: do not index it
-    handed_over: bool = False  # its bytes are queued for the writer (fills.py)
 
 
 @dataclass
@@ -70,7 +65,7 @@ class _TierState:
     full_until: float = 0.0  # set when a fill hit ENOSPC: no admission until then
 
 
-class NodeCache(MoveRunner):
+class NodeCache:
     def __init__(self, config: DaemonConfig, *, lease_wait: float = 30.0) -> None:
         self.config = config
         self.placer = Placer(config.tiers, config.placement)
@@ -84,8 +79,7 @@ class NodeCache(MoveRunner):
         self._by_tag: dict[bytes, set[str]] = defaultdict(set)
         self._inflight: dict[str, _Inflight] = {}
         self.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
-        self.counters.update(fills=0, fill_errors=0,  # tier files written: by the daemon
-                             leases=0, waits=0, busy=0, reindexed=0, served_remote=0,
+        self.counters.update(leases=0, waits=0, busy=0, reindexed=0, served_remote=0,
                              peer_fallbacks=0, replicas=0)
         self.remote = None  # RemoteReads, set by a daemon that has peers
         self._pending: list = []  # moves for the maintenance thread (promotions)
@@ -95,7 +89,6 @@ class NodeCache(MoveRunner):
         self._closed = threading.Event()
         self._maintainer: threading.Thread | None = None
         self._reindex()
-        self.fills = FillWriter(self.put)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -131,7 +124,6 @@ class NodeCache(MoveRunner):
             self._maintainer.start()
 
     def close(self) -> None:
-        self.fills.close()
         self._closed.set()
         self._wake.set()
         if self._maintainer is not None:
@@ -173,8 +165,8 @@ class NodeCache(MoveRunner):
                     self._tiers[tier].reserved += nbytes
                     self.counters["leases"] += 1
                     break
-                if inflight.conn is conn and not inflight.handed_over:
-                    return ("nofill", "busy")  # our own fill (a batch naming a block twice)
+                if inflight.conn is conn:  # our own fill (a batch naming a block twice)
+                    return ("nofill", "busy")
                 self.counters["waits"] += 1
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not inflight.done.wait(remaining):
@@ -205,43 +197,6 @@ class NodeCache(MoveRunner):
             ts.tier.delete(key)
         inflight.done.set()
 
-    def hand_over(self, key: str, tier: str, data: bytes, tag: bytes | None, conn: object) -> None:
-        """A filler's bytes for its lease: written by the fill writer, off its critical path."""
-        with self._lock:
-            inflight = self._inflight.get(key)
-            if inflight is None or inflight.conn is not conn:
-                return
-            inflight.handed_over = True  # a later read by the same client waits for it
-        if not self.fills.submit(key, tier, data, tag, conn):
-            self.abort(key, "closing", conn)
-
-    def put(self, key: str, tier: str, data, tag: bytes | None, conn: object) -> bool:
-        """Write a leased block into its tier and index it (the filler's bytes, or an owner's
-        own fetch); a write that fails ends the lease, counted, and a full tier stops
-        admitting for a while. False if nothing was cached."""
-        with self._lock:
-            inflight = self._inflight.get(key)
-            if inflight is None or inflight.conn is not conn:
-                return False  # the lease ended meanwhile (the filler was presumed gone)
-        if inflight.cancelled:  # evicted or invalidated while in flight: do not write it
-            self.abort(key, "cancelled", conn)
-            return False
-        try:
-            stored = self._tiers[tier].tier.put(key, data, tag=tag or b"")
-        except OSError as exc:
-            nospace = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-            self.abort(key, "nospace" if nospace else "error", conn)
-            self.count("fill_errors")
-            if not nospace:
-                log.warning("could not write block %s into the %s tier: %s", key, tier, exc)
-            return False
-        except BaseException:
-            self.abort(key, "error", conn)  # waiters must not wait for a fill that failed
-            raise
-        self.filled(key, tier, stored, conn)
-        self.count("fills")
-        return True
-
     def abort(self, key: str, reason: str, conn: object) -> None:
         with self._lock:
             inflight = self._inflight.get(key)
@@ -259,8 +214,8 @@ class NodeCache(MoveRunner):
 
     def release(self, conn: object) -> None:
         """A client went away: abort the leases it held so waiters can take them."""
-        with self._lock:  # handed-over fills are the writer's now: they complete
-            keys = [k for k, f in self._inflight.items() if f.conn is conn and not f.handed_over]
+        with self._lock:
+            keys = [k for k, f in self._inflight.items() if f.conn is conn]
         for key in keys:
             self.abort(key, "disconnected", conn)
 
@@ -430,6 +385,89 @@ class NodeCache(MoveRunner):
         self.placer.announce(order)
         self._wake.set()
 
+    # -- executing placement moves ------------------------------------------------
+
+    def _maintain_loop(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
+            try:
+                with self._lock:
+                    moves, self._pending = self._pending, []
+                self._run(moves)
+                if self.placer.announced:
+                    self._prefetch()
+            except Exception:  # never let the maintenance thread die silently
+                log.exception("placement pass failed")
+
+    def _run(self, moves: list) -> None:
+        """Carry out the engine's moves in order; a move that cannot be done is reported
+        back to the engine (drop), never retried blindly."""
+        with self._moves_lock:
+            for move in moves:
+                try:
+                    self._run_one(move)
+                except OSError as exc:  # a failing tier: forget the block, never stop
+                    log.warning("placement move %s failed: %s", type(move).__name__, exc)
+                    self.placer.drop(move.key)
+                    with self._lock:
+                        self._remove_locked(move.key)
+
+    def _run_one(self, move) -> None:
+        if isinstance(move, Evict):
+            with self._lock:
+                entry = self._remove_locked(move.key)
+                if entry is not None:
+                    self._tiers[entry.tier].evictions += 1
+                fill = self._inflight.get(move.key)
+                if fill is not None:
+                    fill.cancelled = True  # evicted before its fill landed
+            if entry is not None:
+                self._tiers[entry.tier].tier.delete(move.key)
+        elif isinstance(move, (Demote, Promote)):
+            if not self._move_tier(move.key, move.dst):
+                self.placer.drop(move.key)
+                self.drop(move.key, "move failed")
+        elif isinstance(move, Admit):  # re-admitted by a late hit report: not cached here
+            with self._lock:
+                present = move.key in self._index or move.key in self._inflight
+            if not present:
+                self.placer.drop(move.key)
+
+    def _move_tier(self, key: str, dst: str) -> bool:
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            return False
+        if entry.tier == dst:
+            return True
+        src, lower = self._tiers[entry.tier], self._tiers[dst]
+        try:
+            data = _read_whole(src.tier.block_path(key))
+            if data is None:
+                return False
+            stored = lower.tier.put(key, data, tag=entry.tag or b"")
+        except OSError as exc:
+            log.warning("moving %s from %s to %s failed: %s", key, entry.tier, dst, exc)
+            return False
+        with self._lock:
+            if self._index.get(key) is not entry:
+                lower.tier.delete(key)
+                return True
+            self._remove_locked(key)
+            self._add(key, dst, stored, entry.tag)
+            if self._order.index(dst) > self._order.index(entry.tier):
+                src.demotions += 1
+        src.tier.delete(key)
+        return True
+
+    def _prefetch(self, budget: int = 256 << 20) -> None:
+        from .prefetch import run_prefetch
+
+        run_prefetch(self, budget)
+
     # -- stats ---------------------------------------------------------------------
 
     def stats(self) -> dict:
@@ -444,5 +482,13 @@ class NodeCache(MoveRunner):
                     "admitting": ts.full_until <= time.monotonic(),
                 }
             return {"node_id": self.config.node_id, "pid": os.getpid(), "tiers": tiers,
-                    "counters": dict(self.counters), "inflight": len(self._inflight),
-                    "fill_queue_bytes": self.fills.pending_bytes}
+                    "counters": dict(self.counters), "inflight": len(self._inflight)}
+
+
+def _read_whole(path: str) -> bytes | None:
+    """A block file's data (verified), its length derived from the file's size."""
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+    return blockfile.read_block(path, blockfile.data_length(size, path))

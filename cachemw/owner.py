@@ -82,7 +82,13 @@ def _serve_one(node, key, length, url, source):
     node.count("bytes_from_source", len(block))
     node.count("misses")
     if kind == "fill":
-        node.put(key, tier, block, url_tag(url), requester)
+        try:
+            stored = node.tier(tier).put(key, block, tag=url_tag(url))
+        except OSError as exc:
+            node.abort(key, "nospace" if exc.errno in (28, 122) else "error", requester)
+        else:
+            node.filled(key, tier, stored, requester)
+            node.count("fills")
     node.count("served_remote")
     return block
 

@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass
 
 # Counters clients add to through access reports; the daemon adds the rest.
 CLIENT_COUNTERS = (
-    "hits", "hit_bytes", "misses", "bytes_from_source", "fallbacks",
-    "bypassed", "corrupt_repaired",
+    "hits", "hit_bytes", "misses", "fills", "bytes_from_source", "fallbacks",
+    "bypassed", "corrupt_repaired", "fill_errors",
     "remote_hits",   # cached at their owner node, sent straight from there
     "remote_reads",  # owned elsewhere and not cached there yet: fetched by the owner
 )
@@ -30,7 +30,7 @@ LOCK = "daemon.lock"
 SOCKET = "daemon.sock"
 
 REPLY_OPS = frozenset({"hello", "lease", "lease_many", "invalidate", "ring", "stats", "ping",
-                       "sync", "shutdown"})
+                       "shutdown"})
 
 
 @dataclass(frozen=True)

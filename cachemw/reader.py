@@ -2,15 +2,15 @@
 
 A hit is read straight from a tier file and verified. Misses (of one read, or of a batch
 of reads) go to the daemon in one request; for each block it answers: fill it (fetch the
-whole block from the source, keep the bytes, hand a copy to the daemon, which writes the
-tier file on its own core), it is present now, here are its bytes (fetched from the node
-that owns it), or read the source yourself. Every outcome
+whole block from the source and write the tier file), it is present now, here are its
+bytes (fetched from the node that owns it), or read the source yourself. Every outcome
 but a fill or a hit (daemon unreachable, tiers full, filler stuck, owner down, block
 evicted under us) reads the source directly and is counted, so losing the cache costs
 speed and never a read.
 """
 from __future__ import annotations
 
+import errno
 import logging
 from typing import NamedTuple
 
@@ -40,6 +40,7 @@ class BlockReader:
         self.block_size = block_size
         self._source_json = source.fs.to_json()
         self.direct = DirectReads(client)
+        self._fill_warned = False
 
     def _pieces(self, meta: FileMeta, start: int, end: int) -> list[_Piece]:
         bs = self.block_size
@@ -172,7 +173,6 @@ class BlockReader:
         return self._direct(piece)
 
     def _fill(self, piece: _Piece, tier_name: str) -> bytes:
-        """Fetch a leased block from the source; the daemon writes it into the tier."""
         client = self.client
         meta = piece.meta
         try:
@@ -182,7 +182,19 @@ class BlockReader:
             raise
         client.count("misses")
         client.count("bytes_from_source", len(block))
-        client.put(piece.key, tier_name, url_tag(meta.url), block)
+        try:
+            stored = self._tier(tier_name).put(piece.key, block, tag=url_tag(meta.url))
+        except OSError as exc:
+            reason = "nospace" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "error"
+            client.abort(piece.key, reason)
+            client.count("fill_errors")
+            if not self._fill_warned:
+                log.warning("could not fill the %s tier (%s); reading on from the source",
+                            tier_name, exc)
+                self._fill_warned = True
+        else:
+            client.filled(piece.key, tier_name, stored)
+            client.count("fills")
         return block if piece.lo == 0 and piece.hi == len(block) else block[piece.lo:piece.hi]
 
     def _direct(self, piece: _Piece) -> bytes:

@@ -139,11 +139,9 @@ class SocketServer:
                     reply = node.lease(args[0], args[1], args[2], conn)
                 elif op == "lease_many":
                     reply = ("ok", node.lease_many(args[0], conn))
-                elif op == "put":  # the block's bytes follow as one raw message
-                    node.hand_over(args[0], args[1], conn.recv_bytes(), args[2], conn)
+                elif op == "filled":
+                    node.filled(args[0], args[1], args[2], conn)
                     continue
-                elif op == "sync":  # every fill this client handed over is written
-                    reply = ("ok", node.fills.drain(timeout=60))
                 elif op == "abort":
                     node.abort(args[0], args[1], conn)
                     continue

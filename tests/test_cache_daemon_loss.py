@@ -39,9 +39,9 @@ def test_daemon_killed_mid_epoch_then_restarted(runtime_dir, spawn_daemon, datas
 
     for p in half:
         assert fs.cat_file(p) == files[p]
-    assert fs.stats()["misses"] == nblocks(files, half)  # each fetched to be filled
+    assert fs.stats()["fills"] == nblocks(files, half)
     assert fs.stats()["fallbacks"] == 0
-    fs.client.sync()  # so the new daemon's counters below hold only what came after the kill
+    fs.client.flush()  # so the new daemon's counters below hold only what came after the kill
     wait_for(lambda: daemon_stats(runtime_dir)["counters"]["fills"] == nblocks(files, half), 5,
              what="the report to the first daemon")
 
@@ -53,7 +53,7 @@ def test_daemon_killed_mid_epoch_then_restarted(runtime_dir, spawn_daemon, datas
         assert fs.cat_file(p) == files[p]
     s = fs.stats()
     assert s["fallbacks"] == nblocks(files, rest)
-    assert s["misses"] == nblocks(files, half)
+    assert s["fills"] == nblocks(files, half)
     for p in rest:  # other read paths work too
         with fs.open(p) as f:
             f.seek(1000)
@@ -90,8 +90,8 @@ def test_daemon_killed_mid_epoch_then_restarted(runtime_dir, spawn_daemon, datas
         assert fs.cat_file(p) == files[p]
     s = fs.stats()
     assert s["fallbacks"] == fallbacks
-    assert s["misses"] == nblocks(files, paths)
-    fs.client.sync()
+    assert s["fills"] == nblocks(files, paths)
+    fs.client.flush()
     stats = wait_for(lambda: (d := daemon_stats(runtime_dir))["counters"]["fills"]
                      == nblocks(files, rest) and d, 5, what="the client's report")
     assert stats["counters"]["fallbacks"] == fallbacks  # counted while it was gone, reported now
@@ -109,5 +109,5 @@ def test_no_daemon_at_all_reads_from_source(runtime_dir, dataset, caplog):
         for p, data in files.items():
             assert fs.cat_file(p) == data
     assert fs.stats()["fallbacks"] == 2 * nblocks(files, files)
-    assert fs.stats()["hits"] == fs.stats()["misses"] == 0
+    assert fs.stats()["hits"] == fs.stats()["fills"] == 0
     assert len(unreachable_warnings(caplog)) == 1

@@ -86,8 +86,7 @@ def test_damaged_block_detected_dropped_refetched(make_cache_fs, runtime_dir, tm
             data = rng.randbytes(size)
             with open(path, "wb") as f:
                 f.write(data)
-            assert fs.cat_file(path) == data  # cached ...
-            fs.client.sync()  # ... once the daemon has written the fill
+            assert fs.cat_file(path) == data  # cached
             meta = fs.meta.file(path)
             index = 1 if size > BS else 0
             length = min(BS, size - index * BS)
@@ -111,7 +110,6 @@ def test_damaged_block_detected_dropped_refetched(make_cache_fs, runtime_dir, tm
             assert after["bytes_from_source"] - before["bytes_from_source"] == length, (kind, name)
             expected_repairs += 1
             # the block was refilled, sound, and is served again from the tier
-            fs.client.sync()
             assert blockfile.read_block(block, length) == data[index * BS:index * BS + length]
             before = dict(fs.stats())
             assert fs.cat_file(path) == data
@@ -139,7 +137,6 @@ def test_foreign_files_in_a_tier_are_ignored_on_restart(runtime_dir, spawn_daemo
     with open(path, "wb") as f:
         f.write(data)
     assert fs.cat_file(path) == data
-    fs.client.sync()  # both fills written
     with open(os.path.join(dram, "ab", "notablock"), "wb") as f:
         f.write(b"x")
     stray_tmp = os.path.join(dram, "cd", "cd" + "0" * 30 + ".123.abcd.tmp")
@@ -169,8 +166,7 @@ def test_open_file_small_reads_verify_mapped_pages_and_count_hits(make_cache_fs,
     path = str(tmp_path / "mapped.bin")
     with open(path, "wb") as f:
         f.write(data)
-    assert fs.cat_file(path) == data
-    fs.client.sync()  # cached
+    assert fs.cat_file(path) == data  # cached
     meta = fs.meta.file(path)
     block = dram.block_path(block_key(meta.url, meta.version, 1, BS))
     before = dict(fs.stats())
@@ -192,5 +188,4 @@ def test_open_file_small_reads_verify_mapped_pages_and_count_hits(make_cache_fs,
     assert after["misses"] - before["misses"] == 1  # refetched once
     assert after["hits"] - before["hits"] == len(offsets)
     assert after["hit_bytes"] - before["hit_bytes"] == 4096 * len(offsets)
-    fs.client.sync()
     assert blockfile.read_block(block, BS) == data[BS:2 * BS]  # the repaired block is sound
