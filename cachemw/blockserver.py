@@ -151,35 +151,59 @@ class BlockServer:
 
 
 class BlockClient:
-    """A reader's connection to one owner's block server (one per thread and owner)."""
+    """A reader's connection to one owner's block server.
+
+    The socket is blocking, with the kernel bounding every send and receive
+    (SO_SNDTIMEO/SO_RCVTIMEO) instead of Python's timeout mode: a socket in timeout mode is
+    non-blocking underneath, and there MSG_WAITALL is ignored, so a block arrived in pieces
+    that were then joined (two copies). Blocking, one ``recv(n, MSG_WAITALL)`` lands a whole
+    block in the bytes handed to the caller, and an owner that stops sending still costs at
+    most ``timeout`` per call (the call fails with EAGAIN, an OSError).
+    """
 
     def __init__(self, address: tuple[str, int], secret: bytes, timeout: float) -> None:
         self.sock = socket.create_connection(tuple(address), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # owners run ahead
-        authenticate_client(self.sock, secret)
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # owners run ahead
+            authenticate_client(self.sock, secret)
+            self.sock.settimeout(None)
+            sec = max(timeout, 0.001)
+            tv = struct.pack("@ll", int(sec), int((sec - int(sec)) * 1e6))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
 
     def request(self, items: list[tuple[str, int]]) -> None:
         body = b"".join(_ITEM.pack(bytes.fromhex(k), n) for k, n in items)
         self.sock.sendall(_COUNT.pack(len(items)) + body)
 
+    def _recv(self, n: int) -> bytes:
+        data = self.sock.recv(n, socket.MSG_WAITALL)  # straight into the bytes returned
+        if len(data) < n:  # a signal or the owner closing: finish (or fail) the slow way
+            data += bytes(recv_exact(self.sock, n - len(data)))
+        return data
+
+    def headers(self, count: int) -> list[tuple[int, int, int]]:
+        """(status, length, data checksum) of each block of the pending reply."""
+        return list(_REPLY.iter_unpack(self._recv(count * _REPLY.size)))
+
+    def block(self, length: int, header: tuple[int, int, int]) -> bytes | None:
+        """The next block of the reply, verified; None if it came damaged or of the wrong
+        length (the connection stays in step: every sent byte is read)."""
+        _, n, data_hash = header
+        data = self._recv(n)
+        return data if n == length and blockfile.hash_of(data) == data_hash else None
+
     def receive(self, items: list[tuple[str, int]]) -> list[bytes | None]:
         """The blocks of the last request, verified; None for one the owner does not hold."""
-        size = len(items) * _REPLY.size
-        headers = self.sock.recv(size, socket.MSG_WAITALL)
-        if len(headers) < size:
-            headers += bytes(recv_exact(self.sock, size - len(headers)))
-        out = []
-        for i, (key, length) in enumerate(items):
-            status, n, data_hash = _REPLY.unpack_from(headers, i * _REPLY.size)
-            if status != 1:
-                out.append(None)
-                continue
-            data = self.sock.recv(n, socket.MSG_WAITALL)  # straight into the bytes returned
-            if len(data) < n:
-                data += bytes(recv_exact(self.sock, n - len(data)))
-            out.append(data if n == length and blockfile.hash_of(data) == data_hash else None)
-        return out
+        return [self.block(length, h) if h[0] == 1 else None
+                for (_, length), h in zip(items, self.headers(len(items)))]
 
     def close(self) -> None:
         self.sock.close()

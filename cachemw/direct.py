@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 
@@ -22,11 +23,15 @@ log = logging.getLogger("cachemw.direct")
 REFRESH = 2.0
 
 
-def _receive(conn: BlockClient, batch):
-    try:
-        return conn.receive(batch)
-    except (OSError, ConnectionError) as exc:
-        return exc
+class _Reply:
+    """Where the receipt of one owner's reply stands."""
+
+    __slots__ = ("owner", "conn", "batch", "headers", "next", "deadline")
+
+    def __init__(self, owner: str, conn: BlockClient, batch: list, deadline: float) -> None:
+        self.owner, self.conn, self.batch, self.deadline = owner, conn, batch, deadline
+        self.headers = None
+        self.next = 0
 
 
 class DirectReads:
@@ -60,49 +65,115 @@ class DirectReads:
         return self._dir
 
     def fetch(self, items: list[tuple[str, int]]) -> dict[str, bytes]:
-        """Blocks (key, length) owned elsewhere and held there, verified; others absent."""
+        """Blocks (key, length) owned elsewhere and held there, verified; others absent.
+
+        One request per owner, all sent before any reply is read; the replies are read in
+        this thread as they arrive, a block at a time from whichever owner has data (no
+        thread pool: handing blocks between threads cost more than the receive itself, and
+        the owners' sends overlap anyway, into socket buffers that hold a whole reply).
+        """
         d = self._directory()
         if not d or self._ring is None:
             return {}
+        me, held, owner_of = d["self"], d["blocks"], self._ring.owner
         by_owner: dict[str, list[tuple[str, int]]] = {}
-        for key, length in items:
-            owner = self._ring.owner(key)
-            if owner != d["self"] and owner in d["blocks"]:
-                by_owner.setdefault(owner, []).append((key, length))
+        for item in items:
+            owner = owner_of(item[0])
+            if owner != me and owner in held:
+                batch = by_owner.get(owner)
+                if batch is None:
+                    by_owner[owner] = [item]
+                else:
+                    batch.append(item)
         if not by_owner:
             return {}
         out: dict[str, bytes] = {}
-        sent = []
+        pending: dict[int, _Reply] = {}
+        deadline = time.monotonic() + self.timeout
         for owner, batch in by_owner.items():
             conn = self._conn(owner, d)
             if conn is None:
                 continue
             try:
                 conn.request(batch)
-                sent.append((owner, conn, batch))
             except OSError as exc:
                 self._failed(owner, exc)
-        if len(sent) > 1:  # receive from every owner at once: their sends overlap
-            results = list(self._pool().map(lambda x: _receive(x[1], x[2]), sent))
-        else:
-            results = [_receive(conn, batch) for _, conn, batch in sent]
-        for (owner, _, batch), got in zip(sent, results):
-            if isinstance(got, Exception):
-                self._failed(owner, got)
                 continue
-            for (key, _), data in zip(batch, got):
-                if data is not None:
-                    out[key] = data
+            pending[conn.fileno()] = _Reply(owner, conn, batch, deadline)
+        try:
+            if len(pending) == 1:
+                (reply,) = pending.values()
+                try:
+                    self._take(reply, out, len(reply.batch))
+                except OSError as exc:
+                    self._failed(reply.owner, exc)
+                pending.clear()
+            elif pending:
+                self._receive_all(pending, out)
+        finally:  # interrupted mid-reply: those connections are out of step, drop them
+            for reply in pending.values():
+                self._drop(reply.owner)
         return out
 
-    def _pool(self):
-        pool = getattr(self, "_executor", None)
-        if pool is None or self._executor_pid != os.getpid():
-            from concurrent.futures import ThreadPoolExecutor
+    def _receive_all(self, pending: dict[int, _Reply], out: dict[str, bytes]) -> None:
+        """Read several owners' replies at once, each block from a socket that has data;
+        an owner silent for ``timeout`` is failed (its blocks go the usual way)."""
+        poller = select.poll()
+        for fd in pending:
+            poller.register(fd, select.POLLIN)
+        while pending:
+            now = time.monotonic()
+            for fd, reply in list(pending.items()):
+                if reply.deadline <= now:
+                    poller.unregister(fd)
+                    del pending[fd]
+                    self._failed(reply.owner, TimeoutError(
+                        f"no reply within {self.timeout} s"))
+            if not pending:
+                return
+            wait = min(r.deadline for r in pending.values()) - now
+            for fd, _ in poller.poll(max(1, int(wait * 1000) + 1)):
+                reply = pending[fd]
+                try:
+                    done = self._take(reply, out, 1)
+                except OSError as exc:
+                    done = True
+                    self._failed(reply.owner, exc)
+                if done:
+                    poller.unregister(fd)
+                    del pending[fd]
+                else:
+                    reply.deadline = time.monotonic() + self.timeout
 
-            pool = self._executor = ThreadPoolExecutor(4, thread_name_prefix="cachemw-direct")
-            self._executor_pid = os.getpid()
-        return pool
+    def _take(self, reply: _Reply, out: dict[str, bytes], blocks: int) -> bool:
+        """Read (the headers and) up to ``blocks`` sent blocks of ``reply``; True once all
+        of it is read. A block that fails verification is left out and counted: the
+        reader fetches it again the usual way, through its daemon."""
+        conn, batch = reply.conn, reply.batch
+        if reply.headers is None:
+            reply.headers = conn.headers(len(batch))
+        headers, i, n = reply.headers, reply.next, len(batch)
+        while i < n and headers[i][0] != 1:  # absent blocks: nothing on the wire
+            i += 1
+        while i < n and blocks:
+            header = headers[i]
+            if header[0] == 1:
+                key, length = batch[i]
+                data = conn.block(length, header)
+                if data is None:
+                    self._damaged(reply.owner, key)
+                else:
+                    out[key] = data
+                blocks -= 1
+            i += 1
+        while i < n and headers[i][0] != 1:  # absent blocks: nothing on the wire
+            i += 1
+        reply.next = i
+        return i >= n
+
+    def _damaged(self, owner: str, key: str) -> None:
+        self.client.count("corrupt_repaired")
+        log.warning("block %s from node %s failed verification; fetching it again", key, owner)
 
     def _conn(self, owner: str, d) -> BlockClient | None:
         conns = getattr(self._local, "conns", None)
@@ -118,11 +189,13 @@ class DirectReads:
                 return None
         return conn
 
-    def _failed(self, owner: str, exc: Exception) -> None:
-        conns = getattr(self._local, "conns", {})
-        conn = conns.pop(owner, None)
+    def _drop(self, owner: str) -> None:
+        conn = getattr(self._local, "conns", {}).pop(owner, None)
         if conn is not None:
             conn.close()
+
+    def _failed(self, owner: str, exc: Exception) -> None:
+        self._drop(owner)
         self._fetched_at = -REFRESH  # ask the daemon again for who is where
         if not self._warned:
             log.warning("direct block transfer from node %s failed (%s); reading through "
