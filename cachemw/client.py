@@ -81,6 +81,9 @@ class DaemonClient:
         self._local = threading.local()  # one connection per thread (leases are per connection)
         # weak: a thread that ends drops its connection (closed when collected)
         self._conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
+        # open files that tally their hits themselves (fold_tally), folded in on flush/stats;
+        # keyed by id: fsspec's read-mode files compare equal when they name the same file
+        self.tallies: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
         self._address: DaemonAddress | None = None
         self._tiers: list[DirectoryTier] = []
         self._next_try = 0.0
@@ -293,10 +296,15 @@ class DaemonClient:
         if time.monotonic() - self._last_flush > self.report_interval:
             self.flush()
 
+    def fold_tallies(self) -> None:
+        for f in list(self.tallies.values()):
+            f.fold_tally()
+
     def flush(self) -> None:
         """Send the counters and recency gathered since the last report (one-way)."""
         if os.getpid() != self._pid:
             return
+        self.fold_tallies()
         self._last_flush = time.monotonic()
         with self._lock:
             if not self._accesses and not any(self._unsent.values()):

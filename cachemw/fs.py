@@ -310,6 +310,7 @@ class CacheFileSystem(_Base):
 
     def stats(self) -> dict:
         """This process's counters (hits, misses, fallbacks, ...)."""
+        self.client.fold_tallies()
         return dict(self.client.counters)
 
 
@@ -338,6 +339,7 @@ class CachedFile(AbstractBufferedFile):
         self._client = fs.client
         self._bs = fs.options.block_size
         super().__init__(fs, path, mode="rb", size=meta.size, **kwargs)
+        fs.client.tallies[id(self)] = self
 
     def _fetch_range(self, start, end):
         start, end = _clip(start, end, self.meta.size)
@@ -397,6 +399,11 @@ class CachedFile(AbstractBufferedFile):
             self.fs.client.accessed(key, tier.name)  # reads are counted as they happen
             return block
         return None
+
+    def fold_tally(self) -> None:
+        """Add the reads tallied here to the client's counters (the client asks on stats
+        and flush; a read racing with it in another thread may be counted late)."""
+        self._count_fast_reads()
 
     def _count_fast_reads(self) -> None:
         reads, self._fast_reads = self._fast_reads, 0

@@ -1,0 +1,107 @@
+"""Carrying out the placement engine's moves on a node's tiers: evictions, demotions to a
+slower tier, promotions, and the prefetch pass, on the node cache's maintenance thread
+(never on a client's connection thread: moves copy data).
+
+A mixin of NodeCache (node.py): it works on the node's index, tiers and locks.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from . import blockfile
+from .placement import Admit, Demote, Evict, Promote
+
+log = logging.getLogger("cachemw.node")
+
+
+class MoveRunner:
+    def _maintain_loop(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
+            try:
+                with self._lock:
+                    moves, self._pending = self._pending, []
+                self._run(moves)
+                if self.placer.announced:
+                    self._prefetch()
+            except Exception:  # never let the maintenance thread die silently
+                log.exception("placement pass failed")
+
+    def _run(self, moves: list) -> None:
+        """Carry out the engine's moves in order; a move that cannot be done is reported
+        back to the engine (drop), never retried blindly."""
+        with self._moves_lock:
+            for move in moves:
+                try:
+                    self._run_one(move)
+                except OSError as exc:  # a failing tier: forget the block, never stop
+                    log.warning("placement move %s failed: %s", type(move).__name__, exc)
+                    self.placer.drop(move.key)
+                    with self._lock:
+                        self._remove_locked(move.key)
+
+    def _run_one(self, move) -> None:
+        if isinstance(move, Evict):
+            with self._lock:
+                entry = self._remove_locked(move.key)
+                if entry is not None:
+                    self._tiers[entry.tier].evictions += 1
+                fill = self._inflight.get(move.key)
+                if fill is not None:
+                    fill.cancelled = True  # evicted before its fill landed
+            if entry is not None:
+                self._tiers[entry.tier].tier.delete(move.key)
+        elif isinstance(move, (Demote, Promote)):
+            if not self._move_tier(move.key, move.dst):
+                self.placer.drop(move.key)
+                self.drop(move.key, "move failed")
+        elif isinstance(move, Admit):  # re-admitted by a late hit report: not cached here
+            with self._lock:
+                present = move.key in self._index or move.key in self._inflight
+            if not present:
+                self.placer.drop(move.key)
+
+    def _move_tier(self, key: str, dst: str) -> bool:
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            return False
+        if entry.tier == dst:
+            return True
+        src, lower = self._tiers[entry.tier], self._tiers[dst]
+        try:
+            data = _read_whole(src.tier.block_path(key))
+            if data is None:
+                return False
+            stored = lower.tier.put(key, data, tag=entry.tag or b"")
+        except OSError as exc:
+            log.warning("moving %s from %s to %s failed: %s", key, entry.tier, dst, exc)
+            return False
+        with self._lock:
+            if self._index.get(key) is not entry:
+                lower.tier.delete(key)
+                return True
+            self._remove_locked(key)
+            self._add(key, dst, stored, entry.tag)
+            if self._order.index(dst) > self._order.index(entry.tier):
+                src.demotions += 1
+        src.tier.delete(key)
+        return True
+
+    def _prefetch(self, budget: int = 256 << 20) -> None:
+        from .prefetch import run_prefetch
+
+        run_prefetch(self, budget)
+
+
+def _read_whole(path: str) -> bytes | None:
+    """A block file's data (verified), its length derived from the file's size."""
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+    return blockfile.read_block(path, blockfile.data_length(size, path))
