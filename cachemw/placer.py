@@ -13,7 +13,6 @@ import threading
 
 from .config import TierConfig
 from .placement import Admit, Engine, Evict, Plan, Prefetch, TierSpec
-from .placement.future import NEVER
 
 # Nominal read bandwidths (bytes/s); the engine uses them only for its time model.
 _BANDWIDTH = {"gpu": 50e9, "dram": 10e9, "nvme": 2e9}
@@ -136,15 +135,11 @@ class Placer:
         with an announced read costs one extra source read (with a cache of half the
         dataset and per-epoch announcements, that undoes half the hits). Bounding prefetch
         by what is free or dead (already read, not announced again) keeps the source reads
-        those of the clairvoyant policy without prefetch, just earlier. O(cached blocks).
+        those of the clairvoyant policy without prefetch, just earlier. O(tiers): the
+        policy keeps the dead bytes as a running sum.
         """
-        policy = self._engine.policy
         free = sum(t.capacity for t in self._specs) - sum(self._engine.used().values())
-        nxt = getattr(policy, "next", None)
-        if nxt is None:
-            return free
-        sizes = policy.sizes
-        return free + sum(sizes[k] for k, nu in nxt.items() if nu >= NEVER and k in sizes)
+        return free + getattr(self._engine.policy, "dead_bytes", 0)
 
     def _forget_evicted(self, moves) -> None:
         for move in moves:

@@ -52,9 +52,16 @@ class FurthestFirst(Policy):
         self._seqs: Dict[Hashable, int] = {}
         self._heap: list = []
         self._seq = 0
+        # bytes of cached keys with no known next read: kept as a running sum because the
+        # daemon asks for it on every prefetch pass (a scan is O(cached blocks))
+        self.dead_bytes = 0
 
     def set_next_use(self, key: Hashable, nu: int) -> None:
         """Record that cached ``key`` is next read at position ``nu`` (NEVER if unknown)."""
+        old = self.next.get(key)
+        if (old is not None and old >= NEVER) != (nu >= NEVER):
+            size = self.sizes.get(key, 0)
+            self.dead_bytes += size if nu >= NEVER else -size
         self._seq += 1
         self.next[key] = nu
         self._seqs[key] = self._seq
@@ -93,6 +100,11 @@ class FurthestFirst(Policy):
         # A victim must be needed strictly later than the newcomer, else bypass the newcomer.
         return self._evict_all(
             pop_victims(self._heap, self._seqs, self.sizes, need, lambda e: -e[0] > nu))
+
+    def discard(self, key: Hashable) -> None:
+        if key in self.sizes and self.next.get(key, 0) >= NEVER:
+            self.dead_bytes -= self.sizes[key]
+        super().discard(key)
 
     def _forget(self, key: Hashable) -> None:
         del self._seqs[key], self.next[key]

@@ -143,3 +143,31 @@ def test_bad_policy_options_name_the_option():
 def test_base_policy_is_abstract():
     with pytest.raises(NotImplementedError):
         Policy().access("a", 1)
+
+
+def test_dead_bytes_running_sum_matches_a_scan():
+    """The bytes of cached blocks with no announced next read (what prefetch may displace)
+    are kept as a running sum; it equals a full scan after any mix of operations."""
+    import random
+
+    from cachemw.placement.future import NEVER
+
+    rng = random.Random(5)
+    for cls in (ClairvoyantPolicy, BeladyPolicy):
+        p = fresh(cls, 60)
+        keys = [f"k{i}" for i in range(40)]
+        size = {k: rng.randint(1, 9) for k in keys}
+        trace = [rng.choice(keys) for _ in range(3000)]
+        if cls is BeladyPolicy:
+            p.prepare(trace, [size[k] for k in trace])
+        for i, key in enumerate(trace):
+            if cls is ClairvoyantPolicy and i % 97 == 0:
+                p.announce(trace[i:i + rng.randint(0, 150)])
+            if cls is ClairvoyantPolicy and i % 131 == 0:
+                p.admit_ahead(rng.choice(keys), size[key], p.cursor + rng.randint(0, 50))
+            if i % 89 == 0 and p.sizes:
+                p.discard(rng.choice(sorted(p.sizes)))
+            p.access(key, size[key])
+            scan = sum(p.sizes[k] for k, nu in p.next.items() if nu >= NEVER and k in p.sizes)
+            assert p.dead_bytes == scan, (cls.name, i)
+        assert p.dead_bytes > 0  # the check saw dead blocks, not only zeros
