@@ -133,16 +133,18 @@ class Checkpointer:
         self.config = CheckpointerConfig.from_kwargs(keep_last=keep_last, compression=compression,
                                                      fast_root=fast_root, **options)
         self.root = CheckpointDir(Location(root))
-        self.fast = CheckpointDir(Location(fast_root), recycle=True) if fast_root is not None else None
+        in_place = (self.config.compression is None and self.config.fast_keep_last == 1
+                    and self.config.device == "cpu")
+        # No spare with the in-place path: an evicted step's files may be hard links to the pool's
+        # mapped files, and a buffered save writing into them would corrupt (or truncate) those.
+        self.fast = CheckpointDir(Location(fast_root), recycle=not in_place) if fast_root is not None else None
         self.coord = Coordinator(process_group, self.config.collective_timeout_s)
         if not self.coord.enable_front(self.fast is not None) and self.fast is not None:
             log.warning("fast tier %s disabled: not every rank has one", fast_root)
             self.fast, fast_root = None, None
         self.fast_saver = None if self.fast is None else FastSaver(
             self.fast, self.root, self.coord, chunk_bytes=self.config.chunk_bytes,
-            thread_count=self.config.thread_count,
-            in_place=(self.config.compression is None and self.config.fast_keep_last == 1
-                      and self.config.device == "cpu"))
+            thread_count=self.config.thread_count, in_place=in_place)
         self.stager = BufferStager(device=self.config.device, memory_budget=self.config.memory_budget)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachemw-ckpt")
         self._handles: list[SaveHandle] = []

@@ -141,7 +141,7 @@ class FilePool:
 
     def ensure(self, layout: SnapshotLayout) -> bool:
         """Have files for ``layout``; True if the existing (mapped, populated) ones were reused."""
-        if layout == self.layout and self.dir is not None:
+        if layout == self.layout and self.dir is not None and self._intact():
             return True
         self.release()
         name = f"{POOL_PREFIX}{socket.gethostname()}-{os.getpid()}-r{self.rank}-{uuid.uuid4().hex[:8]}"
@@ -155,6 +155,14 @@ class FilePool:
             raise
         self.layout = layout
         return False
+
+    def _intact(self) -> bool:
+        """Every pool file still has its mapped size (a truncated mapped file means SIGBUS on copy)."""
+        try:
+            return all(os.stat(os.path.join(self.dir, f.rel)).st_size == f.size == len(self.maps[f.rel])
+                       for f in self.layout.files)
+        except (OSError, KeyError):
+            return False
 
     def view(self, f: FileLayout, slot: Slot) -> torch.Tensor:
         """The chunk's tensor over the mapped file (its storage is exactly the chunk's bytes)."""

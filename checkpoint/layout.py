@@ -130,7 +130,7 @@ class CheckpointDir:
         for name in doomed:
             # Uncommit first, so a half-deleted directory is never mistaken for a checkpoint.
             self.location.remove_file(f"{name}/{MANIFEST_NAME}")
-            if self.recycle and not self.location.exists(SPARE_NAME):
+            if self.recycle and not self.location.exists(SPARE_NAME) and not self._has_links(name):
                 try:
                     os.rename(self.location.join(name), self.location.join(SPARE_NAME))
                     continue
@@ -138,6 +138,14 @@ class CheckpointDir:
                     pass
             self.location.remove_tree(name)
         return doomed
+
+    def _has_links(self, name: str) -> bool:
+        """True if a file of ``name`` is also linked elsewhere (a pool's mapped file): never a spare."""
+        try:
+            with os.scandir(self.location.join(name)) as it:
+                return any(e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_nlink > 1 for e in it)
+        except OSError:
+            return True
 
     def drop_spare(self) -> None:
         self.location.remove_tree(SPARE_NAME)

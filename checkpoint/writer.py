@@ -200,6 +200,11 @@ class CachemwStorageWriter(StorageWriter):
     def _write_file(self, rel: str, pairs: list[tuple[WriteItem, Any]]) -> list[WriteResult]:
         codec = self.config.compression or "raw"
         reuse = self.reuse_files and self.location.local and self.location.exists(rel)
+        if reuse and os.stat(self.location.join(rel)).st_nlink > 1:
+            # Also linked elsewhere (a snapshot pool's mapped file, another step): writing into it
+            # would change those bytes too. Write a fresh file instead.
+            os.unlink(self.location.join(rel))
+            reuse = False
         out = self.location.open(rel, "r+b" if reuse else "wb")
         results = []
         try:

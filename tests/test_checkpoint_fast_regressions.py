@@ -1,0 +1,119 @@
+"""Regressions of the in-place fast tier found in review: recycled files, local failures, shared tiers.
+
+What must hold: a save that cannot go in place never writes into the pool's files (they are
+also another step's files); a local failure of ``save`` on one rank fails it on every rank
+alike, with the collectives still in step; one rank's fallback never deletes the other ranks'
+files of a shared fast tier; a load whose fast copy is recycled under it ends with the root copy.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+pytest.importorskip("torch")
+import torch  # noqa: E402
+
+from cachemw.checkpoint import CachemwStorageReader, Checkpointer  # noqa: E402
+from cachemw.checkpoint.writer import MANIFEST_NAME  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+class Sub(torch.Tensor):
+    """A tensor subclass: the in-place path does not take it, the save goes through buffers."""
+
+
+def plain(v: float, many: bool) -> dict:
+    if many:
+        return {f"p{i}": torch.full((100,), v) for i in range(200)}
+    return {"a": torch.full((3000, 10), v), "b": torch.full((2000, 10), v)}
+
+
+def odd(v: float, many: bool) -> dict:
+    s = plain(v, many)
+    s["x"] = torch.ones(4).as_subclass(Sub)
+    return s
+
+
+def values(state: dict) -> set:
+    return {float(x) for k, t in state.items() if k != "x" for x in t.unique().tolist()}
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_alternating_in_place_and_buffered_saves_never_share_files(tmp_path, many):
+    root, fast = str(tmp_path / "root"), str(tmp_path / "fast")
+    ck = Checkpointer(root, fast_root=fast)
+    try:
+        ck.save(1, plain(1.0, many)).wait(60)
+        ck.save(2, odd(2.0, many)).wait(60)
+        ck.save(3, odd(3.0, many)).wait(60)
+        handle = ck.save(4, plain(4.0, many))
+        # Step 3 is still the committed in-memory copy while step 4 snapshots: its bytes intact.
+        fast3 = [n for n in os.listdir(fast) if n.startswith("step_000000000003")]
+        if fast3 and os.path.exists(os.path.join(fast, fast3[0], MANIFEST_NAME)):
+            out = odd(0.0, many)
+            assert ck.load(out, step=3) == 3 and values(out) == {3.0}
+        handle.wait(60)
+        assert not os.path.exists(os.path.join(fast, ".spare"))
+    finally:
+        ck.close()
+    at_root = Checkpointer(root, fast_root=None)
+    for step, make in [(1, plain), (2, odd), (3, odd), (4, plain)]:
+        out = make(0.0, many)
+        assert at_root.load(out, step=step) == step
+        assert values(out) == {float(step)}, step
+    at_root.close()
+
+
+def test_a_mapped_pool_file_changed_behind_the_pool_is_not_reused(tmp_path):
+    ck = Checkpointer(str(tmp_path / "root"), fast_root=str(tmp_path / "fast"))
+    try:
+        ck.save(1, plain(1.0, False)).wait(60)
+        pool = ck.fast_saver.pool
+        first = pool.dir
+        rel = pool.layout.files[0].rel
+        os.truncate(os.path.join(pool.dir, rel), 100)  # a mapped file cut short: SIGBUS if copied into
+        ck.save(2, plain(2.0, False)).wait(60)
+        assert pool.dir != first
+    finally:
+        ck.close()
+    out = plain(0.0, False)
+    assert Checkpointer(str(tmp_path / "root"), fast_root=None).load(out) == 2 and values(out) == {2.0}
+
+
+def test_a_load_whose_fast_copy_is_recycled_under_it_ends_with_the_root_copy(tmp_path, monkeypatch):
+    """The reader chose step 1 while it was committed in memory only (no root copy then)."""
+    import cachemw.checkpoint.tiers as tiers
+
+    root, fast = str(tmp_path / "root"), str(tmp_path / "fast")
+    ck = Checkpointer(root, fast_root=fast)
+    gate = threading.Event()
+    orig_wait = tiers.Drainer.wait
+    monkeypatch.setattr(tiers.Drainer, "wait", lambda self: (gate.wait(30), orig_wait(self))[1])
+    h1 = ck.save(1, {"t": torch.full((3000, 10), 1.0)})
+    while not h1.in_memory:
+        pass
+    orig_read = CachemwStorageReader._read_in_place
+    later = []
+
+    def racing(self, f, req, info, planner):
+        if not later and self.location.url.startswith(fast):
+            gate.set()
+            h1.wait(30)  # step 1 reaches the root
+            monkeypatch.setattr(tiers.Drainer, "wait", orig_wait)
+            later.append(ck.save(2, {"t": torch.full((3000, 10), 2.0)}))  # recycles step 1's files
+        return orig_read(self, f, req, info, planner)
+
+    monkeypatch.setattr(CachemwStorageReader, "_read_in_place", racing)
+    reader = Checkpointer(root, fast_root=fast)
+    out = {"t": torch.zeros(3000, 10)}
+    try:
+        assert reader.load(out) == 1
+        assert out["t"].unique().tolist() == [1.0]
+    finally:
+        if later:
+            later[0].wait(30)
+        reader.close()
+        ck.close()
