@@ -308,16 +308,30 @@ class Checkpointer:
         return sorted(steps)
 
     def _choose(self, step: int | None) -> tuple[int, str, bool]:
-        """(step, directory name, committed at root) of the checkpoint to load, chosen by rank 0."""
-        candidates = [e for e in [self.root.find(step), self.fast.find(step) if self.fast else None] if e]
-        if not candidates:
-            raise CheckpointNotFoundError(f"no committed checkpoint{'' if step is None else f' of step {step}'} "
-                                          f"under {self.root.location.url}")
-        best = max(candidates, key=lambda e: (e.step, e.created))
-        return best.step, best.name, self.root.manifest(best.name) is not None
+        """(step, directory name, committed at root) of the checkpoint to load, chosen by rank 0.
+
+        The newest one complete in some tier: a fast-tier entry whose files are gone (a shared
+        tier cleaned by a failed save, a lost node) is skipped, not chosen and found unloadable.
+        """
+        entries = self.root.committed() + (self.fast.committed() if self.fast else [])
+        for e in sorted(entries, key=lambda e: (e.step, e.created), reverse=True):
+            if step is not None and e.step != step:
+                continue
+            if self.root.is_committed(e.name):
+                return e.step, e.name, True
+            if self.fast is not None and self.fast.complete(e.name):
+                return e.step, e.name, False
+        raise CheckpointNotFoundError(f"no committed checkpoint{'' if step is None else f' of step {step}'} "
+                                      f"under {self.root.location.url}")
 
     def load(self, state: dict, step: int | None = None) -> int:
-        """Load in place into ``state`` (newest committed step by default); return the step."""
+        """Load in place into ``state`` (newest committed step by default); return the step.
+
+        If the fast-tier copy fails under the reader (the trainer's next save recycles its files
+        once the step is committed at the root), the step is loaded again from the root, whole,
+        so ``state`` never keeps bytes of two steps; the root is checked again at that point,
+        since a step chosen while in memory only is committed there before it is recycled.
+        """
         self.wait_quietly()
         choice = None
         if self.coord.is_coordinator:
@@ -336,7 +350,8 @@ class Checkpointer:
             raise CheckpointNotFoundError(f"checkpoint {name} is not complete in any tier reachable by every rank")
         prepare_for_load(state)
         loaded = to_state_dict(state)
-        for i, tier in enumerate(tiers):
+        while tiers:
+            tier = tiers.pop(0)
             try:
                 dcp.load(loaded, storage_reader=CachemwStorageReader(tier.location.child(name),
                                                                      thread_count=self.config.thread_count),
@@ -345,10 +360,17 @@ class Checkpointer:
             except (CheckpointException, OSError, ValueError, AssertionError) as exc:
                 # A fast-tier copy may vanish under a reader (the next save recycles it): DCP
                 # reports that as an AssertionError in one process; the root copy is intact.
+                # DCP fails every rank alike, so every rank is here and takes part in the broadcast.
                 error = unwrap(exc, self.coord.world_size) if isinstance(exc, CheckpointException) else exc
-                if i == len(tiers) - 1:
+                if tier is self.fast and not at_root:
+                    at_root = bool(self.coord.broadcast(self.root.is_committed(name)
+                                                        if self.coord.is_coordinator else None))
+                    if at_root:
+                        tiers.append(self.root)
+                if not tiers:
                     raise error from None
-                log.warning("loading %s from %s failed (%s); trying the next tier", name, tier.location.url, error)
+                log.warning("loading %s from %s failed (%s); loading it again from %s", name, tier.location.url,
+                            error, tiers[0].location.url, exc_info=True)
         apply_loaded(state, loaded)
         return step
 
