@@ -194,11 +194,14 @@ class BlockClient:
         return list(_REPLY.iter_unpack(self._recv(count * _REPLY.size)))
 
     def block(self, length: int, header: tuple[int, int, int]) -> bytes | None:
-        """The next block of the reply, verified; None if it came damaged or of the wrong
-        length (the connection stays in step: every sent byte is read)."""
+        """The next block of the reply, verified; None if it came damaged. An owner always
+        announces the length asked for: any other is a broken stream (ConnectionError),
+        never an allocation of whatever size a header says."""
         _, n, data_hash = header
+        if n != length:
+            raise ConnectionError(f"block server announced {n} bytes for a block of {length}")
         data = self._recv(n)
-        return data if n == length and blockfile.hash_of(data) == data_hash else None
+        return data if blockfile.hash_of(data) == data_hash else None
 
     def receive(self, items: list[tuple[str, int]]) -> list[bytes | None]:
         """The blocks of the last request, verified; None for one the owner does not hold."""

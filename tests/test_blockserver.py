@@ -204,3 +204,33 @@ def test_a_hung_owner_costs_one_bounded_timeout(two_owners):
         assert time.monotonic() - t < 3.0
     finally:
         hung.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_header_announcing_another_length_breaks_the_connection():
+    """A broken owner cannot make the reader allocate what a header says (1 TiB here)."""
+    import socket
+    import struct
+    import threading
+
+    from cachemw.blockserver import authenticate_server
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = server.accept()
+        with conn:
+            authenticate_server(conn, SECRET)
+            (count,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
+            conn.recv(count * 24, socket.MSG_WAITALL)
+            conn.sendall(struct.pack("<BQQ", 1, 1 << 40, 0) * count)
+            conn.recv(1)  # until the reader hangs up
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = BlockClient(server.getsockname(), SECRET, timeout=5)
+    key = block_key("file:///x", "v1", 0, L)
+    client.request([(key, L)])
+    with pytest.raises(ConnectionError):
+        client.receive([(key, L)])
+    client.close()
+    server.close()
