@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import watch as watch_channel
 from .chunk_plan import DEFAULT_CHUNK_BYTES
-from .coordination import Coordinator
+from .coordination import Coordinator, report
 from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
 from .errors import CheckpointBusyError, ChecksumError, CheckpointNotFoundError
@@ -185,7 +185,13 @@ class Checkpointer:
                 raise CheckpointBusyError(f"save of step {step} refused: step {busy[-1].step} is still writing")
             for h in busy:
                 h._durable.wait()
-            return self._submit(step, self._stage(to_state_dict(state)), None)
+            try:
+                staged = self._stage(to_state_dict(state))
+            except Exception as exc:  # e.g. out of memory here only: the others must not wait for us
+                if not self.coord.no_dist:
+                    self._worker.submit(self._run, step, None, SaveHandle(step), None, report(exc))
+                raise
+            return self._submit(step, staged, None)
 
     def _stage(self, state_dict: dict) -> dict:
         staged = self.stager.stage(state_dict)
@@ -211,13 +217,19 @@ class Checkpointer:
         if errors:
             raise errors[0]
 
-    def _run(self, step: int, staged: dict | None, handle: SaveHandle, prepared: FastSnapshot | None = None) -> None:
+    def _run(self, step: int, staged: dict | None, handle: SaveHandle, prepared: FastSnapshot | None = None,
+             failure: str | None = None) -> None:
+        """The background half of a save; ``staged`` None: this rank refused (busy) or failed (``failure``)."""
         name = None
         try:
             if prepared is None and not self.coord.no_dist:
-                votes = self.coord.all_gather(staged is not None)
-                if not all(votes):
-                    refused = [r for r, v in enumerate(votes) if not v]
+                votes = self.coord.all_gather("ok" if staged is not None else failure or "busy")
+                failed = [(r, v) for r, v in enumerate(votes) if v not in ("ok", "busy")]
+                if failed:
+                    raise RuntimeError(f"checkpoint failed on rank(s) {[r for r, _ in failed]}; "
+                                       f"rank {failed[0][0]}: {failed[0][1]}")
+                refused = [r for r, v in enumerate(votes) if v == "busy"]
+                if refused:
                     raise CheckpointBusyError(f"save of step {step} refused on rank(s) {refused}: "
                                               "the previous save was still writing there")
             if staged is None:

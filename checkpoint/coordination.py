@@ -20,6 +20,11 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 
+def report(error: BaseException | None) -> str | None:
+    """What a rank tells the others about its local failure (None: no failure)."""
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
 class Coordinator:
     """Rank info and small object collectives on a private gloo group."""
 
@@ -29,12 +34,18 @@ class Coordinator:
             # new_group is itself collective over the default group: every rank calls it here.
             self.group = dist.new_group(ranks=ranks, backend="gloo",
                                         timeout=datetime.timedelta(seconds=timeout_s))
+            # Made here on every path, right after ``group``: new_group is a collective over the
+            # default group, so creating it only when some later vote says so could leave a rank
+            # outside a subgroup ``process_group`` waiting in it (a hang). Only its use is voted.
+            self._front = dist.new_group(ranks=ranks, backend="gloo",
+                                         timeout=datetime.timedelta(seconds=timeout_s))
             self.ranks = ranks
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
             self.no_dist = False
         else:
             self.group, self.rank, self.world_size, self.no_dist = None, 0, 1, True
+            self._front = None
         self.front: Any = None
         self.timeout_s = timeout_s
 
@@ -50,7 +61,7 @@ class Coordinator:
         return out
 
     def enable_front(self, wanted: bool) -> bool:
-        """Agree (calling thread, at construction) whether every rank wants the front group; make it if so.
+        """Agree (calling thread, at construction) whether every rank wants the front group; use it if so.
 
         Used for the fast tier: if some rank has none (no daemon on its node), no rank uses one,
         rather than ranks running different sequences of collectives.
@@ -59,8 +70,7 @@ class Coordinator:
             return wanted
         if not all(self.all_gather(wanted)):
             return False
-        self.front = dist.new_group(ranks=self.ranks, backend="gloo",
-                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.front = self._front
         return True
 
     def front_gather(self, obj: Any) -> list[Any]:
@@ -92,12 +102,21 @@ class Coordinator:
             if error is not None:
                 raise error
             return
-        report = None if error is None else f"{type(error).__name__}: {error}"
-        reports = self.all_gather(report)
+        self.raise_if_failed(self.all_gather(report(error)), error)
+
+    def raise_if_failed(self, reports: list[str | None], error: BaseException | None) -> None:
+        """Raise the same error on every rank if any gathered ``report`` is not None.
+
+        The local exception itself in one process; otherwise a ``RuntimeError`` naming the failed
+        ranks and the first failure, chained to the local exception where there is one.
+        """
         failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
-        if failed:
-            rank, text = failed[0]
-            raise RuntimeError(f"checkpoint failed on rank(s) {[r for r, _ in failed]}; rank {rank}: {text}") from error
+        if not failed:
+            return
+        if self.no_dist and error is not None:
+            raise error
+        rank, text = failed[0]
+        raise RuntimeError(f"checkpoint failed on rank(s) {[r for r, _ in failed]}; rank {rank}: {text}") from error
 
     def run_everywhere(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on every rank, then fail every rank if it failed on any."""

@@ -19,8 +19,9 @@ memory at the peak (buffers, the new in-memory checkpoint, the previous one). He
 The background writer then frames the chunks in place and checksums them, and the files drain
 to the root as before. States this path does not cover (compression, non-CPU or non-plain
 tensors, ``fast_keep_last > 1``, a non-local fast tier) use the buffer stager; so does a rank
-whose in-place preparation fails locally (e.g. a full tmpfs), after the collective steps, so
-the ranks never disagree on them.
+whose in-place snapshot fails locally (e.g. a full tmpfs), removing only its own links from the
+step directory (a node's ranks share it). Any other local failure fails the save on every rank
+alike (one vote at the end of ``prepare``), so the ranks never run different collectives.
 """
 from __future__ import annotations
 
@@ -28,13 +29,14 @@ import copy
 import dataclasses
 import hashlib
 import logging
+import os
 import uuid
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from .coordination import Coordinator
+from .coordination import Coordinator, report
 from .errors import CheckpointBusyError
 from .file_pool import FilePool, blob_reserve
 from .layout import CheckpointDir, step_dir_name
@@ -121,36 +123,81 @@ class FastSaver:
         self._layout: SnapshotLayout | None = None
 
     def prepare(self, step: int, state_dict: dict, busy: bool, stage_buffers) -> FastSnapshot:
-        """Agree with the other ranks, then snapshot; ``stage_buffers(sd)`` is the fallback stager."""
-        described = describe(state_dict)
-        staged = described.staged
-        digest = hashlib.blake2b(repr(described.signature).encode(), digest_size=16).hexdigest()
-        votes = self.coord.front_gather((busy, uuid.uuid4().hex, digest))
+        """Agree with the other ranks, then snapshot; ``stage_buffers(sd)`` is the fallback stager.
+
+        Any local step may fail on one rank only (a value that cannot be copied, a full tmpfs,
+        out of memory), while the front collectives must run in the same order on every rank.
+        So a failure of ``describe`` or of local planning travels inside the gather that follows
+        it, and the local rest ends with one vote: every rank submits the save, or every rank
+        raises the same error (and drops what it made of this step).
+        """
+        digest, error = None, None
+        try:
+            described = describe(state_dict)
+            digest = hashlib.blake2b(repr(described.signature).encode(), digest_size=16).hexdigest()
+        except Exception as exc:
+            error = exc
+        votes = self.coord.front_gather((busy, uuid.uuid4().hex, digest, report(error)))
+        self.coord.raise_if_failed([v[3] for v in votes], error)
         busy_ranks = [r for r, v in enumerate(votes) if v[0]]
         if busy_ranks:
             raise CheckpointBusyError(f"save of step {step} refused: the previous save is still writing on "
                                       f"rank(s) {busy_ranks}")
         name = step_dir_name(step, votes[0][1])
         digests = tuple(v[2] for v in votes)
+        planner, plans = None, None
         if digests != self._digests:  # some rank's state changed shape: plan again (everyone does)
-            planner = SpreadSavePlanner(chunk_bytes=self.chunk_bytes)
-            planner.set_up_planner(staged, None, self.coord.is_coordinator)
-            plans = self.coord.front_gather(planner.create_local_plan())
-            global_plans, _ = planner.create_global_plan(plans)
-            mine = slot_requests(global_plans[self.coord.rank].items)
-            reserves = {(r.dtype, len(r.sizes)): blob_reserve(r.dtype, len(r.sizes)) for r in mine}
-            self._layout = plan_layout(f"__{self.coord.rank}_", mine, reserves, self.thread_count)
-            self._digests = digests
+            self._digests, local = None, None  # until the new layout stands
+            try:
+                planner = SpreadSavePlanner(chunk_bytes=self.chunk_bytes)
+                planner.set_up_planner(described.staged, None, self.coord.is_coordinator)
+                local = planner.create_local_plan()
+            except Exception as exc:
+                error = exc
+            plans = self.coord.front_gather((local, report(error)))
+            self.coord.raise_if_failed([p[1] for p in plans], error)
+        snapshot = None
+        try:
+            if planner is not None:
+                global_plans, _ = planner.create_global_plan([p[0] for p in plans])
+                mine = slot_requests(global_plans[self.coord.rank].items)
+                reserves = {(r.dtype, len(r.sizes)): blob_reserve(r.dtype, len(r.sizes)) for r in mine}
+                self._layout = plan_layout(f"__{self.coord.rank}_", mine, reserves, self.thread_count)
+                self._digests = digests
+            snapshot = self._local_snapshot(name, state_dict, described, stage_buffers)
+        except Exception as exc:
+            error = exc
+        reports = self.coord.front_gather(report(error))
+        if any(r is not None for r in reports):
+            snapshot = None  # staged buffers stay with the stager for reuse
+            self._digests = None  # every rank plans again next time, so their collectives match
+            # Every rank is past its local work: removing the step directory now takes nobody's files.
+            self.fast.remove(name)
+            self.coord.raise_if_failed(reports, error)
+        return snapshot
+
+    def _local_snapshot(self, name: str, state_dict: dict, described: Described, stage_buffers) -> FastSnapshot:
+        """In place if this state and tier allow it, else (or if that fails here) into buffers."""
         if self.in_place and described.in_place_capable:
             try:
                 self._snapshot(name, state_dict)
-                return FastSnapshot(name, staged, self.pool)
-            except (OSError, ValueError, KeyError, RuntimeError) as exc:
+                return FastSnapshot(name, described.staged, self.pool)
+            except Exception as exc:
                 log.warning("in-place snapshot into %s failed (%s); staging into buffers instead",
                             self.fast.location.url, exc)
-                self.fast.remove(name)
-                self.pool.release()
+                self._unlink_own(name)  # the directory is shared with the other ranks of this node
+        # No pool mapped while saves go through buffers: it would be a third copy of the state.
+        self.pool.release()
         return FastSnapshot(name, stage_buffers(state_dict), None)
+
+    def _unlink_own(self, name: str) -> None:
+        """Remove this rank's links from the step directory (only its own files: the tier may be shared)."""
+        step_dir = self.fast.location.join(name)
+        for f in self.pool.layout.files if self.pool.layout else ():
+            try:
+                os.unlink(os.path.join(step_dir, f.rel))
+            except FileNotFoundError:
+                pass
 
     def _snapshot(self, name: str, state_dict: dict) -> None:
         self._evict_previous()

@@ -109,6 +109,7 @@ class CachemwStorageWriter(StorageWriter):
         prefix = plan.storage_data if isinstance(plan.storage_data, str) else f"__{self.rank}_"
         if self.in_place is not None:
             results = self._write_in_place(prefix, plan, planner)
+            self._check_written()
             fut_in_place: Future[list[WriteResult]] = Future()
             fut_in_place.set_result(results)
             return fut_in_place
@@ -120,9 +121,21 @@ class CachemwStorageWriter(StorageWriter):
         else:
             with ThreadPoolExecutor(len(jobs), thread_name_prefix="cachemw-write") as pool:
                 results = list(pool.map(lambda job: self._write_file(*job), jobs))
+        self._check_written()
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([r for rs in results for r in rs])
         return fut
+
+    def _check_written(self) -> None:
+        """Every file this rank wrote is still there before DCP's gather leads to the commit.
+
+        A node's ranks share a fast tier; a file removed behind this rank must fail the save,
+        never be committed as missing data.
+        """
+        if self.location.local:
+            for rel in self.files_written:
+                if not os.path.exists(self.location.join(rel)):
+                    raise FileNotFoundError(f"{self.location.join(rel)} vanished before the commit")
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         flat = [wr for rank_results in results for wr in rank_results]
@@ -178,6 +191,8 @@ class CachemwStorageWriter(StorageWriter):
                 raise ValueError(f"chunk {key!r} of the save plan is not in the snapshot: the plan changed after it")
 
         def seal_file(rel: str) -> list[WriteResult]:
+            if self.location.local and not os.path.samefile(self.location.join(rel), os.path.join(self.in_place.dir, rel)):
+                raise ValueError(f"{self.location.join(rel)} is not this rank's snapshot file")
             out = []
             for item, f, slot in per_file[rel]:
                 stored = self.in_place.seal(f, slot)

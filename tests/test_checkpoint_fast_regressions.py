@@ -7,6 +7,7 @@ files of a shared fast tier; a load whose fast copy is recycled under it ends wi
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 
@@ -41,9 +42,21 @@ def values(state: dict) -> set:
     return {float(x) for k, t in state.items() if k != "x" for x in t.unique().tolist()}
 
 
-@pytest.mark.parametrize("many", [False, True])
-def test_alternating_in_place_and_buffered_saves_never_share_files(tmp_path, many):
-    root, fast = str(tmp_path / "root"), str(tmp_path / "fast")
+def in_child(fn, *args, timeout: float = 120) -> None:
+    """Run ``fn(*args)`` in a spawned process: a SIGBUS (a truncated mapped file) fails the test, not pytest."""
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=fn, args=args)
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+        pytest.fail(f"{fn.__name__} did not finish in {timeout} s")
+    assert proc.exitcode == 0, f"{fn.__name__} exited with {proc.exitcode} (negative: killed by that signal)"
+
+
+def _alternate(base: str, many: bool) -> None:
+    root, fast = base + "/root", base + "/fast"
     ck = Checkpointer(root, fast_root=fast)
     try:
         ck.save(1, plain(1.0, many)).wait(60)
@@ -54,33 +67,47 @@ def test_alternating_in_place_and_buffered_saves_never_share_files(tmp_path, man
         fast3 = [n for n in os.listdir(fast) if n.startswith("step_000000000003")]
         if fast3 and os.path.exists(os.path.join(fast, fast3[0], MANIFEST_NAME)):
             out = odd(0.0, many)
-            assert ck.load(out, step=3) == 3 and values(out) == {3.0}
+            if ck.load(out, step=3) != 3 or values(out) != {3.0}:
+                raise SystemExit("step 3's in-memory copy was overwritten")
         handle.wait(60)
-        assert not os.path.exists(os.path.join(fast, ".spare"))
+        if os.path.exists(os.path.join(fast, ".spare")):
+            raise SystemExit("a spare next to the in-place pool")
     finally:
         ck.close()
     at_root = Checkpointer(root, fast_root=None)
     for step, make in [(1, plain), (2, odd), (3, odd), (4, plain)]:
         out = make(0.0, many)
-        assert at_root.load(out, step=step) == step
-        assert values(out) == {float(step)}, step
+        if at_root.load(out, step=step) != step or values(out) != {float(step)}:
+            raise SystemExit(f"step {step} at the root holds {values(out)}")
     at_root.close()
 
 
-def test_a_mapped_pool_file_changed_behind_the_pool_is_not_reused(tmp_path):
-    ck = Checkpointer(str(tmp_path / "root"), fast_root=str(tmp_path / "fast"))
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("many", [False, True])
+def test_alternating_in_place_and_buffered_saves_never_share_files(tmp_path, many):
+    in_child(_alternate, str(tmp_path), many)
+
+
+def _truncated_pool(base: str) -> None:
+    ck = Checkpointer(base + "/root", fast_root=base + "/fast")
     try:
         ck.save(1, plain(1.0, False)).wait(60)
         pool = ck.fast_saver.pool
         first = pool.dir
-        rel = pool.layout.files[0].rel
-        os.truncate(os.path.join(pool.dir, rel), 100)  # a mapped file cut short: SIGBUS if copied into
+        os.truncate(os.path.join(pool.dir, pool.layout.files[0].rel), 100)  # SIGBUS if copied into
         ck.save(2, plain(2.0, False)).wait(60)
-        assert pool.dir != first
+        if pool.dir == first:
+            raise SystemExit("the pool reused a file cut short behind its mapping")
     finally:
         ck.close()
     out = plain(0.0, False)
-    assert Checkpointer(str(tmp_path / "root"), fast_root=None).load(out) == 2 and values(out) == {2.0}
+    if Checkpointer(base + "/root", fast_root=None).load(out) != 2 or values(out) != {2.0}:
+        raise SystemExit("step 2 wrong at the root")
+
+
+@pytest.mark.timeout(120)
+def test_a_mapped_pool_file_changed_behind_the_pool_is_not_reused(tmp_path):
+    in_child(_truncated_pool, str(tmp_path))
 
 
 def test_a_load_whose_fast_copy_is_recycled_under_it_ends_with_the_root_copy(tmp_path, monkeypatch):
@@ -116,4 +143,32 @@ def test_a_load_whose_fast_copy_is_recycled_under_it_ends_with_the_root_copy(tmp
         if later:
             later[0].wait(30)
         reader.close()
+        ck.close()
+
+
+def test_a_fast_step_missing_files_is_skipped_for_an_older_complete_one(tmp_path, monkeypatch):
+    """Step 2 committed in memory only, a data file then lost: load() takes step 1, not an error."""
+    import cachemw.checkpoint.tiers as tiers
+
+    root, fast = str(tmp_path / "root"), str(tmp_path / "fast")
+    ck = Checkpointer(root, fast_root=fast)
+    gate = threading.Event()
+    orig_wait = tiers.Drainer.wait
+    monkeypatch.setattr(tiers.Drainer, "wait", lambda self: (gate.wait(30), orig_wait(self))[1])
+    try:
+        ck.save(1, {"t": torch.full((3000, 10), 1.0)})
+        gate.set()
+        ck.wait(30)
+        gate.clear()
+        h2 = ck.save(2, {"t": torch.full((3000, 10), 2.0)})
+        h2.wait_in_memory(30)
+        step2 = os.path.basename(h2.path)
+        data = [n for n in os.listdir(os.path.join(fast, step2)) if n.endswith(".distcp")]
+        os.unlink(os.path.join(fast, step2, data[0]))
+        reader = Checkpointer(root, fast_root=fast)
+        out = {"t": torch.zeros(3000, 10)}
+        assert reader.load(out) == 1 and out["t"].unique().tolist() == [1.0]
+        reader.close()
+    finally:
+        gate.set()
         ck.close()

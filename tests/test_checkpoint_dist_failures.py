@@ -1,0 +1,137 @@
+"""Local failures of ``save`` on one rank of several (real processes, gloo): the others never hang.
+
+What must hold: a failure in the calling thread on one rank (a value that cannot be copied,
+a planning or layout error, out of memory while staging) fails that save on every rank, with
+the collectives still in step, so the next save commits and loads on every rank; one rank's
+fallback to buffers in a shared fast tier takes none of the other ranks' files with it.
+Every test has a timeout and kills what it spawned.
+"""
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import os
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+def state(fill: float) -> dict:
+    return {"w": torch.full((2048, 256), fill), "b": torch.full((4096,), fill), "meta": {"epoch": int(fill)}}
+
+
+class Uncopyable:
+    def __deepcopy__(self, memo):
+        raise TypeError("cannot copy (injected)")
+
+
+def once(fn):
+    """``fn`` raising on its first call only, so the next save goes through."""
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            return fn(*args, **kwargs)
+        return wrapper.original(*args, **kwargs)
+    return wrapper
+
+
+def _inject(mode: str, rank: int):
+    """Break one thing on rank 1 (first call only); return the state of the first save."""
+    import cachemw.checkpoint.fast_save as fast_save
+    import cachemw.checkpoint.file_pool as file_pool
+    import cachemw.checkpoint.stager as stager
+
+    first = state(1.0)
+    if rank != 1:
+        return first
+    if mode == "describe":
+        first["meta"] = {"epoch": Uncopyable()}
+    elif mode in ("layout", "oom"):
+        target, attr = (fast_save, "plan_layout") if mode == "layout" else (stager.BufferStager, "stage")
+
+        def broken(*args, **kwargs):
+            raise (TypeError("layout failed (injected)") if mode == "layout" else MemoryError("injected"))
+        wrapper = once(broken)
+        wrapper.original = getattr(target, attr)
+        setattr(target, attr, wrapper)
+    elif mode == "enospc":
+        def full(path, size):
+            time.sleep(0.3)  # rank 0 has linked its files into the shared step directory by now
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+        wrapper = once(full)
+        wrapper.original = file_pool._map_new
+        file_pool._map_new = wrapper
+    return first
+
+
+def _rank_main(rank, world, rdv, root, mode, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    from cachemw.checkpoint import Checkpointer
+
+    fast_root = None if mode == "oom" else root + "-fast"
+    ck = Checkpointer(root, collective_timeout_s=10, chunk_bytes=256 << 10, fast_root=fast_root)
+    res = {"rank": rank}
+    first = _inject(mode, rank)
+    for step, st in ((1, first), (2, state(2.0))):
+        try:
+            ck.save(step, st).wait(60)
+            res[f"save{step}"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            res[f"save{step}"] = f"{type(exc).__name__}: {exc}"
+    try:
+        out = state(0.0)
+        res["load"] = ck.load(out)
+        res["ok"] = bool(torch.all(out["w"] == 2.0) and torch.all(out["b"] == 2.0))
+    except Exception as exc:  # noqa: BLE001
+        res["load"] = f"{type(exc).__name__}: {exc}"
+    ck.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def run_ranks(tmp_path, mode, world=2, timeout=90):
+    ctx = mp.start_processes(_rank_main, args=(world, str(tmp_path / "rdv"), str(tmp_path / "ckpt"), mode,
+                                               str(tmp_path)), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{mode}: ranks did not finish in {timeout} s (a hang)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["describe", "layout", "oom"])
+def test_a_local_failure_on_one_rank_fails_that_save_everywhere_and_the_next_one_commits(tmp_path, mode):
+    results = run_ranks(tmp_path, mode)
+    for res in results:
+        assert res["save1"].startswith("RuntimeError") or (mode == "oom" and res["rank"] == 1), res
+        assert "rank(s) [1]" in res["save1"] or res["save1"].startswith("MemoryError"), res
+        assert res["save2"] == "ok", res
+        assert res["load"] == 2 and res["ok"], res
+
+
+@pytest.mark.timeout(150)
+def test_one_ranks_fallback_keeps_the_other_ranks_files_of_a_shared_fast_tier(tmp_path):
+    results = run_ranks(tmp_path, "enospc")
+    for res in results:
+        assert res["save1"] == "ok" and res["save2"] == "ok", res
+        assert res["load"] == 2 and res["ok"], res
