@@ -92,11 +92,12 @@ def _rank_main(rank, world, rdv, root, action, out_dir):
     dist.destroy_process_group()
 
 
-def run_ranks(tmp_path, world, root, action, timeout=90, kill_rank_on_marker=None):
+def run_ranks(tmp_path, world, root, action, timeout=90, kill_rank_on_marker=None, target=None):
+    """Run ``target`` (default ``_rank_main``) on ``world`` ranks; their results by rank."""
     out_dir = tmp_path / f"out-{action}-{world}"
     out_dir.mkdir()
     rdv = tmp_path / f"rdv-{action}-{world}"
-    ctx = mp.start_processes(_rank_main, args=(world, str(rdv), str(root), action, str(out_dir)), nprocs=world,
+    ctx = mp.start_processes(target or _rank_main, args=(world, str(rdv), str(root), action, str(out_dir)), nprocs=world,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:

@@ -19,7 +19,8 @@ import pytest
 pytest.importorskip("torch")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from test_checkpoint_dist import run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -102,26 +103,16 @@ def _rank_main(rank, world, rdv, root, mode, out_dir):
     dist.destroy_process_group()
 
 
-def run_ranks(tmp_path, mode, world=2, timeout=90):
-    ctx = mp.start_processes(_rank_main, args=(world, str(tmp_path / "rdv"), str(tmp_path / "ckpt"), mode,
-                                               str(tmp_path)), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{mode}: ranks did not finish in {timeout} s (a hang)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+def run(tmp_path, mode):
+    results = run_ranks(tmp_path, 2, tmp_path / "ckpt", mode, target=_rank_main)
+    assert sorted(results) == [0, 1], f"{mode}: a rank reported nothing"
+    return list(results.values())
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["describe", "layout", "oom"])
 def test_a_local_failure_on_one_rank_fails_that_save_everywhere_and_the_next_one_commits(tmp_path, mode):
-    results = run_ranks(tmp_path, mode)
+    results = run(tmp_path, mode)
     for res in results:
         assert res["save1"].startswith("RuntimeError") or (mode == "oom" and res["rank"] == 1), res
         assert "rank(s) [1]" in res["save1"] or res["save1"].startswith("MemoryError"), res
@@ -131,7 +122,7 @@ def test_a_local_failure_on_one_rank_fails_that_save_everywhere_and_the_next_one
 
 @pytest.mark.timeout(150)
 def test_one_ranks_fallback_keeps_the_other_ranks_files_of_a_shared_fast_tier(tmp_path):
-    results = run_ranks(tmp_path, "enospc")
+    results = run(tmp_path, "enospc")
     for res in results:
         assert res["save1"] == "ok" and res["save2"] == "ok", res
         assert res["load"] == 2 and res["ok"], res

@@ -17,6 +17,7 @@ pytest.importorskip("torch")
 import torch  # noqa: E402
 
 from cachemw.checkpoint import CachemwStorageReader, Checkpointer  # noqa: E402
+from cachemw.checkpoint.tiers import Drainer  # noqa: E402
 from cachemw.checkpoint.writer import MANIFEST_NAME  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -110,15 +111,19 @@ def test_a_mapped_pool_file_changed_behind_the_pool_is_not_reused(tmp_path):
     in_child(_truncated_pool, str(tmp_path))
 
 
+def hold_drains(monkeypatch):
+    """Saves stay committed in memory only (their drain to the root waits) until the gate is set."""
+    gate = threading.Event()
+    orig_wait = Drainer.wait
+    monkeypatch.setattr(Drainer, "wait", lambda self: (gate.wait(30), orig_wait(self))[1])
+    return gate, orig_wait
+
+
 def test_a_load_whose_fast_copy_is_recycled_under_it_ends_with_the_root_copy(tmp_path, monkeypatch):
     """The reader chose step 1 while it was committed in memory only (no root copy then)."""
-    import cachemw.checkpoint.tiers as tiers
-
     root, fast = str(tmp_path / "root"), str(tmp_path / "fast")
     ck = Checkpointer(root, fast_root=fast)
-    gate = threading.Event()
-    orig_wait = tiers.Drainer.wait
-    monkeypatch.setattr(tiers.Drainer, "wait", lambda self: (gate.wait(30), orig_wait(self))[1])
+    gate, orig_wait = hold_drains(monkeypatch)
     h1 = ck.save(1, {"t": torch.full((3000, 10), 1.0)})
     while not h1.in_memory:
         pass
@@ -129,7 +134,7 @@ def test_a_load_whose_fast_copy_is_recycled_under_it_ends_with_the_root_copy(tmp
         if not later and self.location.url.startswith(fast):
             gate.set()
             h1.wait(30)  # step 1 reaches the root
-            monkeypatch.setattr(tiers.Drainer, "wait", orig_wait)
+            monkeypatch.setattr(Drainer, "wait", orig_wait)
             later.append(ck.save(2, {"t": torch.full((3000, 10), 2.0)}))  # recycles step 1's files
         return orig_read(self, f, req, info, planner)
 
@@ -148,13 +153,9 @@ def test_a_load_whose_fast_copy_is_recycled_under_it_ends_with_the_root_copy(tmp
 
 def test_a_fast_step_missing_files_is_skipped_for_an_older_complete_one(tmp_path, monkeypatch):
     """Step 2 committed in memory only, a data file then lost: load() takes step 1, not an error."""
-    import cachemw.checkpoint.tiers as tiers
-
     root, fast = str(tmp_path / "root"), str(tmp_path / "fast")
     ck = Checkpointer(root, fast_root=fast)
-    gate = threading.Event()
-    orig_wait = tiers.Drainer.wait
-    monkeypatch.setattr(tiers.Drainer, "wait", lambda self: (gate.wait(30), orig_wait(self))[1])
+    gate, orig_wait = hold_drains(monkeypatch)
     try:
         ck.save(1, {"t": torch.full((3000, 10), 1.0)})
         gate.set()
