@@ -25,20 +25,38 @@ def report(error: BaseException | None) -> str | None:
     return None if error is None else f"{type(error).__name__}: {error}"
 
 
+def _private_groups(ranks: list[int], process_group: Any, timeout_s: float) -> tuple[Any, Any]:
+    """This rank's private gloo group and front group over ``ranks``, made in the calling thread.
+
+    ``new_group`` is a collective over the default group: every rank of the job calls it, in the
+    same order and with the same ranks. Both groups are always made, side by side (the front
+    group's *use* is voted later; making it on some paths only could leave ranks waiting in
+    it). With a subgroup ``process_group`` (e.g. one Checkpointer per pipeline stage) the
+    ranks differ between Checkpointers, so every rank first learns all of them, then makes the
+    groups of every distinct subgroup in one order and keeps its own.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if process_group is None or process_group == dist.group.WORLD:
+        subgroups = [ranks]
+    else:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, list(ranks))
+        subgroups = sorted({tuple(r) for r in everyone})
+    mine = None
+    for members in subgroups:
+        pair = tuple(dist.new_group(ranks=list(members), backend="gloo", timeout=timeout) for _ in range(2))
+        if list(members) == list(ranks):
+            mine = pair
+    return mine
+
+
 class Coordinator:
     """Rank info and small object collectives on a private gloo group."""
 
     def __init__(self, process_group: Any = None, timeout_s: float = 600.0) -> None:
         if dist.is_available() and dist.is_initialized():
             ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-            # new_group is itself collective over the default group: every rank calls it here.
-            self.group = dist.new_group(ranks=ranks, backend="gloo",
-                                        timeout=datetime.timedelta(seconds=timeout_s))
-            # Made here on every path, right after ``group``: new_group is a collective over the
-            # default group, so creating it only when some later vote says so could leave a rank
-            # outside a subgroup ``process_group`` waiting in it (a hang). Only its use is voted.
-            self._front = dist.new_group(ranks=ranks, backend="gloo",
-                                         timeout=datetime.timedelta(seconds=timeout_s))
+            self.group, self._front = _private_groups(ranks, process_group, timeout_s)
             self.ranks = ranks
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)

@@ -126,3 +126,31 @@ def test_one_ranks_fallback_keeps_the_other_ranks_files_of_a_shared_fast_tier(tm
     for res in results:
         assert res["save1"] == "ok" and res["save2"] == "ok", res
         assert res["load"] == 2 and res["ok"], res
+
+
+def _subgroup_main(rank, world, rdv, root, action, out_dir):
+    """One Checkpointer per pair of ranks (e.g. per pipeline stage); a fast tier on the first pair only."""
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    from cachemw.checkpoint import Checkpointer
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = rank // 2
+    ck = Checkpointer(f"{root}{pair}", process_group=pairs[pair], collective_timeout_s=10,
+                      fast_root=f"{root}{pair}-fast" if pair == 0 else None)
+    ck.save(1, state(float(pair + 1))).wait(60)
+    out = state(0.0)
+    res = {"rank": rank, "fast": ck.fast is not None, "load": ck.load(out),
+           "ok": bool(torch.all(out["w"] == float(pair + 1)))}
+    ck.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(150)
+def test_checkpointers_on_disjoint_subgroups_with_and_without_a_fast_tier_do_not_hang(tmp_path):
+    results = run_ranks(tmp_path, 4, tmp_path / "ckpt", "subgroups", target=_subgroup_main)
+    assert sorted(results) == [0, 1, 2, 3], results
+    for rank, res in results.items():
+        assert res["load"] == 1 and res["ok"] and res["fast"] == (rank < 2), res
