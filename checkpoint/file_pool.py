@@ -144,7 +144,8 @@ class FilePool:
         if layout == self.layout and self.dir is not None and self._intact():
             return True
         self.release()
-        name = f"{POOL_PREFIX}{socket.gethostname()}-{os.getpid()}-r{self.rank}-{uuid.uuid4().hex[:8]}"
+        pid = os.getpid()
+        name = f"{POOL_PREFIX}{socket.gethostname()}-{pid}-{pid_start(pid) or 0}-r{self.rank}-{uuid.uuid4().hex[:8]}"
         self.dir = os.path.join(self.fast_dir, name)
         os.makedirs(self.dir, mode=0o700)
         try:
@@ -220,8 +221,30 @@ def _map_new(path: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
+def pid_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22); None if unknown.
+
+    Recorded with a pid, it tells a live owner from a later process that got the same pid
+    (a container restarted with /dev/shm kept, pids counting from 1 again).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])  # field 22 counted from the pid; the first after ")" is field 3
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def owner_alive(pid: int, started: int | None) -> bool:
+    """``pid`` runs and is the process that recorded ``started`` (when both start times are known)."""
+    if not pid_alive(pid):
+        return False
+    now = pid_start(pid) if started else None
+    return now is None or now == started
+
+
 def sweep_pools(fast_dir: str) -> list[str]:
-    """Remove pool directories of dead processes of this host."""
+    """Remove pool directories of dead processes of this host (a reused pid counts as dead)."""
     removed = []
     host = socket.gethostname()
     try:
@@ -231,8 +254,16 @@ def sweep_pools(fast_dir: str) -> list[str]:
     for name in names:
         if not name.startswith(POOL_PREFIX):
             continue
-        parts = name[len(POOL_PREFIX):].rsplit("-", 3)
-        if len(parts) != 4 or parts[0] != host or not parts[1].isdigit() or pid_alive(int(parts[1])):
+        rest = name[len(POOL_PREFIX):]
+        parts = rest.rsplit("-", 4)  # host-pid-start-rN-id (host may hold dashes)
+        if len(parts) == 5 and parts[1].isdigit() and parts[2].isdigit() and parts[3].startswith("r"):
+            owner, pid, started = parts[0], int(parts[1]), int(parts[2])
+        else:  # host-pid-rN-id, from before start times were recorded
+            parts = rest.rsplit("-", 3)
+            if len(parts) != 4 or not parts[1].isdigit():
+                continue
+            owner, pid, started = parts[0], int(parts[1]), 0
+        if owner != host or owner_alive(pid, started):
             continue
         shutil.rmtree(os.path.join(fast_dir, name), ignore_errors=True)
         removed.append(name)

@@ -173,3 +173,29 @@ def test_a_fast_step_missing_files_is_skipped_for_an_older_complete_one(tmp_path
     finally:
         gate.set()
         ck.close()
+
+
+def test_pools_and_partial_steps_of_a_reused_pid_are_swept(tmp_path):
+    """After a container restart with /dev/shm kept, a pool's pid may belong to another process now."""
+    import json
+    import socket
+
+    from cachemw.checkpoint.file_pool import pid_start, sweep_pools
+    from cachemw.checkpoint.layout import OWNER_NAME, CheckpointDir
+    from cachemw.checkpoint.storage_io import Location
+
+    host, pid = socket.gethostname(), os.getpid()
+    live = f".pool-{host}-{pid}-{pid_start(pid)}-r0-aaaaaaaa"
+    reused = f".pool-{host}-{pid}-{pid_start(pid) + 1}-r0-bbbbbbbb"
+    old_live = f".pool-{host}-{pid}-r0-cccccccc"
+    for name in (live, reused, old_live):
+        (tmp_path / name).mkdir()
+    assert sweep_pools(str(tmp_path)) == [reused]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live, old_live])
+
+    tier = CheckpointDir(Location(str(tmp_path / "tier")))
+    for name, start in (("step_000000000001-aaaaaaaa", pid_start(pid)), ("step_000000000002-bbbbbbbb", 1)):
+        tier.begin(name)
+        owner = {"host": host, "pid": pid, "started": 0.0, "pid_start": start}
+        (tmp_path / "tier" / name / OWNER_NAME).write_text(json.dumps(owner))
+    assert tier.sweep(3600.0) == ["step_000000000002-bbbbbbbb"]
