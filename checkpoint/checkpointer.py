@@ -174,8 +174,8 @@ class Checkpointer:
                 if policy == "wait":
                     for h in busy:
                         h._durable.wait()
-                prepared = self.fast_saver.prepare(step, to_state_dict(state), policy == "refuse" and bool(busy),
-                                                   self._stage)
+                prepared = self.fast_saver.prepare(step, lambda: to_state_dict(state),
+                                                   policy == "refuse" and bool(busy), self._stage)
                 if prepared.pool is not None:
                     self.stager.close()  # buffers of an earlier fallback save (done by now) would be a 2nd copy
                 return self._submit(step, prepared.staged, prepared)

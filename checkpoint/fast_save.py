@@ -122,8 +122,10 @@ class FastSaver:
         self._digests: tuple | None = None
         self._layout: SnapshotLayout | None = None
 
-    def prepare(self, step: int, state_dict: dict, busy: bool, stage_buffers) -> FastSnapshot:
+    def prepare(self, step: int, get_state_dict, busy: bool, stage_buffers) -> FastSnapshot:
         """Agree with the other ranks, then snapshot; ``stage_buffers(sd)`` is the fallback stager.
+
+        ``get_state_dict()`` gives the state dict (a user's ``state_dict()`` runs there, and may fail).
 
         Any local step may fail on one rank only (a value that cannot be copied, a full tmpfs,
         out of memory), while the front collectives must run in the same order on every rank.
@@ -133,6 +135,7 @@ class FastSaver:
         """
         digest, error = None, None
         try:
+            state_dict = get_state_dict()
             described = describe(state_dict)
             digest = hashlib.blake2b(repr(described.signature).encode(), digest_size=16).hexdigest()
         except Exception as exc:
