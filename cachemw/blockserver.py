@@ -12,8 +12,15 @@ socket. Each block comes with the whole-data checksum from the owner's block fil
 reader verifies the bytes against it, so a damaged or racing file is never returned.
 
 Wire format: request = u32 count, then count x (16-byte key, u64 length); reply = count x
-(u8 status (1 sent, 0 absent), u64 length, u64 xxh3 of the data), then the data of every
-sent block in order (headers first: one read for all of them, not one per block).
+(16-byte key, u8 status (1 sent, 0 absent), u64 length, u64 xxh3 of the data), then the
+data of every sent block in order (headers first: one read for all of them, not one per
+block). Each header names its block, and the reader checks it: a connection left behind by
+an interrupted exchange can never pass one block's bytes off as another's.
+
+Time: every exchange runs against one absolute deadline the caller gives (a fetch's whole
+budget), checked before each receive; a poll with the remaining time precedes every recv,
+so neither a signal (EINTR restarts a kernel timeout) nor an owner dripping bytes can
+stretch it.
 """
 from __future__ import annotations
 
@@ -23,7 +30,9 @@ import logging
 import os
 import socket
 import struct
+import select
 import threading
+import time
 
 from . import blockfile
 
@@ -31,7 +40,7 @@ log = logging.getLogger("cachemw.blockserver")
 
 _COUNT = struct.Struct("<I")
 _ITEM = struct.Struct("<16sQ")
-_REPLY = struct.Struct("<BQQ")
+_REPLY = struct.Struct("<16sBQQ")
 NONCE = 32
 
 
@@ -132,8 +141,9 @@ class BlockServer:
         opened = [self._open(key, length) for key, length in items]
         try:
             conn.sendall(b"".join(
-                _REPLY.pack(0, length, 0) if o is None else _REPLY.pack(1, length, o[1])
-                for (_, length), o in zip(items, opened)))
+                _REPLY.pack(bytes.fromhex(key), 0, length, 0) if o is None
+                else _REPLY.pack(bytes.fromhex(key), 1, length, o[1])
+                for (key, length), o in zip(items, opened)))
             for (_, length), o in zip(items, opened):
                 if o is None:
                     continue
@@ -153,60 +163,98 @@ class BlockServer:
 class BlockClient:
     """A reader's connection to one owner's block server.
 
-    The socket is blocking, with the kernel bounding every send and receive
-    (SO_SNDTIMEO/SO_RCVTIMEO) instead of Python's timeout mode: a socket in timeout mode is
-    non-blocking underneath, and there MSG_WAITALL is ignored, so a block arrived in pieces
-    that were then joined (two copies). Blocking, one ``recv(n, MSG_WAITALL)`` lands a whole
-    block in the bytes handed to the caller, and an owner that stops sending still costs at
-    most ``timeout`` per call (the call fails with EAGAIN, an OSError).
+    The socket is blocking: one ``recv(n, MSG_WAITALL)`` lands a whole block in the bytes
+    handed to the caller (in Python's timeout mode the socket is non-blocking underneath,
+    MSG_WAITALL is ignored and blocks arrive in pieces that must be joined). Time is bounded
+    by the caller's deadline: before each receive, a poll waits at most the time left and
+    the kernel's receive timeout is set to it.
+
+    ``busy`` is set from a request until its whole reply is read: a connection found busy
+    by its next user was interrupted mid-exchange and is closed, not reused.
     """
 
     def __init__(self, address: tuple[str, int], secret: bytes, timeout: float) -> None:
+        self.timeout = timeout
+        self.busy = False
         self.sock = socket.create_connection(tuple(address), timeout=timeout)
         try:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # owners run ahead
             authenticate_client(self.sock, secret)
             self.sock.settimeout(None)
-            sec = max(timeout, 0.001)
-            tv = struct.pack("@ll", int(sec), int((sec - int(sec)) * 1e6))
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            self._set_timeout(socket.SO_SNDTIMEO, timeout)
         except BaseException:
             self.sock.close()
             raise
+        self._poller = select.poll()
+        self._poller.register(self.sock, select.POLLIN)
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def _set_timeout(self, option: int, seconds: float) -> None:
+        seconds = max(seconds, 0.001)
+        tv = struct.pack("@ll", int(seconds), int((seconds - int(seconds)) * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, option, tv)
+
     def request(self, items: list[tuple[str, int]]) -> None:
         body = b"".join(_ITEM.pack(bytes.fromhex(k), n) for k, n in items)
+        self.busy = True  # until the whole reply is read
         self.sock.sendall(_COUNT.pack(len(items)) + body)
 
-    def _recv(self, n: int) -> bytes:
-        data = self.sock.recv(n, socket.MSG_WAITALL)  # straight into the bytes returned
-        if len(data) < n:  # a signal or the owner closing: finish (or fail) the slow way
-            data += bytes(recv_exact(self.sock, n - len(data)))
-        return data
+    def deadline_for(self, items: list[tuple[str, int]]) -> float:
+        """A fetch's budget: the timeout, plus the bytes at a floor rate of 50 MB/s."""
+        return time.monotonic() + self.timeout + sum(n for _, n in items) / 50e6
 
-    def headers(self, count: int) -> list[tuple[int, int, int]]:
-        """(status, length, data checksum) of each block of the pending reply."""
-        return list(_REPLY.iter_unpack(self._recv(count * _REPLY.size)))
+    def _recv(self, n: int, deadline: float) -> bytes:
+        parts, got = [], 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._poller.poll(max(1, int(left * 1000))):
+                raise TimeoutError("the block server did not send in time")
+            self._set_timeout(socket.SO_RCVTIMEO, left)
+            data = self.sock.recv(n - got, socket.MSG_WAITALL)  # whole, unless cut short
+            if not data:
+                raise ConnectionError("the block server closed the connection")
+            parts.append(data)
+            got += len(data)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def block(self, length: int, header: tuple[int, int, int]) -> bytes | None:
+    def headers(self, items: list[tuple[str, int]], deadline: float) -> list[tuple[int, int, int]]:
+        """(status, length, data checksum) of each block of the pending reply, each header
+        checked against the key asked for (anything else is a broken stream)."""
+        raw = self._recv(len(items) * _REPLY.size, deadline)
+        out = []
+        for (key, _), (echo, status, n, data_hash) in zip(items, _REPLY.iter_unpack(raw)):
+            if echo != bytes.fromhex(key) or status not in (0, 1):
+                raise ConnectionError("block server reply out of step with the request")
+            out.append((status, n, data_hash))
+        if not any(h[0] == 1 for h in out):
+            self.busy = False  # nothing follows the headers
+        return out
+
+    def block(self, length: int, header: tuple[int, int, int], deadline: float,
+              last: bool = False) -> bytes | None:
         """The next block of the reply, verified; None if it came damaged. An owner always
         announces the length asked for: any other is a broken stream (ConnectionError),
-        never an allocation of whatever size a header says."""
+        never an allocation of whatever size a header says. ``last``: the reply ends here."""
         _, n, data_hash = header
         if n != length:
             raise ConnectionError(f"block server announced {n} bytes for a block of {length}")
-        data = self._recv(n)
+        data = self._recv(n, deadline)
+        if last:
+            self.busy = False
         return data if blockfile.hash_of(data) == data_hash else None
 
-    def receive(self, items: list[tuple[str, int]]) -> list[bytes | None]:
+    def receive(self, items: list[tuple[str, int]], deadline: float | None = None) -> list[bytes | None]:
         """The blocks of the last request, verified; None for one the owner does not hold."""
-        return [self.block(length, h) if h[0] == 1 else None
-                for (_, length), h in zip(items, self.headers(len(items)))]
+        deadline = self.deadline_for(items) if deadline is None else deadline
+        headers = self.headers(items, deadline)
+        sent = [i for i, h in enumerate(headers) if h[0] == 1]
+        out: list[bytes | None] = [None] * len(items)
+        for i in sent:
+            out[i] = self.block(items[i][1], headers[i], deadline, last=i == sent[-1])
+        return out
 
     def close(self) -> None:
         self.sock.close()

@@ -26,12 +26,13 @@ REFRESH = 2.0
 class _Reply:
     """Where the receipt of one owner's reply stands."""
 
-    __slots__ = ("owner", "conn", "batch", "headers", "next", "deadline")
+    __slots__ = ("owner", "conn", "batch", "headers", "next", "deadline", "last")
 
     def __init__(self, owner: str, conn: BlockClient, batch: list, deadline: float) -> None:
         self.owner, self.conn, self.batch, self.deadline = owner, conn, batch, deadline
         self.headers = None
         self.next = 0
+        self.last = -1  # index of the reply's last sent block
 
 
 class DirectReads:
@@ -89,7 +90,9 @@ class DirectReads:
             return {}
         out: dict[str, bytes] = {}
         pending: dict[int, _Reply] = {}
-        deadline = time.monotonic() + self.timeout
+        # one budget for the whole fetch, every owner included: a slow or dripping owner
+        # costs at most this, then its blocks go the usual way
+        deadline = time.monotonic() + self.timeout + sum(n for _, n in items) / 50e6
         for owner, batch in by_owner.items():
             conn = self._conn(owner, d)
             if conn is None:
@@ -117,22 +120,20 @@ class DirectReads:
 
     def _receive_all(self, pending: dict[int, _Reply], out: dict[str, bytes]) -> None:
         """Read several owners' replies at once, each block from a socket that has data;
-        an owner silent for ``timeout`` is failed (its blocks go the usual way)."""
+        owners not done by the fetch's deadline are failed (their blocks go the usual way)."""
         poller = select.poll()
         for fd in pending:
             poller.register(fd, select.POLLIN)
         while pending:
-            now = time.monotonic()
-            for fd, reply in list(pending.items()):
-                if reply.deadline <= now:
+            left = min(r.deadline for r in pending.values()) - time.monotonic()
+            ready = poller.poll(max(1, int(left * 1000) + 1)) if left > 0 else []
+            if not ready and time.monotonic() >= min(r.deadline for r in pending.values()):
+                for fd, reply in list(pending.items()):
                     poller.unregister(fd)
                     del pending[fd]
-                    self._failed(reply.owner, TimeoutError(
-                        f"no reply within {self.timeout} s"))
-            if not pending:
+                    self._failed(reply.owner, TimeoutError(f"no reply within {self.timeout} s"))
                 return
-            wait = min(r.deadline for r in pending.values()) - now
-            for fd, _ in poller.poll(max(1, int(wait * 1000) + 1)):
+            for fd, _ in ready:
                 reply = pending[fd]
                 try:
                     done = self._take(reply, out, 1)
@@ -142,8 +143,6 @@ class DirectReads:
                 if done:
                     poller.unregister(fd)
                     del pending[fd]
-                else:
-                    reply.deadline = time.monotonic() + self.timeout
 
     def _take(self, reply: _Reply, out: dict[str, bytes], blocks: int) -> bool:
         """Read (the headers and) up to ``blocks`` sent blocks of ``reply``; True once all
@@ -151,7 +150,9 @@ class DirectReads:
         reader fetches it again the usual way, through its daemon."""
         conn, batch = reply.conn, reply.batch
         if reply.headers is None:
-            reply.headers = conn.headers(len(batch))
+            reply.headers = conn.headers(batch, reply.deadline)
+            sent = [j for j, h in enumerate(reply.headers) if h[0] == 1]
+            reply.last = sent[-1] if sent else -1
         headers, i, n = reply.headers, reply.next, len(batch)
         while i < n and headers[i][0] != 1:  # absent blocks: nothing on the wire
             i += 1
@@ -159,7 +160,7 @@ class DirectReads:
             header = headers[i]
             if header[0] == 1:
                 key, length = batch[i]
-                data = conn.block(length, header)
+                data = conn.block(length, header, reply.deadline, last=i == reply.last)
                 if data is None:
                     self._damaged(reply.owner, key)
                 else:
@@ -180,6 +181,10 @@ class DirectReads:
         if conns is None:
             conns = self._local.conns = {}
         conn = conns.get(owner)
+        if conn is not None and conn.busy:  # an exchange was cut short: out of step, drop it
+            conns.pop(owner)
+            conn.close()
+            conn = None
         if conn is None:
             try:
                 conn = conns[owner] = BlockClient(d["blocks"][owner], bytes.fromhex(d["secret"]),

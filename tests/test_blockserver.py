@@ -222,8 +222,9 @@ def test_a_header_announcing_another_length_breaks_the_connection():
         with conn:
             authenticate_server(conn, SECRET)
             (count,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
-            conn.recv(count * 24, socket.MSG_WAITALL)
-            conn.sendall(struct.pack("<BQQ", 1, 1 << 40, 0) * count)
+            body = conn.recv(count * 24, socket.MSG_WAITALL)
+            conn.sendall(b"".join(struct.pack("<16sBQQ", body[i * 24:i * 24 + 16], 1, 1 << 40, 0)
+                                  for i in range(count)))
             conn.recv(1)  # until the reader hangs up
 
     threading.Thread(target=serve, daemon=True).start()
@@ -234,3 +235,118 @@ def test_a_header_announcing_another_length_breaks_the_connection():
         client.receive([(key, L)])
     client.close()
     server.close()
+
+
+class _Dripping:
+    """A block server that answers right, but ``chunk`` bytes every ``period`` seconds."""
+
+    def __init__(self, blocks: dict, chunk: int, period: float) -> None:
+        import socket
+        import struct
+        import threading
+        import time
+
+        from cachemw.blockfile import hash_of
+        from cachemw.blockserver import authenticate_server
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = self.sock.getsockname()
+        self.conns = []
+
+        def serve(conn):
+            try:
+                authenticate_server(conn, SECRET)
+                (count,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
+                body = conn.recv(count * 24, socket.MSG_WAITALL)
+                keys = [body[i * 24:i * 24 + 16] for i in range(count)]
+                reply = b"".join(struct.pack("<16sBQQ", k, 1, L, hash_of(blocks[k.hex()]))
+                                 for k in keys) + b"".join(blocks[k.hex()] for k in keys)
+                for i in range(0, len(reply), chunk):
+                    conn.sendall(reply[i:i + chunk])
+                    time.sleep(period)
+            except OSError:
+                pass
+
+        def accept():
+            while True:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                self.conns.append(conn)
+                threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+        threading.Thread(target=accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunk,period", [(1, 0.2), (L // 2, 0.6), (L + 41, 0.5)],
+                         ids=["a byte at a time", "half blocks", "a block at a time"])
+def test_a_dripping_owner_costs_at_most_the_fetch_budget(two_owners, chunk, period):
+    """However an owner dribbles its reply (and with a periodic signal interrupting every
+    receive), one fetch takes at most its budget; what came whole and verified is kept,
+    the rest goes the usual way. (A healthy owner's blocks may be left to the usual way too
+    while the reader sits in the slow owner's receive: speed, not correctness.)"""
+    import signal
+    import time
+
+    from cachemw.direct import DirectReads
+
+    ring, nodes, servers, blocks = two_owners
+    slow = _Dripping(blocks, chunk, period)
+    old = signal.signal(signal.SIGALRM, lambda *a: None)  # EINTR on every blocked receive
+    signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+    try:
+        directory = _Directory({"a": servers["a"], "b": slow})
+        reads = DirectReads(directory, timeout=1.0)
+        items = [(k, L) for k in blocks if ring.owner(k) in ("a", "b")]
+        budget = 1.0 + len(items) * L / 50e6
+        for batch in (items, [it for it in items if ring.owner(it[0]) == "b"]):
+            t = time.monotonic()
+            got = reads.fetch(batch)
+            assert time.monotonic() - t < budget + 1.0
+            assert all(got[k] == blocks[k] for k in got)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, old)
+        slow.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_exchange_cut_short_never_passes_one_blocks_bytes_off_as_anothers(two_owners,
+                                                                              monkeypatch):
+    """A fetch interrupted between its request and its reply (a signal handler raising, as
+    Ctrl-C does) leaves a reply unread on the connection: the next fetches still return
+    each key's own bytes, and a reply read for the wrong request is refused."""
+    from cachemw.direct import DirectReads
+
+    ring, nodes, servers, blocks = two_owners
+    a_keys = [k for k in blocks if ring.owner(k) == "a"]
+    reads = DirectReads(_Directory(servers), timeout=5)
+    original = BlockClient.request
+    calls = []
+
+    def request_then_interrupt(self, items):
+        original(self, items)
+        if not calls:
+            calls.append(1)
+            raise KeyboardInterrupt  # after the request went out, before its reply is read
+
+    monkeypatch.setattr(BlockClient, "request", request_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        reads.fetch([(a_keys[0], L)])
+    for key in a_keys[1:6]:  # same owner, same sizes: a stream one reply behind would pass
+        assert reads.fetch([(key, L)]) == {key: blocks[key]}
+    monkeypatch.setattr(BlockClient, "request", original)
+
+    client = BlockClient(servers["a"].address, SECRET, timeout=5)
+    client.request([(a_keys[0], L)])  # never read: the stream is now one reply behind
+    client.request([(a_keys[1], L)])
+    with pytest.raises(ConnectionError):
+        client.receive([(a_keys[1], L)])
+    client.close()
