@@ -153,10 +153,10 @@ def test_a_damaged_block_from_an_owner_is_left_out_and_counted(two_owners):
     assert directory.counted == {"corrupt_repaired": 1}
 
 
-class _Hung:
-    """A block server that proves the secret, then never answers (a stopped process)."""
+class _FakeOwner:
+    """A stand-in block server: accepts, proves the secret, then runs ``serve(conn)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, serve) -> None:
         import socket
         import threading
 
@@ -166,6 +166,13 @@ class _Hung:
         self.address = self.sock.getsockname()
         self.conns = []
 
+        def run(conn):
+            try:
+                if authenticate_server(conn, SECRET):
+                    serve(conn)
+            except OSError:
+                pass
+
         def accept():
             while True:
                 try:
@@ -173,7 +180,7 @@ class _Hung:
                 except OSError:
                     return
                 self.conns.append(conn)
-                authenticate_server(conn, SECRET)
+                threading.Thread(target=run, args=(conn,), daemon=True).start()
 
         threading.Thread(target=accept, daemon=True).start()
 
@@ -183,6 +190,11 @@ class _Hung:
             c.close()
 
 
+def _hung_owner():
+    """A block server that proves the secret, then never answers (a stopped process)."""
+    return _FakeOwner(lambda conn: None)
+
+
 @pytest.mark.timeout(60)
 def test_a_hung_owner_costs_one_bounded_timeout(two_owners):
     import time
@@ -190,7 +202,7 @@ def test_a_hung_owner_costs_one_bounded_timeout(two_owners):
     from cachemw.direct import DirectReads
 
     ring, nodes, servers, blocks = two_owners
-    hung = _Hung()
+    hung = _hung_owner()
     try:
         directory = _Directory({"a": servers["a"], "b": hung})
         reads = DirectReads(directory, timeout=1.0)
@@ -237,51 +249,25 @@ def test_a_header_announcing_another_length_breaks_the_connection():
     server.close()
 
 
-class _Dripping:
+def _dripping_owner(blocks: dict, chunk: int, period: float) -> _FakeOwner:
     """A block server that answers right, but ``chunk`` bytes every ``period`` seconds."""
+    import socket
+    import struct
+    import time
 
-    def __init__(self, blocks: dict, chunk: int, period: float) -> None:
-        import socket
-        import struct
-        import threading
-        import time
+    from cachemw.blockfile import hash_of
 
-        from cachemw.blockfile import hash_of
-        from cachemw.blockserver import authenticate_server
+    def serve(conn):
+        (count,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
+        body = conn.recv(count * 24, socket.MSG_WAITALL)
+        keys = [body[i * 24:i * 24 + 16] for i in range(count)]
+        reply = b"".join(struct.pack("<16sBQQ", k, 1, L, hash_of(blocks[k.hex()]))
+                         for k in keys) + b"".join(blocks[k.hex()] for k in keys)
+        for i in range(0, len(reply), chunk):
+            conn.sendall(reply[i:i + chunk])
+            time.sleep(period)
 
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = self.sock.getsockname()
-        self.conns = []
-
-        def serve(conn):
-            try:
-                authenticate_server(conn, SECRET)
-                (count,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
-                body = conn.recv(count * 24, socket.MSG_WAITALL)
-                keys = [body[i * 24:i * 24 + 16] for i in range(count)]
-                reply = b"".join(struct.pack("<16sBQQ", k, 1, L, hash_of(blocks[k.hex()]))
-                                 for k in keys) + b"".join(blocks[k.hex()] for k in keys)
-                for i in range(0, len(reply), chunk):
-                    conn.sendall(reply[i:i + chunk])
-                    time.sleep(period)
-            except OSError:
-                pass
-
-        def accept():
-            while True:
-                try:
-                    conn, _ = self.sock.accept()
-                except OSError:
-                    return
-                self.conns.append(conn)
-                threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-        threading.Thread(target=accept, daemon=True).start()
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            c.close()
+    return _FakeOwner(serve)
 
 
 @pytest.mark.timeout(60)
@@ -298,7 +284,7 @@ def test_a_dripping_owner_costs_at_most_the_fetch_budget(two_owners, chunk, peri
     from cachemw.direct import DirectReads
 
     ring, nodes, servers, blocks = two_owners
-    slow = _Dripping(blocks, chunk, period)
+    slow = _dripping_owner(blocks, chunk, period)
     old = signal.signal(signal.SIGALRM, lambda *a: None)  # EINTR on every blocked receive
     signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
     try:
