@@ -160,6 +160,11 @@ class BlockServer:
                     os.close(o[0])
 
 
+def fetch_deadline(timeout: float, items: list[tuple[str, int]]) -> float:
+    """A fetch's whole budget: the timeout, plus its bytes at a floor rate of 50 MB/s."""
+    return time.monotonic() + timeout + sum(n for _, n in items) / 50e6
+
+
 class BlockClient:
     """A reader's connection to one owner's block server.
 
@@ -203,8 +208,7 @@ class BlockClient:
         self.sock.sendall(_COUNT.pack(len(items)) + body)
 
     def deadline_for(self, items: list[tuple[str, int]]) -> float:
-        """A fetch's budget: the timeout, plus the bytes at a floor rate of 50 MB/s."""
-        return time.monotonic() + self.timeout + sum(n for _, n in items) / 50e6
+        return fetch_deadline(self.timeout, items)
 
     def _recv(self, n: int, deadline: float) -> bytes:
         parts, got = [], 0

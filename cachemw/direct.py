@@ -15,7 +15,7 @@ import select
 import threading
 import time
 
-from .blockserver import BlockClient
+from .blockserver import BlockClient, fetch_deadline
 from .ring import HashRing
 
 log = logging.getLogger("cachemw.direct")
@@ -92,7 +92,7 @@ class DirectReads:
         pending: dict[int, _Reply] = {}
         # one budget for the whole fetch, every owner included: a slow or dripping owner
         # costs at most this, then its blocks go the usual way
-        deadline = time.monotonic() + self.timeout + sum(n for _, n in items) / 50e6
+        deadline = fetch_deadline(self.timeout, items)
         for owner, batch in by_owner.items():
             conn = self._conn(owner, d)
             if conn is None:
