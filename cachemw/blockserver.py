@@ -29,8 +29,8 @@ import hmac
 import logging
 import os
 import socket
-import struct
 import select
+import struct
 import threading
 import time
 
@@ -44,8 +44,8 @@ _REPLY = struct.Struct("<16sBQQ")
 NONCE = 32
 
 
-def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> memoryview:
-    view = memoryview(bytearray(n)) if into is None else into
+def recv_exact(sock: socket.socket, n: int) -> memoryview:
+    view = memoryview(bytearray(n))
     got = 0
     while got < n:
         k = sock.recv_into(view[got:n])
@@ -174,13 +174,15 @@ class BlockClient:
     by the caller's deadline: before each receive, a poll waits at most the time left and
     the kernel's receive timeout is set to it.
 
-    ``busy`` is set from a request until its whole reply is read: a connection found busy
-    by its next user was interrupted mid-exchange and is closed, not reused.
+    ``busy`` is set from a request until its whole reply is read (the headers say how many
+    blocks follow): a connection found busy by its next user was interrupted mid-exchange
+    and is closed, not reused.
     """
 
     def __init__(self, address: tuple[str, int], secret: bytes, timeout: float) -> None:
         self.timeout = timeout
         self.busy = False
+        self._unread = 0  # blocks of the pending reply still on the wire
         self.sock = socket.create_connection(tuple(address), timeout=timeout)
         try:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -233,32 +235,27 @@ class BlockClient:
             if echo != bytes.fromhex(key) or status not in (0, 1):
                 raise ConnectionError("block server reply out of step with the request")
             out.append((status, n, data_hash))
-        if not any(h[0] == 1 for h in out):
-            self.busy = False  # nothing follows the headers
+        self._unread = sum(h[0] for h in out)
+        self.busy = self._unread > 0
         return out
 
-    def block(self, length: int, header: tuple[int, int, int], deadline: float,
-              last: bool = False) -> bytes | None:
+    def block(self, length: int, header: tuple[int, int, int], deadline: float) -> bytes | None:
         """The next block of the reply, verified; None if it came damaged. An owner always
         announces the length asked for: any other is a broken stream (ConnectionError),
-        never an allocation of whatever size a header says. ``last``: the reply ends here."""
+        never an allocation of whatever size a header says."""
         _, n, data_hash = header
         if n != length:
             raise ConnectionError(f"block server announced {n} bytes for a block of {length}")
         data = self._recv(n, deadline)
-        if last:
-            self.busy = False
+        self._unread -= 1
+        self.busy = self._unread > 0
         return data if blockfile.hash_of(data) == data_hash else None
 
     def receive(self, items: list[tuple[str, int]], deadline: float | None = None) -> list[bytes | None]:
         """The blocks of the last request, verified; None for one the owner does not hold."""
         deadline = self.deadline_for(items) if deadline is None else deadline
-        headers = self.headers(items, deadline)
-        sent = [i for i, h in enumerate(headers) if h[0] == 1]
-        out: list[bytes | None] = [None] * len(items)
-        for i in sent:
-            out[i] = self.block(items[i][1], headers[i], deadline, last=i == sent[-1])
-        return out
+        return [self.block(length, h, deadline) if h[0] == 1 else None
+                for (_, length), h in zip(items, self.headers(items, deadline))]
 
     def close(self) -> None:
         self.sock.close()

@@ -26,13 +26,12 @@ REFRESH = 2.0
 class _Reply:
     """Where the receipt of one owner's reply stands."""
 
-    __slots__ = ("owner", "conn", "batch", "headers", "next", "deadline", "last")
+    __slots__ = ("owner", "conn", "batch", "headers", "next", "deadline")
 
     def __init__(self, owner: str, conn: BlockClient, batch: list, deadline: float) -> None:
         self.owner, self.conn, self.batch, self.deadline = owner, conn, batch, deadline
         self.headers = None
         self.next = 0
-        self.last = -1  # index of the reply's last sent block
 
 
 class DirectReads:
@@ -151,23 +150,19 @@ class DirectReads:
         conn, batch = reply.conn, reply.batch
         if reply.headers is None:
             reply.headers = conn.headers(batch, reply.deadline)
-            sent = [j for j, h in enumerate(reply.headers) if h[0] == 1]
-            reply.last = sent[-1] if sent else -1
         headers, i, n = reply.headers, reply.next, len(batch)
-        while i < n and headers[i][0] != 1:  # absent blocks: nothing on the wire
-            i += 1
-        while i < n and blocks:
+        while i < n:
             header = headers[i]
-            if header[0] == 1:
+            if header[0] == 1:  # absent blocks have nothing on the wire
+                if not blocks:
+                    break
                 key, length = batch[i]
-                data = conn.block(length, header, reply.deadline, last=i == reply.last)
+                data = conn.block(length, header, reply.deadline)
                 if data is None:
                     self._damaged(reply.owner, key)
                 else:
                     out[key] = data
                 blocks -= 1
-            i += 1
-        while i < n and headers[i][0] != 1:  # absent blocks: nothing on the wire
             i += 1
         reply.next = i
         return i >= n

@@ -376,7 +376,7 @@ class CachedFile(AbstractBufferedFile):
                         self._fast_bytes += end - loc
                         self._fast_reads += 1
                         if not self._fast_reads & 4095:
-                            self._count_fast_reads()
+                            self.fold_tally()
                             self._drop_evicted_maps()
                         return data
         return super().read(length)
@@ -401,11 +401,9 @@ class CachedFile(AbstractBufferedFile):
         return None
 
     def fold_tally(self) -> None:
-        """Add the reads tallied here to the client's counters (the client asks on stats
-        and flush; a read racing with it in another thread may be counted late)."""
-        self._count_fast_reads()
-
-    def _count_fast_reads(self) -> None:
+        """Add the reads tallied here to the client's counters (every 4,096 reads, on close,
+        and when the client asks on stats/flush; a read racing with it in another thread
+        may be counted late)."""
         reads, self._fast_reads = self._fast_reads, 0
         nbytes, self._fast_bytes = self._fast_bytes, 0
         if reads:
@@ -424,7 +422,7 @@ class CachedFile(AbstractBufferedFile):
             block.close()
 
     def close(self):
-        self._count_fast_reads()
+        self.fold_tally()
         for index in list(self._mapped):
             self._unmap(index)
         super().close()
