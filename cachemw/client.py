@@ -19,6 +19,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection, answer_challenge
 
+from .fills import drain_all
 from .protocol import CLIENT_COUNTERS, DaemonAddress, lookup
 from .tiers.directory import DirectoryTier
 
@@ -31,6 +32,7 @@ _exit_hook_pid = 0
 
 
 def _flush_all() -> None:
+    drain_all(timeout=30.0)  # fills written behind end their leases before the last report
     for client in list(_clients):
         client.flush()
 
@@ -135,6 +137,8 @@ class DaemonClient:
             return None
         with self._lock:
             self._local.conn = conn
+            # sends on this connection come from its thread and from the fill writer
+            self._local.send_lock = threading.Lock()
             self._conns.add(conn)
             if self._warned:
                 log.warning("cachemw daemon reachable again at %s", address.socket)
@@ -208,7 +212,8 @@ class DaemonClient:
         if conn is None:
             return None
         try:
-            conn.send(msg)
+            with self._local.send_lock:
+                conn.send(msg)
             return self._recv(conn)
         except (OSError, EOFError, DaemonUnavailable) as exc:
             self._unreachable(str(exc) or type(exc).__name__)
@@ -219,10 +224,31 @@ class DaemonClient:
         if conn is None:
             return False
         try:
-            conn.send(msg)
+            with self._local.send_lock:
+                conn.send(msg)
             return True
         except (OSError, EOFError) as exc:
             self._unreachable(str(exc) or type(exc).__name__)
+            return False
+
+    def link(self) -> tuple | None:
+        """This thread's connection, for another thread to end a lease taken on it
+        (note_via); None if this thread has none."""
+        conn = getattr(self._local, "conn", None)
+        return None if conn is None else (conn, self._local.send_lock)
+
+    @staticmethod
+    def note_via(link: tuple | None, *msg) -> bool:
+        """A one-way message over another thread's connection (see link); False if that
+        connection is gone, and with it (daemon side) every lease taken on it."""
+        if link is None:
+            return False
+        conn, send_lock = link
+        try:
+            with send_lock:
+                conn.send(msg)
+            return True
+        except (OSError, EOFError, ValueError):  # ValueError: the thread closed it meanwhile
             return False
 
     # -- requests ----------------------------------------------------------------------
@@ -250,6 +276,7 @@ class DaemonClient:
         return self._call("invalidate", url) is not None
 
     def daemon_stats(self) -> dict | None:
+        drain_all(self)
         self.flush()
         reply = self._call("stats")
         return None if reply is None else reply[1]
@@ -325,6 +352,7 @@ class DaemonClient:
                 self._accesses[:0] = accesses
 
     def close(self) -> None:
+        drain_all(self)
         self.flush()
         with self._lock:
             conns, self._conns = list(self._conns), weakref.WeakSet()

@@ -172,6 +172,9 @@ class CacheOptions:
     autostart: bool = True
     runtime_dir: str = field(default_factory=default_runtime_dir)
     report_interval: float = 0.5
+    # bytes of fetched blocks a process may hold while a writer thread puts them into the
+    # tiers (see fills.py); 0 writes every fill on the reader's path
+    write_behind: int = 32 << 20
 
     def __post_init__(self) -> None:
         if self.validate not in VALIDATE_MODES:
@@ -182,6 +185,7 @@ class CacheOptions:
         if bs < 4096:
             raise ValueError(f"block_size: must be at least 4096 bytes, got {bs}")
         object.__setattr__(self, "block_size", bs)
+        object.__setattr__(self, "write_behind", parse_size(self.write_behind, name="write_behind"))
         if not isinstance(self.autostart, bool):
             raise ValueError(f"autostart: must be True or False, got {self.autostart!r}")
 
@@ -199,6 +203,7 @@ class CacheOptions:
             "block_size": env.get("CACHEMW_BLOCK_SIZE"),
             "runtime_dir": env.get("CACHEMW_RUNTIME_DIR"),
             "autostart": _bool_or_none(env.get("CACHEMW_AUTOSTART"), "CACHEMW_AUTOSTART"),
+            "write_behind": env.get("CACHEMW_WRITE_BEHIND"),
         }
         merged = {k: v for k, v in from_env.items() if v is not None}
         merged.update({k: v for k, v in kwargs.items() if v is not None})

@@ -46,7 +46,7 @@ class CacheFileSystem(_Base):
                  fs: AbstractFileSystem | None = None, *, validate: str | None = None,
                  ttl: float | None = None, block_size: int | str | None = None,
                  autostart: bool | None = None, runtime_dir: str | None = None,
-                 daemon_options: dict | None = None, fo: str | None = None, **kwargs) -> None:
+                 write_behind: int | str | None = None, daemon_options: dict | None = None, fo: str | None = None, **kwargs) -> None:
         unknown = set(kwargs) - _FSSPEC_BASE_OPTIONS
         if unknown:
             raise ValueError(f"unknown cachemw option(s): {', '.join(sorted(unknown))}")
@@ -54,7 +54,8 @@ class CacheFileSystem(_Base):
         if fs is not None and target_protocol is not None:
             raise ValueError("target_protocol: give either fs or target_protocol, not both")
         self.options = CacheOptions.build(validate=validate, ttl=ttl, block_size=block_size,
-                                          autostart=autostart, runtime_dir=runtime_dir)
+                                          autostart=autostart, runtime_dir=runtime_dir,
+                                          write_behind=write_behind)
         if fs is None:
             fs = fsspec.filesystem(target_protocol or "file", **(target_options or {}))
         if daemon_options:  # a bad daemon option fails here, not as fallbacks on every read
@@ -64,7 +65,8 @@ class CacheFileSystem(_Base):
                                    report_interval=self.options.report_interval,
                                    daemon_config=daemon_options)
         self.meta = MetadataCache(fs, self.options.validate, self.options.ttl, self._meta_dir)
-        self.reader = BlockReader(SourceTier(fs), self.client, self.options.block_size)
+        self.reader = BlockReader(SourceTier(fs), self.client, self.options.block_size,
+                                  self.options.write_behind)
 
         def _strip_protocol(path):  # per instance: the target decides what a path is
             if isinstance(path, (list, tuple)):
@@ -189,6 +191,7 @@ class CacheFileSystem(_Base):
         carry the same token on a filesystem with coarse mtimes), then the daemon drops
         every other block of the file before this returns.
         """
+        self.reader.fills.drain()  # no fill of the old bytes may land after this
         known = self.meta.known(path)
         if known is not None:
             bs = self.options.block_size
@@ -310,6 +313,7 @@ class CacheFileSystem(_Base):
 
     def stats(self) -> dict:
         """This process's counters (hits, misses, fallbacks, ...)."""
+        self.reader.fills.drain()
         self.client.fold_tallies()
         return dict(self.client.counters)
 

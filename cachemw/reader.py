@@ -10,13 +10,13 @@ speed and never a read.
 """
 from __future__ import annotations
 
-import errno
 import logging
 from typing import NamedTuple
 
 from .blockfile import CorruptBlock
 from .client import DaemonClient
 from .direct import DirectReads
+from .fills import Fill, FillWriter
 from .keys import block_key, block_length, url_tag
 from .metadata import FileMeta
 from .tiers.source import SourceTier
@@ -34,13 +34,14 @@ class _Piece(NamedTuple):
 
 
 class BlockReader:
-    def __init__(self, source: SourceTier, client: DaemonClient, block_size: int) -> None:
+    def __init__(self, source: SourceTier, client: DaemonClient, block_size: int,
+                 write_behind: int = 0) -> None:
         self.source = source
         self.client = client
         self.block_size = block_size
         self._source_json = source.fs.to_json()
         self.direct = DirectReads(client)
-        self._fill_warned = False
+        self.fills = FillWriter(client, write_behind)
 
     def _pieces(self, meta: FileMeta, start: int, end: int) -> list[_Piece]:
         bs = self.block_size
@@ -87,6 +88,10 @@ class BlockReader:
 
     def _hit(self, piece: _Piece) -> bytes | None:
         client = self.client
+        block = self.fills.pending.get(piece.key)
+        if block is not None:  # filled by this process, its file not written yet
+            client.counted_hits(1, piece.hi - piece.lo)
+            return block if (piece.lo, piece.hi) == (0, len(block)) else block[piece.lo:piece.hi]
         for tier in client.tiers():
             try:
                 data = tier.get(piece.key, piece.length, piece.lo, piece.hi)
@@ -182,19 +187,11 @@ class BlockReader:
             raise
         client.count("misses")
         client.count("bytes_from_source", len(block))
-        try:
-            stored = self._tier(tier_name).put(piece.key, block, tag=url_tag(meta.url))
-        except OSError as exc:
-            reason = "nospace" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "error"
-            client.abort(piece.key, reason)
-            client.count("fill_errors")
-            if not self._fill_warned:
-                log.warning("could not fill the %s tier (%s); reading on from the source",
-                            tier_name, exc)
-                self._fill_warned = True
+        tier = self._tier(tier_name)
+        if tier is None:  # a tier this process does not know (the daemon was reconfigured)
+            client.abort(piece.key, "error")
         else:
-            client.filled(piece.key, tier_name, stored)
-            client.count("fills")
+            self.fills.submit(Fill(piece.key, tier, block, url_tag(meta.url), client.link()))
         return block if piece.lo == 0 and piece.hi == len(block) else block[piece.lo:piece.hi]
 
     def _direct(self, piece: _Piece) -> bytes:

@@ -87,6 +87,7 @@ def test_damaged_block_detected_dropped_refetched(make_cache_fs, runtime_dir, tm
             with open(path, "wb") as f:
                 f.write(data)
             assert fs.cat_file(path) == data  # cached
+            fs.reader.fills.drain()  # its block files written (behind the read)
             meta = fs.meta.file(path)
             index = 1 if size > BS else 0
             length = min(BS, size - index * BS)

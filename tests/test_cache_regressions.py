@@ -117,6 +117,7 @@ def test_an_indexed_block_whose_file_vanished_is_filled_again(make_cache_fs, tmp
     with open(path, "wb") as f:
         f.write(data)
     assert fs.cat_file(path) == data
+    fs.reader.fills.drain()  # its block file written (behind the read)
     meta = fs.meta.file(path)
     dram = fs.client.tiers()[0]
     os.unlink(dram.block_path(block_key(meta.url, meta.version, 0, L)))  # /dev/shm cleaned

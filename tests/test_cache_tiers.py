@@ -158,7 +158,7 @@ def test_real_enospc_reads_go_on_and_tier_stops_admitting(runtime_dir, spawn_dae
         assert s["fallbacks"] == 0
         assert s["misses"] + s["bypassed"] == NFILES  # every read answered, none twice
         assert s["fills"] == s["misses"] - s["fill_errors"]
-        warnings = [r for r in caplog.records if r.name == "cachemw.reader"
+        warnings = [r for r in caplog.records if r.name == "cachemw.fills"
                     and "could not fill" in r.getMessage()]
         assert len(warnings) == 1
         # the blocks that did fit are served; everything reads right a second time

@@ -1,0 +1,195 @@
+"""Write-behind fills (cachemw/fills.py): a miss returns its bytes before the block file is
+written; until then this process serves the block from memory, other processes wait on the
+lease, and nothing is lost or left unaccounted when the connection, the process or the
+queue's room goes away."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+
+import fsspec
+import pytest
+
+from cachemw.keys import block_key
+from cachemw.tiers.directory import DirectoryTier
+from conftest import daemon_stats, wait_for
+
+BS = 65536
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Hold every tier write of this process (the fill writer's) until ``gate.set()``."""
+    held = threading.Event()
+    real_put = DirectoryTier.put
+
+    def put(self, key, data, tag=b""):
+        if not held.wait(60):
+            raise TimeoutError("test gate never opened")
+        return real_put(self, key, data, tag=tag)
+
+    monkeypatch.setattr(DirectoryTier, "put", put)
+    yield held
+    held.set()
+
+
+def _write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _block_file(fs, path, index=0):
+    meta = fs.meta.file(path)
+    return fs.client.tiers()[0].block_path(block_key(meta.url, meta.version, index, BS))
+
+
+def _cached_bytes(runtime_dir):
+    stats = daemon_stats(runtime_dir)
+    return stats["tiers"]["dram"]["used_bytes"], stats["inflight"]
+
+
+@pytest.mark.timeout(60)
+def test_pending_block_served_from_memory_until_written(make_cache_fs, counting_target,
+                                                        tmp_path, gate):
+    fs = make_cache_fs(fs=counting_target, block_size=BS)
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(3 * BS + 100)
+    _write(path, data)
+    counting_target.reset()
+    assert fs.cat_file(path) == data
+    assert not os.path.exists(_block_file(fs, path))  # the writer is held
+    assert fs.reader.fills.pending  # ... so the blocks are still in memory
+    hits = fs.client.counters["hits"]
+    assert fs.cat_file(path, 10, 2 * BS + 7) == data[10:2 * BS + 7]
+    with fs.open(path, "rb") as f:
+        f.seek(BS - 5)
+        assert f.read(10) == data[BS - 5:BS + 5]
+    assert fs.client.counters["hits"] > hits
+    assert len(counting_target.calls("cat_file")) == 4  # one per block, no re-read
+    gate.set()
+    assert fs.reader.fills.drain(30)
+    assert not fs.reader.fills.pending
+    assert os.path.exists(_block_file(fs, path))
+    s = fs.stats()
+    assert s["fills"] == 4 and s["fill_errors"] == 0
+    used, inflight = _cached_bytes(fs.options.runtime_dir)
+    assert used > len(data) and inflight == 0
+
+
+def _read_once(fs, path, out):
+    with open(out, "wb") as f:
+        f.write(fs.cat_file(path))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_other_processes_wait_for_the_pending_fill(make_cache_fs, counting_target, tmp_path,
+                                                   gate, method):
+    fs = make_cache_fs(fs=counting_target, block_size=BS)
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(BS)
+    _write(path, data)
+    counting_target.reset()
+    assert fs.cat_file(path) == data  # leased and fetched here; its write is held
+    ctx = multiprocessing.get_context(method)
+    out = str(tmp_path / "child.out")
+    child = ctx.Process(target=_read_once, args=(fs, path, out))
+    child.start()
+    try:
+        # the child misses, asks for a lease and waits on ours (a forked child does not
+        # see this process's pending bytes: it has no writer of its own yet)
+        wait_for(lambda: daemon_stats(fs.options.runtime_dir)["counters"]["waits"] >= 1, 30,
+                 what="the child to wait on the fill in flight")
+        gate.set()
+        child.join(60)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+    with open(out, "rb") as f:
+        assert f.read() == data
+    assert len(counting_target.calls("cat_file")) == 1  # single flight across processes
+    assert daemon_stats(fs.options.runtime_dir)["counters"]["busy"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_lost_connection_before_the_write_leaves_no_unaccounted_file(make_cache_fs, tmp_path,
+                                                                     gate):
+    fs = make_cache_fs(block_size=BS)
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(BS)
+    _write(path, data)
+    assert fs.cat_file(path) == data
+    block = _block_file(fs, path)
+    fs.client._unreachable("test: connection dropped")  # the daemon aborts the lease
+    wait_for(lambda: _cached_bytes(fs.options.runtime_dir)[1] == 0, 10,
+             what="the daemon to drop the lease")
+    gate.set()
+    assert fs.reader.fills.drain(30)
+    assert not os.path.exists(block)  # written, then deleted: nobody would account it
+    assert _cached_bytes(fs.options.runtime_dir) == (0, 0)
+    assert fs.stats()["fills"] == 0
+    fs.client._next_try = 0  # reconnect now rather than after the back-off
+    assert fs.cat_file(path) == data
+    assert fs.reader.fills.drain(30)
+    assert os.path.exists(block)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("write_behind", [0, 1000])
+def test_no_room_to_queue_writes_on_the_reader_path(make_cache_fs, tmp_path, gate,
+                                                    write_behind):
+    fs = make_cache_fs(block_size=BS, write_behind=write_behind)
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(BS)
+    _write(path, data)
+    gate.set()
+    assert fs.cat_file(path) == data
+    assert not fs.reader.fills.pending
+    assert os.path.exists(_block_file(fs, path))  # written before cat_file returned
+    assert fs.stats()["fills"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_process_that_exits_right_after_reading_lands_every_fill(make_cache_fs, tmp_path):
+    fs = make_cache_fs(block_size=BS)  # the daemon
+    paths = []
+    for i in range(40):
+        paths.append(str(tmp_path / f"f{i}.bin"))
+        _write(paths[-1], os.urandom(BS // 2))
+    code = (
+        "import sys, fsspec\n"
+        f"fs = fsspec.filesystem('cachemw', runtime_dir={fs.options.runtime_dir!r}, "
+        f"autostart=False, block_size={BS})\n"
+        f"for p in {paths!r}:\n"
+        "    fs.cat_file(p)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    stats = daemon_stats(fs.options.runtime_dir)
+    assert stats["inflight"] == 0
+    assert stats["counters"]["fills"] == len(paths)
+    for p in paths:
+        assert os.path.exists(_block_file(fs, p))
+
+
+@pytest.mark.timeout(60)
+def test_write_to_the_target_waits_for_pending_fills(make_cache_fs, tmp_path):
+    fs = make_cache_fs(block_size=BS)
+    path = str(tmp_path / "f.bin")
+    old, new = os.urandom(BS), os.urandom(BS)
+    _write(path, old)
+    assert fs.cat_file(path) == old
+    fs.pipe_file(path, new)  # the old block's fill lands (or not) before the invalidation
+    assert fs.cat_file(path) == new
+    assert fs.reader.fills.drain(30)
+    assert fs.cat_file(path) == new
+
+
+def test_write_behind_option_is_checked():
+    with pytest.raises(ValueError, match="write_behind"):
+        fsspec.filesystem("cachemw", autostart=False, write_behind="lots",
+                          skip_instance_cache=True)
