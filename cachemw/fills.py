@@ -3,7 +3,7 @@
 Writing a block file costs about as much as reading the block from a fast source: on tmpfs
 a 128 KiB fill pays first-touch page allocation, page checksums, a create and a rename,
 0.2-0.3 ms on the reader's path for every miss. One writer thread per process takes that
-off the path; the write releases the GIL, so it overlaps the reader's next source request.
+off the path: it writes while the reader waits for its next lease and source request.
 
 Nothing is lost or read stale on the way:
 
@@ -25,6 +25,7 @@ import errno
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import NamedTuple
 
@@ -42,6 +43,18 @@ class Fill(NamedTuple):
 
 
 class FillWriter:
+    """When to write matters as much as where. On a GIL runtime two busy threads hand the
+    GIL over at every system call, and on these VMs each hand-over is a thread wake-up
+    (30-50 us): a writer woken right after each miss doubled the reader's metadata and lease
+    times. So a fill waits until the reader blocks anyway: ``kick()`` at the start of its
+    next miss (it then waits on the daemon and on the source, with the GIL released), a
+    ``drain()``, or at the latest ``LINGER`` after it was queued. Idle for ``IDLE`` the
+    writer sleeps until a fill comes, so a process that stopped missing costs no wake-ups.
+    """
+
+    LINGER = 0.02
+    IDLE = 1.0
+
     def __init__(self, client, max_bytes: int) -> None:
         self.client = client
         self.max_bytes = max_bytes
@@ -53,10 +66,13 @@ class FillWriter:
         """Fresh state: at start and in a forked child (whose parent's thread did not come
         along; the parent writes its own queue)."""
         self._cv = threading.Condition(threading.Lock())
-        self._queue: collections.deque[Fill] = collections.deque()
+        # (queued at, a Fill or a deferred (fn, arg) such as a node-shared metadata record)
+        self._queue: collections.deque[tuple[float, object]] = collections.deque()
         self.pending: dict[str, bytes] = {}  # key -> bytes, until its file has landed
         self._queued_bytes = 0
         self._busy = 0  # fills taken off the queue and not yet ended
+        self._urgent = False  # write what is queued now (kick or drain)
+        self._asleep = True  # waiting without a timeout: a submit must wake it
         self._thread: threading.Thread | None = None
 
     def submit(self, fill: Fill) -> None:
@@ -65,39 +81,84 @@ class FillWriter:
         with self._cv:
             queued = self.max_bytes > 0 and self._queued_bytes + n <= self.max_bytes
             if queued:
-                self._queue.append(fill)
                 self.pending[fill.key] = fill.data
                 self._queued_bytes += n
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="cachemw-fills",
-                                                    daemon=True)
-                    self._thread.start()
-                self._cv.notify()
+                self._enqueue(fill)
         if not queued:
             self.store(fill)
+
+    def defer(self, fn, arg) -> None:
+        """Run ``fn(arg)`` on the writer, in order with the fills (or now, if no writer)."""
+        if self.max_bytes <= 0:
+            fn(arg)
+            return
+        with self._cv:
+            self._enqueue((fn, arg))
+
+    def _enqueue(self, item) -> None:
+        self._queue.append((time.monotonic(), item))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cachemw-fills", daemon=True)
+            self._thread.start()
+        elif self._asleep:
+            self._cv.notify()
+
+    def kick(self) -> None:
+        """The reader is about to wait on its source: write now."""
+        if self._queue:
+            with self._cv:
+                self._urgent = True
+                self._cv.notify()
 
     def drain(self, timeout: float = 60.0) -> bool:
         """Wait until every queued fill has ended; False if that took longer than ``timeout``."""
         with self._cv:
+            self._urgent = True
+            self._cv.notify()
             return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
 
+    def _next(self):
+        """The next fill to write, once it is time (see the class docstring); under _cv."""
+        idle_since = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if self._queue:
+                age = now - self._queue[0][0]
+                if self._urgent or age >= self.LINGER:
+                    _, item = self._queue.popleft()
+                    if not self._queue:
+                        self._urgent = False
+                    return item
+                self._cv.wait(self.LINGER - age)
+            elif now - idle_since >= self.IDLE:
+                self._asleep = True
+                self._cv.wait()
+                self._asleep = False
+            else:
+                self._cv.wait(self.LINGER)
+
     def _run(self) -> None:
+        self._asleep = False
         while True:
             with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-                fill = self._queue.popleft()
+                item = self._next()
                 self._busy += 1
+            fill = item if isinstance(item, Fill) else None
             try:
-                self.store(fill)
+                if fill is not None:
+                    self.store(fill)
+                else:
+                    item[0](item[1])
             except BaseException:  # store() ends the lease itself; never kill the writer
-                log.exception("cachemw fill writer: unexpected error on block %s", fill.key)
+                log.exception("cachemw fill writer: unexpected error in %r",
+                              fill.key if fill is not None else item[0])
             finally:
                 with self._cv:
                     self._busy -= 1
-                    self._queued_bytes -= len(fill.data)
-                    if self.pending.get(fill.key) is fill.data:
-                        del self.pending[fill.key]
+                    if fill is not None:
+                        self._queued_bytes -= len(fill.data)
+                        if self.pending.get(fill.key) is fill.data:
+                            del self.pending[fill.key]
                     self._cv.notify_all()
 
     def store(self, fill: Fill) -> None:

@@ -64,9 +64,10 @@ class CacheFileSystem(_Base):
         self.client = DaemonClient(self.options.runtime_dir, autostart=self.options.autostart,
                                    report_interval=self.options.report_interval,
                                    daemon_config=daemon_options)
-        self.meta = MetadataCache(fs, self.options.validate, self.options.ttl, self._meta_dir)
         self.reader = BlockReader(SourceTier(fs), self.client, self.options.block_size,
                                   self.options.write_behind)
+        self.meta = MetadataCache(fs, self.options.validate, self.options.ttl, self._meta_dir,
+                                  defer=self.reader.fills.defer)
 
         def _strip_protocol(path):  # per instance: the target decides what a path is
             if isinstance(path, (list, tuple)):
@@ -307,7 +308,7 @@ class CacheFileSystem(_Base):
     def invalidate_cache(self, path=None):
         if path is None:
             self.meta = MetadataCache(self.target, self.options.validate, self.options.ttl,
-                                      self._meta_dir)
+                                      self._meta_dir, defer=self.reader.fills.defer)
         else:
             self.meta.forget_tree(self._strip_protocol(path))
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 import os
 import pickle
 import posixpath
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,8 +37,18 @@ class FileMeta:
     info: dict
 
 
+_caches: "weakref.WeakSet[MetadataCache]" = weakref.WeakSet()
+
+
 class MetadataCache:
-    def __init__(self, target, validate: str, ttl: float, meta_dir: Callable[[], str | None]) -> None:
+    def __init__(self, target, validate: str, ttl: float, meta_dir: Callable[[], str | None],
+                 defer: Callable | None = None) -> None:
+        """``defer(fn, arg)``: run ``fn(arg)`` later, off the reader's path (the fill
+        writer); node-shared records are then written there. None: written at once."""
+        self._defer = defer
+        self._records_lock = threading.Lock()
+        self._unwritten: dict[str, bytes] = {}  # record path -> payload, while deferred
+        _caches.add(self)
         self.target = target
         self.validate = validate
         self.ttl = ttl
@@ -82,7 +94,24 @@ class MetadataCache:
         if rec is None or self.validate == "always":
             return
         payload = pickle.dumps((path, value, fetched), protocol=pickle.HIGHEST_PROTOCOL)
-        tmp = f"{rec}.{os.getpid()}.tmp"
+        if self._defer is None:
+            self._write_record(rec, payload)
+            return
+        with self._records_lock:
+            self._unwritten[rec] = payload
+        self._defer(self._write_deferred, rec)
+
+    def _write_deferred(self, rec: str) -> None:
+        """Write the latest payload queued for ``rec`` unless it was dropped meanwhile; the
+        lock keeps a drop from being overtaken by a write already under way."""
+        with self._records_lock:
+            payload = self._unwritten.pop(rec, None)
+            if payload is not None:
+                self._write_record(rec, payload)
+
+    @staticmethod
+    def _write_record(rec: str, payload: bytes) -> None:
+        tmp = f"{rec}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -100,10 +129,12 @@ class MetadataCache:
     def _drop_shared(self, kind: str, path: str) -> None:
         rec = self._record_path(kind, path)
         if rec is not None:
-            try:
-                os.unlink(rec)
-            except OSError:
-                pass
+            with self._records_lock:
+                self._unwritten.pop(rec, None)
+                try:
+                    os.unlink(rec)
+                except OSError:
+                    pass
 
     # -- info ------------------------------------------------------------------------
 
@@ -198,3 +229,14 @@ class MetadataCache:
             self.forget(up)
             parent = up
         self.forget(self.target.root_marker or "/")
+
+
+def _reset_all_in_child() -> None:
+    """A forked child must not inherit a lock held by its parent's writer thread, nor
+    records only the parent will write."""
+    for cache in list(_caches):
+        cache._records_lock = threading.Lock()
+        cache._unwritten = {}
+
+
+os.register_at_fork(after_in_child=_reset_all_in_child)

@@ -180,6 +180,7 @@ class BlockReader:
     def _fill(self, piece: _Piece, tier_name: str) -> bytes:
         client = self.client
         meta = piece.meta
+        self.fills.kick()  # the earlier fills get written while we wait on the source
         try:
             block = self.source.read_block(meta.path, piece.index, self.block_size, meta.size)
         except BaseException:

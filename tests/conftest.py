@@ -82,10 +82,14 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
         time.sleep(interval)
 
 
-def daemon_stats(runtime_dir: str) -> dict:
-    """The stats of the daemon serving ``runtime_dir``, asked over its socket by a fresh client."""
+def daemon_stats(runtime_dir: str, drain: bool = True) -> dict:
+    """The stats of the daemon serving ``runtime_dir``, asked over its socket by a fresh client,
+    once this process's fills written behind its reads have landed."""
     from cachemw.client import DaemonClient
+    from cachemw.fills import drain_all
 
+    if drain:
+        drain_all(timeout=30)
     client = DaemonClient(runtime_dir, autostart=False, timeout=10.0)
     try:
         stats = client.daemon_stats()

@@ -46,8 +46,8 @@ def _block_file(fs, path, index=0):
     return fs.client.tiers()[0].block_path(block_key(meta.url, meta.version, index, BS))
 
 
-def _cached_bytes(runtime_dir):
-    stats = daemon_stats(runtime_dir)
+def _cached_bytes(runtime_dir, drain=True):
+    stats = daemon_stats(runtime_dir, drain)
     return stats["tiers"]["dram"]["used_bytes"], stats["inflight"]
 
 
@@ -101,7 +101,7 @@ def test_other_processes_wait_for_the_pending_fill(make_cache_fs, counting_targe
     try:
         # the child misses, asks for a lease and waits on ours (a forked child does not
         # see this process's pending bytes: it has no writer of its own yet)
-        wait_for(lambda: daemon_stats(fs.options.runtime_dir)["counters"]["waits"] >= 1, 30,
+        wait_for(lambda: daemon_stats(fs.options.runtime_dir, drain=False)["counters"]["waits"] >= 1, 30,
                  what="the child to wait on the fill in flight")
         gate.set()
         child.join(60)
@@ -125,7 +125,7 @@ def test_lost_connection_before_the_write_leaves_no_unaccounted_file(make_cache_
     assert fs.cat_file(path) == data
     block = _block_file(fs, path)
     fs.client._unreachable("test: connection dropped")  # the daemon aborts the lease
-    wait_for(lambda: _cached_bytes(fs.options.runtime_dir)[1] == 0, 10,
+    wait_for(lambda: _cached_bytes(fs.options.runtime_dir, drain=False)[1] == 0, 10,
              what="the daemon to drop the lease")
     gate.set()
     assert fs.reader.fills.drain(30)
@@ -193,3 +193,39 @@ def test_write_behind_option_is_checked():
     with pytest.raises(ValueError, match="write_behind"):
         fsspec.filesystem("cachemw", autostart=False, write_behind="lots",
                           skip_instance_cache=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_that_stops_missing_still_lands_its_fills(make_cache_fs, tmp_path):
+    fs = make_cache_fs(block_size=BS)
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(BS)
+    _write(path, data)
+    assert fs.cat_file(path) == data  # no further miss kicks the writer, no drain
+    block = _block_file(fs, path)
+    wait_for(lambda: os.path.exists(block), 5, what="the fill to land on its own")
+    assert _cached_bytes(fs.options.runtime_dir, drain=False)[1] == 0
+
+
+def test_a_dropped_metadata_record_is_not_written_after_the_drop(tmp_path):
+    from fsspec.implementations.local import LocalFileSystem
+
+    from cachemw.metadata import MetadataCache
+
+    path = str(tmp_path / "f.bin")
+    _write(path, b"abc")
+    meta_dir = str(tmp_path / "meta")
+    deferred = []
+    cache = MetadataCache(LocalFileSystem(), "ttl", 60.0, lambda: meta_dir,
+                          defer=lambda fn, arg: deferred.append((fn, arg)))
+    cache.info(path)
+    assert deferred and not os.path.exists(meta_dir)  # queued, not written
+    cache.forget(path)  # e.g. the file was written: its record must not reappear
+    for fn, arg in deferred:
+        fn(arg)
+    other = MetadataCache(LocalFileSystem(), "ttl", 60.0, lambda: meta_dir)
+    assert other._load_shared("info", path) is None
+    cache.info(path)  # stored again, then written: shared with other processes
+    for fn, arg in deferred[1:]:
+        fn(arg)
+    assert other._load_shared("info", path)[0]["size"] == 3
