@@ -11,6 +11,7 @@ speed and never a read.
 from __future__ import annotations
 
 import logging
+import time
 from typing import NamedTuple
 
 from .blockfile import CorruptBlock
@@ -181,6 +182,7 @@ class BlockReader:
         client = self.client
         meta = piece.meta
         self.fills.kick()  # the earlier fills get written while we wait on the source
+        started = time.perf_counter()
         try:
             block = self.source.read_block(meta.path, piece.index, self.block_size, meta.size)
         except BaseException:
@@ -192,7 +194,8 @@ class BlockReader:
         if tier is None:  # a tier this process does not know (the daemon was reconfigured)
             client.abort(piece.key, "error")
         else:
-            self.fills.submit(Fill(piece.key, tier, block, url_tag(meta.url), client.link()))
+            self.fills.submit(Fill(piece.key, tier, block, url_tag(meta.url), client.link()),
+                              waited=time.perf_counter() - started)
         return block if piece.lo == 0 and piece.hi == len(block) else block[piece.lo:piece.hi]
 
     def _direct(self, piece: _Piece) -> bytes:

@@ -229,3 +229,46 @@ def test_a_dropped_metadata_record_is_not_written_after_the_drop(tmp_path):
     for fn, arg in deferred[1:]:
         fn(arg)
     assert other._load_shared("info", path)[0]["size"] == 3
+
+
+class _Tier:
+    name = "dram"
+
+    def __init__(self):
+        self.written = []
+
+    def put(self, key, data, tag=b""):
+        self.written.append(key)
+        return len(data)
+
+    def delete(self, key):
+        self.written.remove(key)
+
+
+class _Client:
+    def __init__(self):
+        self.notes, self.counts = [], {}
+
+    def note_via(self, link, *msg):
+        self.notes.append(msg)
+        return True
+
+    def count(self, name, n=1):
+        self.counts[name] = self.counts.get(name, 0) + n
+
+
+def test_a_source_faster_than_the_write_is_filled_on_the_reader_path():
+    """Written behind, a fill only helps when the reader has a wait to hide it in."""
+    from cachemw.fills import Fill, FillWriter
+
+    tier, client = _Tier(), _Client()
+    writer = FillWriter(client, 1 << 20)
+    writer.store(Fill("k0", tier, b"x" * 4096, b"", None))  # measures what a write costs
+    writer.submit(Fill("k1", tier, b"x" * 4096, b"", None), waited=0.0)
+    assert tier.written == ["k0", "k1"] and not writer.pending  # written before returning
+    writer.submit(Fill("k2", tier, b"x" * 4096, b"", None), waited=10.0)
+    assert "k2" in writer.pending or "k2" in tier.written
+    assert writer.drain(10)
+    assert tier.written == ["k0", "k1", "k2"] and not writer.pending
+    assert client.counts == {"fills": 3}
+    assert [n[0] for n in client.notes] == ["filled"] * 3
