@@ -359,13 +359,14 @@ class CachedFile(AbstractBufferedFile):
     def read(self, length=-1):
         # The fast path: a read inside one mapped block (after close, nothing is mapped).
         loc = self.loc
-        if length is not None and length > 0 and loc < self.size:
+        if length is not None and length > 0:
             end = loc + length
-            if end > self.size:
-                end = self.size
+            size = self.size
+            if end > size:
+                end = size
             bs = self._bs
             index = loc // bs
-            if (end - 1) // bs == index:
+            if loc < end and (end - 1) // bs == index:
                 block = self._mapped.get(index)
                 if block is None and index not in self._mapped and not self.closed:
                     block = self._map(index)
@@ -379,8 +380,8 @@ class CachedFile(AbstractBufferedFile):
                     else:
                         self.loc = end
                         self._fast_bytes += end - loc
-                        self._fast_reads += 1
-                        if not self._fast_reads & 4095:
+                        reads = self._fast_reads = self._fast_reads + 1
+                        if not reads & 4095:
                             self.fold_tally()
                             self._drop_evicted_maps()
                         return data

@@ -190,3 +190,35 @@ def test_open_file_small_reads_verify_mapped_pages_and_count_hits(make_cache_fs,
     assert after["hits"] - before["hits"] == len(offsets)
     assert after["hit_bytes"] - before["hit_bytes"] == 4096 * len(offsets)
     assert blockfile.read_block(block, BS) == data[BS:2 * BS]  # the repaired block is sound
+
+
+@pytest.mark.parametrize("damaged", [0, 1, 2, 3])
+def test_mapped_block_read_verifies_every_page_it_touches(tmp_path, damaged):
+    """MappedBlock.read's one- and two-page fast path and its general path (the partial
+    last page, longer reads) each catch a flipped byte in any page they return."""
+    length = 3 * blockfile.PAGE_SIZE + 1000  # three whole pages and a partial one
+    data = random.Random(damaged).randbytes(length)
+    path = str(tmp_path / "b.blk")
+    blockfile.write_block(path, data)
+    ps = blockfile.PAGE_SIZE
+    reads = [(0, 100), (ps - 10, ps + 10), (ps, 3 * ps), (2 * ps + 5, length), (0, length)]
+    block = blockfile.MappedBlock(path, length)
+    for start, end in reads:
+        assert block.read(start, end) == data[start:end]
+    block.close()
+    with open(path, "r+b") as f:
+        f.seek(damaged * ps + 3)
+        byte = f.read(1)
+        f.seek(damaged * ps + 3)
+        f.write(bytes([byte[0] ^ 0x40]))
+    block = blockfile.MappedBlock(path, length)
+    try:
+        for start, end in reads:
+            touches = range(start // ps, (end - 1) // ps + 1)
+            if damaged in touches:
+                with pytest.raises(blockfile.CorruptBlock):
+                    block.read(start, end)
+            else:
+                assert block.read(start, end) == data[start:end]
+    finally:
+        block.close()
