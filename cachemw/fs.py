@@ -69,10 +69,22 @@ class CacheFileSystem(_Base):
         self.meta = MetadataCache(fs, self.options.validate, self.options.ttl, self._meta_dir,
                                   defer=self.reader.fills.defer)
 
+        stripped: dict[str, str] = {}  # fsspec's path normalisation costs ~5 us a call
+
         def _strip_protocol(path):  # per instance: the target decides what a path is
             if isinstance(path, (list, tuple)):
                 return [_strip_protocol(p) for p in path]
-            return fs._strip_protocol(type(self)._strip_protocol(path))
+            if type(path) is str:
+                hit = stripped.get(path)
+                if hit is not None:
+                    return hit
+            out = fs._strip_protocol(type(self)._strip_protocol(path))
+            # only absolute paths and URLs: a relative one depends on the working directory
+            if type(path) is str and (path.startswith("/") or "://" in path):
+                if len(stripped) >= 65536:
+                    stripped.clear()
+                stripped[path] = out
+            return out
 
         self._strip_protocol = _strip_protocol
 
