@@ -42,7 +42,8 @@ def format_stats(stats: dict) -> str:
     ratio = c["hits"] / total if total else 0.0
     lines += [
         f"  reads: {c['hits']} hits, {c['misses']} misses, hit ratio {ratio:.1%}; from other "
-        f"nodes: {c.get('remote_hits', 0)} hits, {c.get('remote_reads', 0)} fetched by the owner",
+        f"nodes: {c.get('remote_hits', 0)} hits, {c.get('remote_reads', 0)} fetched by the owner, "
+        f"{c.get('direct_failures', 0)} owner transfers failed",
         f"  from source: {_human(c['bytes_from_source'])}; fallbacks (daemon unreachable): "
         f"{c['fallbacks']}; bypassed (not admitted): {c['bypassed']}",
         f"  corrupt blocks repaired: {c['corrupt_repaired']}; fill errors: {c['fill_errors']}; "

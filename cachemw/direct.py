@@ -36,6 +36,8 @@ class _Reply:
 
 class DirectReads:
     def __init__(self, client, timeout: float = 5.0) -> None:
+        """``timeout``: bounds a fetch from silent owners (plus the bytes' time at 50 MB/s)
+        until the daemon's directory says otherwise (its ``peer_timeout``)."""
         self.client = client
         self.timeout = timeout
         self._reset()
@@ -58,6 +60,8 @@ class DirectReads:
             d = None if reply is None else reply[1]
             if d != self._dir:
                 self._dir = d
+                if d and d.get("timeout"):
+                    self.timeout = float(d["timeout"])
                 self._ring = None if not d else HashRing(d["members"], d["vnodes"])
                 self._local = threading.local()  # owners may have moved: new connections
             if d and set(d["members"]) - set(d["blocks"]):  # a peer still starting: ask soon
@@ -195,6 +199,7 @@ class DirectReads:
             conn.close()
 
     def _failed(self, owner: str, exc: Exception) -> None:
+        self.client.count("direct_failures")
         self._drop(owner)
         self._fetched_at = -REFRESH  # ask the daemon again for who is where
         if not self._warned:

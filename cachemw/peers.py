@@ -123,7 +123,7 @@ class PeerSet:
         ring = self.ring
         return {"self": self.self_id, "members": list(ring.nodes), "vnodes": self.vnodes,
                 "blocks": {n: list(a) for n, a in self._blocks.items() if n in ring.nodes},
-                "secret": self.secret}
+                "secret": self.secret, "timeout": self.timeout}
 
     def _answers(self, handle) -> bool:
         """A suspect peer rejoins only once it answers a ping within the timeout."""

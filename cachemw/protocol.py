@@ -23,6 +23,7 @@ CLIENT_COUNTERS = (
     "bypassed", "corrupt_repaired", "fill_errors",
     "remote_hits",   # cached at their owner node, sent straight from there
     "remote_reads",  # owned elsewhere and not cached there yet: fetched by the owner
+    "direct_failures",  # an owner's block server failed or timed out: read the usual way
 )
 
 REGISTRY = "daemon.json"

@@ -74,15 +74,19 @@ def test_a_wrong_secret_is_refused_and_the_server_keeps_serving(served):
 class _Directory:
     """Stands in for the reader's daemon client: the ring op and the counters."""
 
-    def __init__(self, servers: dict) -> None:
+    def __init__(self, servers: dict, timeout: float | None = None) -> None:
         self.servers = servers
+        self.timeout = timeout  # the daemon's peer_timeout, if it says
         self.counted: dict[str, int] = {}
 
     def _call(self, op):
         members = ["reader", *self.servers]
-        return ("ok", {"self": "reader", "members": members, "vnodes": 64,
-                       "blocks": {n: list(s.address) for n, s in self.servers.items()},
-                       "secret": SECRET.hex()})
+        d = {"self": "reader", "members": members, "vnodes": 64,
+             "blocks": {n: list(s.address) for n, s in self.servers.items()},
+             "secret": SECRET.hex()}
+        if self.timeout is not None:
+            d["timeout"] = self.timeout
+        return ("ok", d)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counted[name] = self.counted.get(name, 0) + n
@@ -214,6 +218,29 @@ def test_a_hung_owner_costs_one_bounded_timeout(two_owners):
         t = time.monotonic()  # the hung owner alone: the socket's own receive timeout
         assert reads.fetch([(k, L) for k in blocks if ring.owner(k) == "b"]) == {}
         assert time.monotonic() - t < 3.0
+        assert directory.counted["direct_failures"] == 2  # counted, not only logged
+    finally:
+        hung.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_daemons_peer_timeout_bounds_direct_reads(two_owners):
+    """The reader takes its bound from the daemon's directory (``peer_timeout``): one
+    setting for a peer's Ray calls and for direct transfers from it."""
+    import time
+
+    from cachemw.direct import DirectReads
+
+    ring, nodes, servers, blocks = two_owners
+    hung = _hung_owner()
+    try:
+        reads = DirectReads(_Directory({"a": servers["a"], "b": hung}, timeout=0.5),
+                            timeout=30.0)
+        t = time.monotonic()
+        got = reads.fetch([(k, L) for k in blocks])
+        assert time.monotonic() - t < 2.5
+        assert reads.timeout == 0.5
+        assert set(got) == {k for k in blocks if ring.owner(k) == "a"}
     finally:
         hung.close()
 
