@@ -57,7 +57,8 @@ def cmd_start(args) -> int:
 
     options = {k: v for k, v in {
         "dram_dir": args.dram_dir, "dram_capacity": args.dram_capacity,
-        "nvme_dir": args.nvme_dir, "nvme_capacity": args.nvme_capacity}.items() if v is not None}
+        "nvme_dir": args.nvme_dir, "nvme_capacity": args.nvme_capacity,
+        "peer_timeout": args.peer_timeout}.items() if v is not None}
     addresses = daemon.start(args.address, runtime_dir=_runtime_dir(args), **options)
     for a in addresses:
         tiers = ", ".join(f"{t['name']}={t['path']} ({_human(t['capacity'])})" for t in a["tiers"])
@@ -152,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dram-capacity", type=_size)
     s.add_argument("--nvme-dir")
     s.add_argument("--nvme-capacity", type=_size)
+    s.add_argument("--peer-timeout", type=float, metavar="SECONDS",
+                   help="how long a silent peer daemon may hold up a read before it is "
+                        "read from the source instead (default 10)")
     s.set_defaults(func=cmd_start)
 
     s = sub.add_parser("stop", help="stop the daemons (and the local Ray cachemw started)")

@@ -242,6 +242,10 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
     runtime_dir = runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
     DaemonConfig.build(runtime_dir=runtime_dir,  # fail early on bad options
                        **{k: v for k, v in options.items() if k not in PEER_OPTIONS})
+    timeout_option = options.get("peer_timeout")
+    if timeout_option is not None and (isinstance(timeout_option, bool) or not isinstance(
+            timeout_option, (int, float)) or not 0 < timeout_option < float("inf")):
+        raise ValueError(f"peer_timeout: must be a number of seconds > 0, got {timeout_option!r}")
     connect(address, runtime_dir, start_if_needed=address is None)
     ray = _ray()
     # one secret for the cluster's block servers; a re-run keeps the running daemons' one

@@ -99,3 +99,13 @@ def test_cli_errors(tmp_path):
     assert r.returncode == 2 and "cannot parse size" in r.stderr
     r = _cli("start", "--nvme-dir", str(tmp_path), env=env)
     assert r.returncode == 2 and "nvme_capacity" in r.stderr
+    r = _cli("start", "--peer-timeout", "-1", env=env)
+    assert r.returncode == 2 and "peer_timeout" in r.stderr
+
+
+def test_bad_peer_timeout_fails_before_anything_starts(tmp_path):
+    from cachemw import daemon
+
+    for bad in (0, -1.0, "10", True, float("nan")):
+        with pytest.raises(ValueError, match="peer_timeout"):
+            daemon.start(runtime_dir=str(tmp_path / "rt"), peer_timeout=bad)
