@@ -46,9 +46,9 @@ class FillWriter:
     """When to write matters as much as where. On a GIL runtime two busy threads hand the
     GIL over at every system call, and on these VMs each hand-over is a thread wake-up
     (30-50 us): a writer woken right after each miss doubled the reader's metadata and lease
-    times. So a fill waits until the reader blocks anyway: ``kick()`` at the start of its
-    next miss (it then waits on the daemon and on the source, with the GIL released), a
-    ``drain()``, or at the latest ``LINGER`` after it was queued. Idle for ``IDLE`` the
+    times. So a fill waits until the reader blocks anyway: ``kick()`` when its next miss is
+    about to wait on the source (with the GIL released), a ``drain()``, or at the latest
+    ``LINGER`` after it was queued. Idle for ``IDLE`` the
     writer sleeps until a fill comes, so a process that stopped missing costs no wake-ups.
     """
 
@@ -174,10 +174,13 @@ class FillWriter:
             stored = fill.tier.put(fill.key, fill.data, tag=fill.tag)
             per_byte = (time.perf_counter() - started) / max(len(fill.data), 1)
             self._write_cost += 0.1 * (per_byte - self._write_cost)
-        except OSError as exc:
-            reason = "nospace" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "error"
+        except BaseException as exc:  # whatever failed, the lease ends here: no one waits on it
+            errno_ = getattr(exc, "errno", None)
+            reason = "nospace" if errno_ in (errno.ENOSPC, errno.EDQUOT) else "error"
             client.note_via(fill.link, "abort", fill.key, reason)
             client.count("fill_errors")
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and the like, on the reader's path
             if not self._warned:
                 log.warning("could not fill the %s tier (%s); reading on from the source",
                             fill.tier.name, exc)
