@@ -193,6 +193,13 @@ class DaemonClient:
         """Drop this thread's connection, back off, and say so once (not per read)."""
         conn = getattr(self._local, "conn", None)
         self._local.conn = None
+        send_lock = getattr(self._local, "send_lock", None)
+        if conn is not None and send_lock is not None:
+            with send_lock:  # not under the fill writer's send on this connection
+                try:
+                    conn.close()
+                except OSError:
+                    pass
         with self._lock:
             self._next_try = time.monotonic() + RETRY_SECONDS
             if conn is not None:
@@ -248,7 +255,7 @@ class DaemonClient:
             with send_lock:
                 conn.send(msg)
             return True
-        except (OSError, EOFError, ValueError):  # ValueError: the thread closed it meanwhile
+        except Exception:  # closed by its thread meanwhile (OSError, ValueError, TypeError)
             return False
 
     # -- requests ----------------------------------------------------------------------

@@ -34,6 +34,10 @@ log = logging.getLogger("cachemw.fills")
 _writers: "weakref.WeakSet[FillWriter]" = weakref.WeakSet()
 
 
+class _NoWriter(RuntimeError):
+    """No writer thread can start (interpreter shutdown): the caller does the work itself."""
+
+
 class Fill(NamedTuple):
     key: str
     tier: object  # the DirectoryTier the daemon leased
@@ -49,7 +53,7 @@ class FillWriter:
     times. So a fill waits until the reader blocks anyway: ``kick()`` when its next miss is
     about to wait on the source (with the GIL released), a ``drain()``, or at the latest
     ``LINGER`` after it was queued. Idle for ``IDLE`` the
-    writer sleeps until a fill comes, so a process that stopped missing costs no wake-ups.
+    thread ends, so a process that stopped missing costs no wake-ups.
     """
 
     LINGER = 0.02
@@ -73,7 +77,6 @@ class FillWriter:
         self._queued_bytes = 0
         self._busy = 0  # fills taken off the queue and not yet ended
         self._urgent = False  # write what is queued now (kick or drain)
-        self._asleep = True  # waiting without a timeout: a submit must wake it
         self._thread: threading.Thread | None = None
 
     def submit(self, fill: Fill, waited: float = float("inf")) -> None:
@@ -86,44 +89,71 @@ class FillWriter:
             queued = (self.max_bytes > 0 and self._queued_bytes + n <= self.max_bytes
                       and waited >= self._write_cost * n)
             if queued:
-                self.pending[fill.key] = fill.data
-                self._queued_bytes += n
-                self._enqueue(fill)
+                try:
+                    self._enqueue(fill)
+                except _NoWriter:
+                    queued = False
+                else:
+                    self.pending[fill.key] = fill.data
+                    self._queued_bytes += n
         if not queued:
             self.store(fill)
 
     def defer(self, fn, arg) -> None:
         """Run ``fn(arg)`` on the writer, in order with the fills (or now, if no writer)."""
-        if self.max_bytes <= 0:
-            fn(arg)
-            return
-        with self._cv:
-            self._enqueue((fn, arg))
+        if self.max_bytes > 0:
+            with self._cv:
+                try:
+                    self._enqueue((fn, arg))
+                    return
+                except _NoWriter:
+                    pass
+        fn(arg)
 
     def _enqueue(self, item) -> None:
+        """Under _cv. The writer thread exits when idle (so a dropped filesystem, its
+        client and connections are not pinned by it) and is started again here."""
         self._queue.append((time.monotonic(), item))
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="cachemw-fills", daemon=True)
-            self._thread.start()
-        elif self._asleep:
-            self._cv.notify()
+            thread = threading.Thread(target=self._run, name="cachemw-fills", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # at interpreter shutdown (Python 3.12+): no new threads
+                self._queue.pop()
+                raise _NoWriter from None
+            self._thread = thread
 
     def kick(self) -> None:
         """The reader is about to wait on its source: write now."""
         if self._queue:
             with self._cv:
-                self._urgent = True
-                self._cv.notify()
+                if self._queue:
+                    self._urgent = True
+                    self._cv.notify()
 
     def drain(self, timeout: float = 60.0) -> bool:
-        """Wait until every queued fill has ended; False if that took longer than ``timeout``."""
+        """Wait until every queued fill has ended; False if that took longer than ``timeout``
+        (or if called from the writer thread itself, which cannot wait on its own work)."""
         with self._cv:
-            self._urgent = True
-            self._cv.notify()
+            if threading.current_thread() is self._thread:
+                return not self._queue
+            if self._queue:
+                self._urgent = True
+                self._cv.notify()
             return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
 
+    def wait_landed(self, key: str, timeout: float = 60.0) -> None:
+        """Wait until the pending fill of ``key`` has ended (written and noted, or aborted)."""
+        with self._cv:
+            if key not in self.pending or threading.current_thread() is self._thread:
+                return
+            self._urgent = True
+            self._cv.notify()
+            self._cv.wait_for(lambda: key not in self.pending, timeout)
+
     def _next(self):
-        """The next fill to write, once it is time (see the class docstring); under _cv."""
+        """The next item to run, once it is time (see the class docstring), or None after
+        IDLE with nothing queued (the thread then ends); under _cv."""
         idle_since = time.monotonic()
         while True:
             now = time.monotonic()
@@ -136,17 +166,17 @@ class FillWriter:
                     return item
                 self._cv.wait(self.LINGER - age)
             elif now - idle_since >= self.IDLE:
-                self._asleep = True
-                self._cv.wait()
-                self._asleep = False
-            else:
-                self._cv.wait(self.LINGER)
+                self._thread = None
+                return None
+            else:  # a submit does not wake the thread (see the class docstring): look again
+                self._cv.wait(min(self.LINGER, self.IDLE - (now - idle_since)))
 
     def _run(self) -> None:
-        self._asleep = False
         while True:
             with self._cv:
                 item = self._next()
+                if item is None:
+                    return
                 self._busy += 1
             fill = item if isinstance(item, Fill) else None
             try:
@@ -193,10 +223,12 @@ class FillWriter:
 
 
 def drain_all(client=None, timeout: float = 60.0) -> None:
-    """Drain every writer of this process, or those ending leases of ``client``."""
+    """Drain every writer of this process, or those ending leases of ``client``, all
+    within ``timeout`` together."""
+    deadline = time.monotonic() + timeout
     for writer in list(_writers):
         if client is None or writer.client is client:
-            writer.drain(timeout)
+            writer.drain(max(0.0, deadline - time.monotonic()))
 
 
 def _reset_all_in_child() -> None:

@@ -38,6 +38,7 @@ class FileMeta:
 
 
 _caches: "weakref.WeakSet[MetadataCache]" = weakref.WeakSet()
+_DROPPED = "cachemw-dropped"  # a tombstone record (see _drop_shared); loads ignore it
 
 
 class MetadataCache:
@@ -98,16 +99,27 @@ class MetadataCache:
             self._write_record(rec, payload)
             return
         with self._records_lock:
-            self._unwritten[rec] = payload
+            self._unwritten[rec] = (payload, fetched)
         self._defer(self._write_deferred, rec)
 
     def _write_deferred(self, rec: str) -> None:
-        """Write the latest payload queued for ``rec`` unless it was dropped meanwhile; the
-        lock keeps a drop from being overtaken by a write already under way."""
+        """Write the latest payload queued for ``rec`` unless it was dropped since its
+        metadata was fetched: here (the lock keeps a drop from being overtaken by a write
+        under way) or by any process of the node (its tombstone, see _drop_shared)."""
         with self._records_lock:
-            payload = self._unwritten.pop(rec, None)
-            if payload is not None:
-                self._write_record(rec, payload)
+            queued = self._unwritten.pop(rec, None)
+            if queued is not None and not self._dropped_since(rec, queued[1]):
+                self._write_record(rec, queued[0])
+
+    @staticmethod
+    def _dropped_since(rec: str, fetched: float) -> bool:
+        try:
+            with open(rec, "rb") as f:
+                record = pickle.load(f)
+        except Exception:  # none, torn or foreign: nothing says it was dropped
+            return False
+        return (isinstance(record, tuple) and len(record) == 2 and record[0] == _DROPPED
+                and record[1] >= fetched)
 
     @staticmethod
     def _write_record(rec: str, payload: bytes) -> None:
@@ -131,10 +143,9 @@ class MetadataCache:
         if rec is not None:
             with self._records_lock:
                 self._unwritten.pop(rec, None)
-                try:
-                    os.unlink(rec)
-                except OSError:
-                    pass
+                # a tombstone, not an unlink: a record of older metadata that some process
+                # has yet to write (written behind its reads) must not bring it back
+                self._write_record(rec, pickle.dumps((_DROPPED, time.time())))
 
     # -- info ------------------------------------------------------------------------
 

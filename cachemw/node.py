@@ -80,7 +80,7 @@ class NodeCache(MoveRunner):
         self._by_tag: dict[bytes, set[str]] = defaultdict(set)
         self._inflight: dict[str, _Inflight] = {}
         self.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
-        self.counters.update(leases=0, waits=0, busy=0, reindexed=0, served_remote=0,
+        self.counters.update(leases=0, waits=0, busy=0, adopted=0, reindexed=0, served_remote=0,
                              peer_fallbacks=0, replicas=0)
         self.remote = None  # RemoteReads, set by a daemon that has peers
         self._pending: list = []  # moves for the maintenance thread (promotions)
@@ -169,8 +169,10 @@ class NodeCache(MoveRunner):
                 if inflight.conn is conn:  # our own fill (a batch naming a block twice)
                     return ("nofill", "busy")
                 self.counters["waits"] += 1
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not inflight.done.wait(remaining):
+            landed = self._wait_for_fill(key, inflight, deadline)
+            if landed is not None:
+                return landed
+            if not inflight.done.is_set():
                 with self._lock:
                     self.counters["busy"] += 1
                 return ("nofill", "busy")
@@ -183,6 +185,23 @@ class NodeCache(MoveRunner):
                 return ("fill", tier)
         self.abort(key, "full", conn)
         return ("nofill", "full")
+
+    def _wait_for_fill(self, key: str, inflight: _Inflight, deadline: float):
+        """Wait for another client's fill: until its lease ends, or until its block file is
+        there. The file can land well before the 'filled' note: a client writes fills
+        behind its reads (fills.py), and the note then queues on its connection behind its
+        next request, which may itself be waiting here on a fill of ours: without looking
+        at the file, two such clients would hold each other up for lease_wait.
+        ("present", tier) once the file is there; None when the lease ended or time is up."""
+        path = self._tiers[inflight.tier].tier.block_path(key)
+        step = 0.002
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or inflight.done.wait(min(step, remaining)):
+                return None
+            if not inflight.cancelled and os.path.exists(path):
+                return ("present", inflight.tier)
+            step = min(step * 2, 0.02)
 
     def filled(self, key: str, tier: str, stored: int, conn: object) -> None:
         with self._lock:
@@ -214,11 +233,32 @@ class NodeCache(MoveRunner):
         inflight.done.set()
 
     def release(self, conn: object) -> None:
-        """A client went away: abort the leases it held so waiters can take them."""
+        """A client went away: abort the leases it held so waiters can take them; a block
+        whose file it wrote (and verifies) is kept, as if its 'filled' note had come (a
+        process killed between writing a fill and noting it, or before its fill writer's
+        note was read)."""
         with self._lock:
-            keys = [k for k, f in self._inflight.items() if f.conn is conn]
-        for key in keys:
-            self.abort(key, "disconnected", conn)
+            held = [(k, f) for k, f in self._inflight.items() if f.conn is conn]
+        for key, inflight in held:
+            stored = self._verified_size(inflight.tier, key, inflight.nbytes)
+            if stored is not None:
+                self.filled(key, inflight.tier, stored, conn)
+                self.counters["adopted"] += 1
+            else:
+                self.abort(key, "disconnected", conn)
+                self._tiers[inflight.tier].tier.delete(key)  # a damaged leftover, if any
+
+    def _verified_size(self, tier: str, key: str, nbytes: int) -> int | None:
+        """The size of block ``key``'s file in ``tier`` if it is whole and verifies."""
+        path = self._tiers[tier].tier.block_path(key)
+        try:
+            size = os.stat(path).st_size
+            length = blockfile.data_length(size, path)
+            if size != nbytes or blockfile.read_block(path, length) is None:
+                return None
+        except (OSError, blockfile.CorruptBlock):
+            return None
+        return size
 
     def lease_many(self, items: list[tuple], conn: object) -> list[tuple]:
         """Leases for many blocks at once: (key, length, url, source) each.

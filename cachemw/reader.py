@@ -89,10 +89,12 @@ class BlockReader:
 
     def _hit(self, piece: _Piece) -> bytes | None:
         client = self.client
-        block = self.fills.pending.get(piece.key)
-        if block is not None:  # filled by this process, its file not written yet
-            client.counted_hits(1, piece.hi - piece.lo)
-            return block if (piece.lo, piece.hi) == (0, len(block)) else block[piece.lo:piece.hi]
+        if piece.key in self.fills.pending:
+            # filled by this process, its file not written yet: not served from memory, as
+            # a write through the cache from elsewhere may have cancelled the fill since;
+            # once it has landed (and been noted), the daemon says which way to read it
+            self.fills.wait_landed(piece.key)
+            return None
         for tier in client.tiers():
             try:
                 data = tier.get(piece.key, piece.length, piece.lo, piece.hi)
@@ -145,9 +147,9 @@ class BlockReader:
                 for p, reply in zip(unique[done + 1:], replies[done + 1:]):
                     if reply[0] == "fill":
                         self.client.abort(p.key, "error")
-        for i, p in enumerate(pieces):  # the repeats: from the owner's copy, the tier, or the source
-            if i not in out:
-                block = direct.get(p.key)
+        for i, p in enumerate(pieces):  # the repeats: from the block this call got, the tier,
+            if i not in out:            # or the source
+                block = direct.get(p.key) or self.fills.pending.get(p.key)
                 data = block[p.lo:p.hi] if block is not None else self._hit(p)
                 out[i] = data if data is not None else self._direct(p)
         self.client.maybe_flush()

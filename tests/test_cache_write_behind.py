@@ -52,8 +52,11 @@ def _cached_bytes(runtime_dir, drain=True):
 
 
 @pytest.mark.timeout(60)
-def test_pending_block_served_from_memory_until_written(make_cache_fs, counting_target,
-                                                        tmp_path, gate):
+def test_a_re_read_of_a_pending_block_waits_for_it_to_land(make_cache_fs, counting_target,
+                                                           tmp_path, gate):
+    """A block filled by this process is not served from memory (a write through the cache
+    elsewhere may have cancelled the fill): a re-read waits for the file to land and reads
+    it from the tier, without fetching it from the source again."""
     fs = make_cache_fs(fs=counting_target, block_size=BS)
     path = str(tmp_path / "f.bin")
     data = os.urandom(3 * BS + 100)
@@ -61,24 +64,122 @@ def test_pending_block_served_from_memory_until_written(make_cache_fs, counting_
     counting_target.reset()
     assert fs.cat_file(path) == data
     assert not os.path.exists(_block_file(fs, path))  # the writer is held
-    assert fs.reader.fills.pending  # ... so the blocks are still in memory
-    hits = fs.client.counters["hits"]
-    assert fs.cat_file(path, 10, 2 * BS + 7) == data[10:2 * BS + 7]
+    assert fs.reader.fills.pending
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(r=fs.cat_file(path, 10, 2 * BS + 7)))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive()  # waiting for the fill to land
+    gate.set()
+    reader.join(30)
+    assert got["r"] == data[10:2 * BS + 7]
     with fs.open(path, "rb") as f:
         f.seek(BS - 5)
         assert f.read(10) == data[BS - 5:BS + 5]
-    assert fs.client.counters["hits"] > hits
     assert len(counting_target.calls("cat_file")) == 4  # one per block, no re-read
-    gate.set()
     assert fs.reader.fills.drain(30)
     assert not fs.reader.fills.pending
-    assert os.path.exists(_block_file(fs, path))
     s = fs.stats()
-    assert s["fills"] == 4 and s["fill_errors"] == 0
+    assert s["fills"] == 4 and s["fill_errors"] == 0 and s["bypassed"] == 0
     # the notes went over this process's connection: another one may see them a moment later
     wait_for(lambda: _cached_bytes(fs.options.runtime_dir)[0] > len(data), 10,
              what="the daemon to account the four blocks")
     assert _cached_bytes(fs.options.runtime_dir)[1] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_write_elsewhere_is_seen_by_a_process_with_the_old_fill_pending(make_cache_fs,
+                                                                           tmp_path, gate):
+    """Process (here: filesystem instance) A has the old bytes' fill pending; B writes the
+    file through the cache; A's next read returns the new bytes, never the old ones."""
+    a = make_cache_fs(block_size=BS, validate="ttl", ttl=3600)
+    b = make_cache_fs(block_size=BS)
+    path = str(tmp_path / "f.bin")
+    old, new = os.urandom(BS), os.urandom(BS)
+    _write(path, old)
+    st = os.stat(path)
+    assert a.cat_file(path) == old  # A's fill of the old bytes is held
+    b.pipe_file(path, new)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # same version token (coarse mtime)
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(r=a.cat_file(path)))
+    reader.start()
+    reader.join(0.3)
+    gate.set()
+    reader.join(30)
+    assert got["r"] == new
+
+
+def _slow_source(latency):
+    from cachemw.bench import SlowLocalFileSystem
+
+    return SlowLocalFileSystem(latency=latency)
+
+
+def _read_in_order(runtime_dir, paths, barrier, out):
+    fs = fsspec.filesystem("cachemw", fs=_slow_source(0.3), runtime_dir=runtime_dir,
+                           autostart=False, block_size=BS, skip_instance_cache=True)
+    barrier.wait(30)
+    import time
+
+    t = time.monotonic()
+    for p in paths:
+        fs.cat_file(p)
+    with open(out, "w") as f:
+        f.write(str(time.monotonic() - t))
+
+
+@pytest.mark.timeout(90)
+def test_two_processes_waiting_on_each_others_fills_do_not_stall(make_cache_fs, tmp_path):
+    """A reads K1 then K2, B reads K2 then K1. Each one's note for its first fill may queue
+    on its connection behind its second lease, which waits on the other's first fill: the
+    daemon sees the block file land instead of waiting for the note (was 30 s each)."""
+    fs = make_cache_fs(block_size=BS)
+    k1, k2 = str(tmp_path / "k1.bin"), str(tmp_path / "k2.bin")
+    for p in (k1, k2):
+        _write(p, os.urandom(BS))
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    outs = [str(tmp_path / "a.out"), str(tmp_path / "b.out")]
+    procs = [ctx.Process(target=_read_in_order, args=(fs.options.runtime_dir, order, barrier, o))
+             for order, o in (([k1, k2], outs[0]), ([k2, k1], outs[1]))]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    for o in outs:
+        with open(o) as f:
+            assert float(f.read()) < 5.0
+    assert daemon_stats(fs.options.runtime_dir)["counters"]["busy"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_dropped_filesystem_leaves_no_writer_thread_behind(make_cache_fs, tmp_path,
+                                                             monkeypatch):
+    import gc
+    import time
+
+    from cachemw.fills import FillWriter
+
+    monkeypatch.setattr(FillWriter, "IDLE", 0.1)
+    before = threading.active_count()
+    for i in range(5):
+        fs = make_cache_fs(block_size=BS)
+        path = str(tmp_path / f"f{i}.bin")
+        _write(path, os.urandom(BS))
+        fs.cat_file(path)
+        del fs
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()
+    assert threading.active_count() <= before
 
 
 def _read_once(fs, path, out):
@@ -211,7 +312,9 @@ def test_a_reader_that_stops_missing_still_lands_its_fills(make_cache_fs, tmp_pa
     assert _cached_bytes(fs.options.runtime_dir, drain=False)[1] == 0
 
 
-def test_a_dropped_metadata_record_is_not_written_after_the_drop(tmp_path):
+def _deferring_cache(tmp_path):
+    """A file of 3 bytes and a MetadataCache whose shared records are queued in `deferred`
+    (as the fill writer would hold them) until the test runs them."""
     from fsspec.implementations.local import LocalFileSystem
 
     from cachemw.metadata import MetadataCache
@@ -222,6 +325,11 @@ def test_a_dropped_metadata_record_is_not_written_after_the_drop(tmp_path):
     deferred = []
     cache = MetadataCache(LocalFileSystem(), "ttl", 60.0, lambda: meta_dir,
                           defer=lambda fn, arg: deferred.append((fn, arg)))
+    return path, meta_dir, deferred, cache, MetadataCache, LocalFileSystem
+
+
+def test_a_dropped_metadata_record_is_not_written_after_the_drop(tmp_path):
+    path, meta_dir, deferred, cache, MetadataCache, LocalFileSystem = _deferring_cache(tmp_path)
     cache.info(path)
     assert deferred and not os.path.exists(meta_dir)  # queued, not written
     cache.forget(path)  # e.g. the file was written: its record must not reappear
@@ -291,3 +399,55 @@ def test_an_unexpected_error_in_a_write_still_ends_the_lease():
     assert writer.drain(10)
     assert client.notes == [("abort", "k", "error")] and client.counts == {"fill_errors": 1}
     assert not writer.pending
+
+
+def test_a_deferred_record_does_not_undo_a_drop_by_another_process(tmp_path):
+    """A's record of a file, written behind its reads, must not land after B (another
+    process of the node) wrote the file and dropped its records: B leaves a tombstone."""
+    import time
+
+    path, meta_dir, deferred, a, MetadataCache, LocalFileSystem = _deferring_cache(tmp_path)
+    b = MetadataCache(LocalFileSystem(), "ttl", 60.0, lambda: meta_dir)
+    a.info(path)  # fetched now, its record queued
+    time.sleep(0.01)
+    _write(path, b"abcdef")
+    b.forget(path)  # B wrote the file: drops every record of it
+    for fn, arg in deferred:
+        fn(arg)
+    fresh = MetadataCache(LocalFileSystem(), "ttl", 60.0, lambda: meta_dir)
+    assert fresh._load_shared("info", path) is None
+    assert fresh.info(path)["size"] == 6
+    deferred.clear()
+    a.forget(path)
+    a.info(path)  # fetched after the drop: its record is written
+    for fn, arg in deferred:
+        fn(arg)
+    assert fresh._load_shared("info", path)[0]["size"] == 6
+
+
+def test_a_client_gone_after_writing_its_fill_has_the_block_adopted(tmp_path):
+    """A process killed between writing a fill and noting it (or before its writer's note
+    was read): the daemon keeps the block if its file is whole and verifies; a damaged or
+    missing one is dropped and the lease aborted, as before."""
+    from cachemw.config import DaemonConfig, TierConfig
+    from cachemw.node import NodeCache
+
+    node = NodeCache(DaemonConfig(tiers=(TierConfig("dram", str(tmp_path / "dram"), 1 << 30),),
+                                  runtime_dir=str(tmp_path / "rt")))
+    tier = node._tiers["dram"].tier
+    conn = object()
+    keys = [f"{i:02x}" + "0" * 30 for i in range(3)]
+    for key in keys:
+        assert node.lease(key, BS, "file:///x", conn) == ("fill", "dram")
+    tier.put(keys[0], os.urandom(BS))  # written whole, never noted
+    tier.put(keys[1], os.urandom(BS))
+    with open(tier.block_path(keys[1]), "r+b") as f:  # written, then damaged
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    node.release(conn)  # keys[2]: never written
+    stats = node.stats()
+    assert stats["inflight"] == 0 and stats["counters"]["adopted"] == 1
+    assert stats["tiers"]["dram"]["blocks"] == 1
+    assert node.lease(keys[0], BS, "file:///x", object()) == ("present", "dram")
+    assert node.lease(keys[1], BS, "file:///x", object())[0] == "fill"
+    assert node.lease(keys[2], BS, "file:///x", object())[0] == "fill"
