@@ -29,9 +29,12 @@ RETRY_SECONDS = 2.0
 
 _clients: "weakref.WeakSet[DaemonClient]" = weakref.WeakSet()
 _exit_hook_pid = 0
+_exiting = False  # in the exit flush: a daemon stopped before this process is no news
 
 
 def _flush_all() -> None:
+    global _exiting
+    _exiting = True
     drain_all(timeout=30.0)  # fills written behind end their leases before the last report
     for client in list(_clients):
         client.flush()
@@ -209,8 +212,9 @@ class DaemonClient:
                 except OSError:
                     pass
             if not self._warned:
-                log.warning("cachemw daemon unreachable (%s); misses read the source directly, "
-                            "counted as fallbacks", why)
+                (log.debug if _exiting else log.warning)(
+                    "cachemw daemon unreachable (%s); misses read the source directly, "
+                    "counted as fallbacks", why)
                 self._warned = True
 
     def _call(self, *msg):

@@ -111,3 +111,37 @@ def test_no_daemon_at_all_reads_from_source(runtime_dir, dataset, caplog):
     assert fs.stats()["fallbacks"] == 2 * nblocks(files, files)
     assert fs.stats()["hits"] == fs.stats()["fills"] == 0
     assert len(unreachable_warnings(caplog)) == 1
+
+
+@pytest.mark.timeout(90)
+def test_a_daemon_stopped_before_the_process_exits_is_not_reported_at_exit(
+        runtime_dir, spawn_daemon, dataset):
+    """The exit flush (access reports, fills written behind) finding the daemon gone is no
+    news: nothing is read after it, so no "misses read the source directly" warning."""
+    import subprocess
+    import sys
+
+    _, files = dataset
+    daemon = spawn_daemon(runtime_dir)
+    code = (
+        "import sys, fsspec\n"
+        f"fs = fsspec.filesystem('cachemw', target_protocol='file', block_size={BS},"
+        f" autostart=False, runtime_dir={runtime_dir!r}, skip_instance_cache=True)\n"
+        f"for p in {sorted(files)!r}:\n"
+        "    fs.cat_file(p)\n"
+        "print('read', flush=True)\n"
+        "sys.stdin.readline()\n"  # the daemon is stopped meanwhile, reports still unsent
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "read"
+        daemon.kill()
+        daemon.wait(10)
+        _, err = proc.communicate("go\n", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "unreachable" not in err, err
