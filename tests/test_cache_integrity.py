@@ -223,3 +223,36 @@ def test_mapped_block_read_verifies_every_page_it_touches(tmp_path, damaged):
                 assert block.read(start, end) == data[start:end]
     finally:
         block.close()
+
+
+@pytest.mark.parametrize("offset, damaged_page", [
+    (BS + 4096, 1),         # a one-page read
+    (BS + 4000, 0),         # a two-page read, its first page damaged
+    (BS + 4000, 1),         # ... its second page damaged
+    (2 * BS - 4096, 15),    # the block's last page
+])
+def test_open_file_fast_path_catches_a_damaged_page(make_cache_fs, runtime_dir, tmp_path,
+                                                     offset, damaged_page):
+    """CachedFile.read's inlined 1-2 page path verifies every page it returns: a page
+    damaged after the block was mapped gives the right bytes, repaired and counted."""
+    fs = make_cache_fs(block_size=BS)
+    dram = DirectoryTier("dram", daemon_stats(runtime_dir)["tiers"]["dram"]["path"])
+    data = random.Random(offset + damaged_page).randbytes(2 * BS)
+    path = str(tmp_path / "fast.bin")
+    with open(path, "wb") as f:
+        f.write(data)
+    assert fs.cat_file(path) == data
+    meta = fs.meta.file(path)
+    block = dram.block_path(block_key(meta.url, meta.version, 1, BS))
+    before = dict(fs.stats())
+    with fs.open(path, "rb") as f:
+        f.seek(BS)
+        assert f.read(10) == data[BS:BS + 10]  # block 1 is mapped now
+        with open(block, "r+b") as raw:
+            raw.seek(damaged_page * blockfile.PAGE_SIZE + 11)
+            byte = raw.read(1)
+            raw.seek(damaged_page * blockfile.PAGE_SIZE + 11)
+            raw.write(bytes([byte[0] ^ 0x08]))
+        f.seek(offset)
+        assert f.read(4096) == data[offset:offset + 4096]
+    assert fs.stats()["corrupt_repaired"] - before["corrupt_repaired"] == 1
