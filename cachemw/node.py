@@ -243,7 +243,7 @@ class NodeCache(MoveRunner):
             stored = self._verified_size(inflight.tier, key, inflight.nbytes)
             if stored is not None:
                 self.filled(key, inflight.tier, stored, conn)
-                self.counters["adopted"] += 1
+                self.count("adopted")
             else:
                 self.abort(key, "disconnected", conn)
                 self._tiers[inflight.tier].tier.delete(key)  # a damaged leftover, if any
