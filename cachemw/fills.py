@@ -10,13 +10,16 @@ Nothing is lost or read stale on the way:
 * the block's bytes stay in memory (``pending``) until its file has landed, so this process
   reads them back meanwhile; other processes wait on the daemon's lease as for any fill in
   flight, and get "present" once it ends;
+* the block file is staged, and only the daemon publishes it under its key (tiers/
+  directory.py): a fill written behind a write through the cache (which cancels its
+  lease) is dropped, never seen by a hit;
 * the lease is ended ("filled", or "abort" with the reason) over the connection of the thread
   that took it: the daemon matches a lease to its connection. If that connection is gone
-  (the daemon died or dropped it), the daemon has already aborted the lease, so the file
-  just written is deleted rather than left unaccounted;
+  (the daemon died or dropped it), the daemon has already ended the lease, so what is still
+  staged is deleted rather than left unaccounted;
 * the queue is bounded (``max_bytes``): past it the reader writes the block itself;
 * it is drained before a process exits, before stats are read and before a write to the
-  target invalidates cached blocks (so a stale block cannot land after the invalidation).
+  target invalidates cached blocks.
 """
 from __future__ import annotations
 
@@ -201,7 +204,7 @@ class FillWriter:
         client = self.client
         started = time.perf_counter()
         try:
-            stored = fill.tier.put(fill.key, fill.data, tag=fill.tag)
+            stored = fill.tier.stage(fill.key, fill.data, tag=fill.tag)
             per_byte = (time.perf_counter() - started) / max(len(fill.data), 1)
             self._write_cost += 0.1 * (per_byte - self._write_cost)
         except BaseException as exc:  # whatever failed, the lease ends here: no one waits on it
@@ -217,9 +220,9 @@ class FillWriter:
                 self._warned = True
             return
         if client.note_via(fill.link, "filled", fill.key, fill.tier.name, stored):
-            client.count("fills")
-        else:  # the daemon dropped the lease with the connection: nobody accounts this file
-            fill.tier.delete(fill.key)
+            client.count("fills")  # the daemon publishes it (or drops it: see node._land)
+        else:  # the daemon ended the lease with the connection (and adopted the staged
+            fill.tier.unstage(fill.key)  # file, or not): what is still staged is no one's
 
 
 def drain_all(client=None, timeout: float = 60.0) -> None:

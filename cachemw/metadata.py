@@ -158,14 +158,14 @@ class MetadataCache:
             self._infos[path] = shared
             return shared[0]
         self.source_calls += 1
+        asked = time.time()  # before the call: a drop during it must win (_dropped_since)
         try:
             info = self.target.info(path)
         except FileNotFoundError:
             self.forget(path)
             raise
-        now = time.time()
-        self._infos[path] = (info, now)
-        self._store_shared("info", path, info, now)
+        self._infos[path] = (info, asked)
+        self._store_shared("info", path, info, asked)
         return info
 
     def file(self, path: str) -> FileMeta:
@@ -205,8 +205,9 @@ class MetadataCache:
         shared = self._load_shared("ls", path) if self.validate != "always" else None
         if shared is None:
             self.source_calls += 1
+            asked = time.time()  # before the call, as in info()
             listing = self.target.ls(path, detail=True)
-            shared = (listing, time.time())
+            shared = (listing, asked)
             self._store_shared("ls", path, listing, shared[1])
         listing, fetched = shared
         self._listings[path] = shared

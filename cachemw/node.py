@@ -187,35 +187,57 @@ class NodeCache(MoveRunner):
         return ("nofill", "full")
 
     def _wait_for_fill(self, key: str, inflight: _Inflight, deadline: float):
-        """Wait for another client's fill: until its lease ends, or until its block file is
-        there. The file can land well before the 'filled' note: a client writes fills
-        behind its reads (fills.py), and the note then queues on its connection behind its
-        next request, which may itself be waiting here on a fill of ours: without looking
-        at the file, two such clients would hold each other up for lease_wait.
-        ("present", tier) once the file is there; None when the lease ended or time is up."""
-        path = self._tiers[inflight.tier].tier.block_path(key)
+        """Wait for another client's fill: until its lease ends, or until its block is
+        staged, then published here. The file can be staged well before the 'filled'
+        note comes: a client writes fills behind its reads (fills.py), and the note then
+        queues on its connection behind its next request, which may itself be waiting
+        here on a fill of ours: without looking at the file, two such clients would hold
+        each other up for lease_wait. ("present", tier) once published; None when the
+        lease ended otherwise, was cancelled (nothing will be published), or time is up."""
+        staged = self._tiers[inflight.tier].tier.staged_path(key)
         step = 0.002
-        while True:
+        while not inflight.cancelled:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or inflight.done.wait(min(step, remaining)):
                 return None
-            if not inflight.cancelled and os.path.exists(path):
+            try:
+                stored = os.stat(staged).st_size
+            except FileNotFoundError:
+                stored = None
+            if stored == inflight.nbytes and self._land(key, inflight, stored):
                 return ("present", inflight.tier)
             step = min(step * 2, 0.02)
+        return None
 
-    def filled(self, key: str, tier: str, stored: int, conn: object) -> None:
+    def filled(self, key: str, tier: str, stored: int, conn: object) -> bool:
+        """A client staged the fill of its lease (see _land); True if it is now cached."""
         with self._lock:
             inflight = self._inflight.get(key)
             if inflight is None or inflight.conn is not conn:
-                return
+                return False
+        return self._land(key, inflight, stored)
+
+    def _land(self, key: str, inflight: _Inflight, stored: int) -> bool:
+        """End a fill lease whose block is staged: publish and index it, or, if the lease
+        was cancelled meanwhile (evicted, or the file written through the cache), drop the
+        staged bytes: they may be stale, and hits read blocks by key without asking us.
+        Publishing under the lock orders it with invalidate(). True if indexed; False also
+        when the lease had ended already (its note, a waiter or release got here first)."""
+        ts = self._tiers[inflight.tier]
+        with self._lock:
+            if self._inflight.get(key) is not inflight:
+                return False
             del self._inflight[key]
-            ts = self._tiers[tier]
             ts.reserved -= inflight.nbytes
-            if not inflight.cancelled:
-                self._add(key, tier, stored, inflight.tag)
-        if inflight.cancelled:  # evicted or invalidated meanwhile: its bytes may be stale
-            ts.tier.delete(key)
+            indexed = not inflight.cancelled and ts.tier.publish(key)
+            if indexed:
+                self._add(key, inflight.tier, stored, inflight.tag)
+            else:
+                self.placer.drop(key)
+        if not indexed:
+            ts.tier.unstage(key)
         inflight.done.set()
+        return indexed
 
     def abort(self, key: str, reason: str, conn: object) -> None:
         with self._lock:
@@ -230,6 +252,7 @@ class NodeCache(MoveRunner):
                 ts.full_until = time.monotonic() + 5.0
                 log.warning("%s tier %s is out of space; not admitting for 5 s", ts.config.name,
                             ts.tier.path)
+        ts.tier.unstage(key)  # whatever the client got written of it, if anything
         inflight.done.set()
 
     def release(self, conn: object) -> None:
@@ -241,16 +264,15 @@ class NodeCache(MoveRunner):
             held = [(k, f) for k, f in self._inflight.items() if f.conn is conn]
         for key, inflight in held:
             stored = self._verified_size(inflight.tier, key, inflight.nbytes)
-            if stored is not None:
-                self.filled(key, inflight.tier, stored, conn)
+            if stored is not None and self._land(key, inflight, stored):
                 self.count("adopted")
             else:
                 self.abort(key, "disconnected", conn)
-                self._tiers[inflight.tier].tier.delete(key)  # a damaged leftover, if any
+                self._tiers[inflight.tier].tier.unstage(key)  # a damaged leftover, if any
 
     def _verified_size(self, tier: str, key: str, nbytes: int) -> int | None:
-        """The size of block ``key``'s file in ``tier`` if it is whole and verifies."""
-        path = self._tiers[tier].tier.block_path(key)
+        """The size of the fill staged for ``key`` in ``tier`` if it is whole and verifies."""
+        path = self._tiers[tier].tier.staged_path(key)
         try:
             size = os.stat(path).st_size
             length = blockfile.data_length(size, path)

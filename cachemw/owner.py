@@ -83,7 +83,7 @@ def _serve_one(node, key, length, url, source):
     node.count("misses")
     if kind == "fill":
         try:
-            stored = node.tier(tier).put(key, block, tag=url_tag(url))
+            stored = node.tier(tier).stage(key, block, tag=url_tag(url))  # filled() publishes
         except OSError as exc:
             node.abort(key, "nospace" if exc.errno in (28, 122) else "error", requester)
         else:

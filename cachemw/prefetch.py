@@ -51,7 +51,8 @@ def _fetch_one(node, move, url, source, fill, source_for) -> None:
     block, stored = None, 0
     try:
         block = source_for(target_json).read_block(path, index, block_size, file_size)
-        stored = node._tiers[move.tier].tier.put(move.key, block, tag=url_tag(url) if url else b"")
+        stored = node._tiers[move.tier].tier.stage(move.key, block,
+                                                   tag=url_tag(url) if url else b"")
     except Exception as exc:
         log.warning("prefetch of %s block %d failed: %s", url, index, exc)
         block = None
@@ -59,18 +60,25 @@ def _fetch_one(node, move, url, source, fill, source_for) -> None:
 
 
 def _finish(node, move, fill, block, stored) -> None:
+    """End a prefetch: publish its staged block under the node lock (ordered with
+    invalidate, as node._land does), unless it failed or was evicted or invalidated while
+    being fetched; staged bytes not published are dropped."""
+    ts = node._tiers[move.tier]
     keep = block is not None and not fill.cancelled
+    added = False
     with node._lock:
         if node._inflight.get(move.key) is fill:
             del node._inflight[move.key]
-        node._tiers[move.tier].reserved -= move.size
+        ts.reserved -= move.size
         if keep and move.key not in node._index:
-            node._add(move.key, move.tier, stored, fill.tag)
+            added = keep = ts.tier.publish(move.key)
+            if added:
+                node._add(move.key, move.tier, stored, fill.tag)
         if block is not None:
             node.counters["prefetched"] = node.counters.get("prefetched", 0) + 1
             node.counters["bytes_from_source"] += len(block)
-    if block is not None and not keep:  # evicted or invalidated while being fetched
-        node._tiers[move.tier].tier.delete(move.key)
+    if not added:  # failed, cancelled, or indexed meanwhile (the same bytes, published)
+        ts.tier.unstage(move.key)
     if not keep:
         node.placer.drop(move.key)
     fill.done.set()

@@ -100,6 +100,32 @@ def daemon_stats(runtime_dir: str, drain: bool = True) -> dict:
 
 
 @pytest.fixture
+def gate(monkeypatch):
+    """Hold every fill this process stages (its fill writer's) until ``gate.set()``."""
+    from cachemw.tiers.directory import DirectoryTier
+
+    held = threading.Event()
+    real_stage = DirectoryTier.stage
+
+    def stage(self, key, data, tag=b""):
+        if not held.wait(60):
+            raise TimeoutError("test gate never opened")
+        return real_stage(self, key, data, tag=tag)
+
+    monkeypatch.setattr(DirectoryTier, "stage", stage)
+    yield held
+    held.set()
+
+
+def published(fs) -> None:
+    """Wait until the blocks this thread's reads through ``fs`` filled are published under
+    their keys: its fill writer has sent every note, and a round trip over the same
+    connection (the daemon reads each connection in order) has gone past them."""
+    assert fs.reader.fills.drain(30)
+    assert fs.client._call("ping") == ("pong",)
+
+
+@pytest.fixture
 def spawn_daemon(tmp_path):
     """Start a real node daemon (cachemw.service.NodeService) in its own process.
 

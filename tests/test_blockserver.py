@@ -26,7 +26,7 @@ def served(tmp_path):
         data = os.urandom(L)
         kind, tier = node.lease(key, L, "file:///x", conn)
         assert kind == "fill"
-        node.filled(key, tier, node.tier(tier).put(key, data), conn)
+        node.filled(key, tier, node.tier(tier).stage(key, data), conn)
         blocks[key] = data
     server = BlockServer(node, "127.0.0.1", SECRET)
     yield node, server, blocks
@@ -113,7 +113,7 @@ def two_owners(tmp_path):
         if node is not None:
             conn = object()
             kind, tier = node.lease(key, L, "file:///x", conn)
-            node.filled(key, tier, node.tier(tier).put(key, data), conn)
+            node.filled(key, tier, node.tier(tier).stage(key, data), conn)
     servers = {name: BlockServer(node, "127.0.0.1", SECRET) for name, node in nodes.items()}
     yield ring, nodes, servers, blocks
     for s in servers.values():

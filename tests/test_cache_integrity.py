@@ -11,7 +11,7 @@ import pytest
 from cachemw import blockfile
 from cachemw.keys import block_key
 from cachemw.tiers.directory import DirectoryTier
-from conftest import daemon_stats, wait_for
+from conftest import daemon_stats, published, wait_for
 
 BS = 65536
 
@@ -87,7 +87,7 @@ def test_damaged_block_detected_dropped_refetched(make_cache_fs, runtime_dir, tm
             with open(path, "wb") as f:
                 f.write(data)
             assert fs.cat_file(path) == data  # cached
-            fs.reader.fills.drain()  # its block files written (behind the read)
+            published(fs)  # its block files written (behind the read) and published
             meta = fs.meta.file(path)
             index = 1 if size > BS else 0
             length = min(BS, size - index * BS)
@@ -111,6 +111,7 @@ def test_damaged_block_detected_dropped_refetched(make_cache_fs, runtime_dir, tm
             assert after["bytes_from_source"] - before["bytes_from_source"] == length, (kind, name)
             expected_repairs += 1
             # the block was refilled, sound, and is served again from the tier
+            published(fs)
             assert blockfile.read_block(block, length) == data[index * BS:index * BS + length]
             before = dict(fs.stats())
             assert fs.cat_file(path) == data
@@ -138,7 +139,7 @@ def test_foreign_files_in_a_tier_are_ignored_on_restart(runtime_dir, spawn_daemo
     with open(path, "wb") as f:
         f.write(data)
     assert fs.cat_file(path) == data
-    fs.reader.fills.drain()  # both blocks written (behind the read) before the daemon dies
+    published(fs)  # both blocks written and published before the daemon dies
     with open(os.path.join(dram, "ab", "notablock"), "wb") as f:
         f.write(b"x")
     stray_tmp = os.path.join(dram, "cd", "cd" + "0" * 30 + ".123.abcd.tmp")
@@ -169,6 +170,7 @@ def test_open_file_small_reads_verify_mapped_pages_and_count_hits(make_cache_fs,
     with open(path, "wb") as f:
         f.write(data)
     assert fs.cat_file(path) == data  # cached
+    published(fs)
     meta = fs.meta.file(path)
     block = dram.block_path(block_key(meta.url, meta.version, 1, BS))
     before = dict(fs.stats())
@@ -190,6 +192,7 @@ def test_open_file_small_reads_verify_mapped_pages_and_count_hits(make_cache_fs,
     assert after["misses"] - before["misses"] == 1  # refetched once
     assert after["hits"] - before["hits"] == len(offsets)
     assert after["hit_bytes"] - before["hit_bytes"] == 4096 * len(offsets)
+    published(fs)
     assert blockfile.read_block(block, BS) == data[BS:2 * BS]  # the repaired block is sound
 
 
@@ -242,6 +245,7 @@ def test_open_file_fast_path_catches_a_damaged_page(make_cache_fs, runtime_dir, 
     with open(path, "wb") as f:
         f.write(data)
     assert fs.cat_file(path) == data
+    published(fs)
     meta = fs.meta.file(path)
     block = dram.block_path(block_key(meta.url, meta.version, 1, BS))
     before = dict(fs.stats())

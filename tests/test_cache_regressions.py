@@ -32,7 +32,7 @@ KEYS = [block_key("file:///x", "v", i, L) for i in range(20)]
 def _fill(nc, key, conn, byte=b"x"):
     reply = nc.lease(key, L, "file:///x", conn)
     if reply[0] == "fill":
-        nc.filled(key, reply[1], nc.tier(reply[1]).put(key, byte * L), conn)
+        nc.filled(key, reply[1], nc.tier(reply[1]).stage(key, byte * L), conn)
     return reply
 
 
@@ -58,7 +58,7 @@ def test_a_fill_evicted_while_in_flight_is_not_indexed_and_admission_goes_on(tmp
     assert nc.lease(KEYS[0], L, "file:///x", slow)[0] == "fill"  # in flight
     for k in KEYS[1:4]:  # the third evicts the in-flight KEYS[0] (whose bytes are
         _fill(nc, k, fast)  # still reserved, so the tier may refuse it until they land)
-    nc.filled(KEYS[0], "dram", nc.tier("dram").put(KEYS[0], b"s" * L), slow)  # lands late
+    nc.filled(KEYS[0], "dram", nc.tier("dram").stage(KEYS[0], b"s" * L), slow)  # lands late
     assert KEYS[0] not in nc._index and not nc.tier("dram").contains(KEYS[0])
     assert _engine_keys(nc) == set(nc._index)
     for k in KEYS[4:10]:  # admission never wedges
@@ -72,7 +72,7 @@ def test_invalidate_cancels_fills_in_flight(tmp_path):
     nc, conn = _node(tmp_path), object()
     assert nc.lease(KEYS[0], L, "file:///x", conn)[0] == "fill"
     nc.invalidate("file:///x")  # written meanwhile: the fill read the old bytes
-    nc.filled(KEYS[0], "dram", nc.tier("dram").put(KEYS[0], b"old" * (L // 3) + b"o"), conn)
+    nc.filled(KEYS[0], "dram", nc.tier("dram").stage(KEYS[0], b"old" * (L // 3) + b"o"), conn)
     assert KEYS[0] not in nc._index and not nc.tier("dram").contains(KEYS[0])
 
 

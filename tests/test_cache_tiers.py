@@ -112,7 +112,7 @@ def test_tier_accounting_counts_the_checksum_tail_against_capacity(tmp_path):
         key = f"{i:02x}" + "0" * 30
         kind, name = node.lease(key, BS, "file:///x", conn)
         if kind == "fill":
-            node.filled(key, name, tier.put(key, os.urandom(BS)), conn)
+            node.filled(key, name, tier.stage(key, os.urandom(BS)), conn)
     t = node.stats()["tiers"]["dram"]
     assert t["used_bytes"] <= t["capacity_bytes"], \
         f"tier holds {t['used_bytes']} bytes, capacity {t['capacity_bytes']}"

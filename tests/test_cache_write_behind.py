@@ -14,26 +14,9 @@ import fsspec
 import pytest
 
 from cachemw.keys import block_key
-from cachemw.tiers.directory import DirectoryTier
-from conftest import daemon_stats, wait_for
+from conftest import daemon_stats, published, wait_for
 
 BS = 65536
-
-
-@pytest.fixture
-def gate(monkeypatch):
-    """Hold every tier write of this process (the fill writer's) until ``gate.set()``."""
-    held = threading.Event()
-    real_put = DirectoryTier.put
-
-    def put(self, key, data, tag=b""):
-        if not held.wait(60):
-            raise TimeoutError("test gate never opened")
-        return real_put(self, key, data, tag=tag)
-
-    monkeypatch.setattr(DirectoryTier, "put", put)
-    yield held
-    held.set()
 
 
 def _write(path, data):
@@ -232,12 +215,13 @@ def test_lost_connection_before_the_write_leaves_no_unaccounted_file(make_cache_
              what="the daemon to drop the lease")
     gate.set()
     assert fs.reader.fills.drain(30)
-    assert not os.path.exists(block)  # written, then deleted: nobody would account it
+    assert not os.path.exists(block)  # staged, then deleted: nobody would account it
+    assert not os.path.exists(fs.client.tiers()[0].staged_path(os.path.basename(block)))
     assert _cached_bytes(fs.options.runtime_dir) == (0, 0)
     assert fs.stats()["fills"] == 0
     fs.client._next_try = 0  # reconnect now rather than after the back-off
     assert fs.cat_file(path) == data
-    assert fs.reader.fills.drain(30)
+    published(fs)
     assert os.path.exists(block)
 
 
@@ -252,8 +236,9 @@ def test_no_room_to_queue_writes_on_the_reader_path(make_cache_fs, tmp_path, gat
     gate.set()
     assert fs.cat_file(path) == data
     assert not fs.reader.fills.pending
-    assert os.path.exists(_block_file(fs, path))  # written before cat_file returned
-    assert fs.stats()["fills"] == 1
+    assert fs.stats()["fills"] == 1  # written (staged and noted) before cat_file returned
+    published(fs)
+    assert os.path.exists(_block_file(fs, path))
 
 
 @pytest.mark.timeout(60)
@@ -349,11 +334,11 @@ class _Tier:
     def __init__(self):
         self.written = []
 
-    def put(self, key, data, tag=b""):
+    def stage(self, key, data, tag=b""):
         self.written.append(key)
         return len(data)
 
-    def delete(self, key):
+    def unstage(self, key):
         self.written.remove(key)
 
 
@@ -390,7 +375,7 @@ def test_an_unexpected_error_in_a_write_still_ends_the_lease():
     from cachemw.fills import Fill, FillWriter
 
     class Broken(_Tier):
-        def put(self, key, data, tag=b""):
+        def stage(self, key, data, tag=b""):
             raise RuntimeError("a bug in a tier")
 
     client = _Client()
@@ -439,9 +424,9 @@ def test_a_client_gone_after_writing_its_fill_has_the_block_adopted(tmp_path):
     keys = [f"{i:02x}" + "0" * 30 for i in range(3)]
     for key in keys:
         assert node.lease(key, BS, "file:///x", conn) == ("fill", "dram")
-    tier.put(keys[0], os.urandom(BS))  # written whole, never noted
-    tier.put(keys[1], os.urandom(BS))
-    with open(tier.block_path(keys[1]), "r+b") as f:  # written, then damaged
+    tier.stage(keys[0], os.urandom(BS))  # written whole, never noted
+    tier.stage(keys[1], os.urandom(BS))
+    with open(tier.staged_path(keys[1]), "r+b") as f:  # written, then damaged
         f.seek(100)
         f.write(b"\xff" * 8)
     node.release(conn)  # keys[2]: never written

@@ -4,6 +4,11 @@ Block files are spread over 256 sub-directories by the first two hex digits of t
 Files are the data plane: any process of the node reads a hit with one open and two reads,
 with no daemon round trip. Fills are atomic (temp + rename). Everything is private to the
 job's user (0700 directories, 0600 files) because HPC nodes are shared.
+
+A client's fill is staged: it writes ``<key>.staged`` (itself atomically) and the daemon,
+which holds the lease, publishes it under its key, or drops it if the lease was cancelled
+meanwhile (the file was written through the cache). Hits read files by key without asking
+the daemon, so a block fetched before a write must never appear under its key after it.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from .. import blockfile
 from .base import BlockEntry, TierInfo
 
 _FANOUT = [f"{i:02x}" for i in range(256)]
+_STAGED = ".staged"
 
 
 class DirectoryTier:
@@ -45,6 +51,27 @@ class DirectoryTier:
     def put(self, key: str, data: bytes, tag: bytes = b"") -> int:
         return blockfile.write_block(self.block_path(key), data, tag=tag)
 
+    def staged_path(self, key: str) -> str:
+        return f"{self.path}/{key[:2]}/{key}{_STAGED}"
+
+    def stage(self, key: str, data: bytes, tag: bytes = b"") -> int:
+        """Write a fill where only its lease holder (the daemon) will publish it."""
+        return blockfile.write_block(self.staged_path(key), data, tag=tag)
+
+    def publish(self, key: str) -> bool:
+        """Make a staged fill the block of ``key``; False if there is none staged."""
+        try:
+            os.rename(self.staged_path(key), self.block_path(key))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def unstage(self, key: str) -> None:
+        try:
+            os.unlink(self.staged_path(key))
+        except FileNotFoundError:
+            pass
+
     def delete(self, key: str) -> int:
         path = self.block_path(key)
         try:
@@ -62,7 +89,8 @@ class DirectoryTier:
         return TierInfo(self.name, self.path, usage.total, usage.free)
 
     def scan(self) -> Iterator[BlockEntry]:
-        """Blocks on disk; leftover temp files of crashed fills are removed on the way."""
+        """Blocks on disk; leftover temp and staged files of fills whose writer or lease
+        died (the daemon is starting: no lease is held) are removed on the way."""
         for sub in _FANOUT:
             d = os.path.join(self.path, sub)
             try:
@@ -71,7 +99,7 @@ class DirectoryTier:
                 continue
             with it:
                 for entry in it:
-                    if entry.name.endswith(".tmp"):
+                    if entry.name.endswith((".tmp", _STAGED)):
                         try:
                             os.unlink(entry.path)
                         except OSError:
