@@ -273,9 +273,6 @@ class DaemonClient:
         """Tell the daemon the next reads, in order: (key, length, url, source) each."""
         return self._send("announce", items)
 
-    def filled(self, key: str, tier: str, stored: int) -> None:
-        self._send("filled", key, tier, stored)
-
     def abort(self, key: str, reason: str) -> None:
         self._send("abort", key, reason)
 

@@ -47,6 +47,7 @@ class Fill(NamedTuple):
     data: bytes
     tag: bytes
     link: object  # the leasing thread's connection (DaemonClient.link())
+    lease: int  # the lease's number: names the staged file the daemon will publish
 
 
 class FillWriter:
@@ -204,7 +205,7 @@ class FillWriter:
         client = self.client
         started = time.perf_counter()
         try:
-            stored = fill.tier.stage(fill.key, fill.data, tag=fill.tag)
+            stored = fill.tier.stage(fill.key, fill.data, fill.lease, tag=fill.tag)
             per_byte = (time.perf_counter() - started) / max(len(fill.data), 1)
             self._write_cost += 0.1 * (per_byte - self._write_cost)
         except BaseException as exc:  # whatever failed, the lease ends here: no one waits on it
@@ -219,10 +220,10 @@ class FillWriter:
                             fill.tier.name, exc)
                 self._warned = True
             return
-        if client.note_via(fill.link, "filled", fill.key, fill.tier.name, stored):
+        if client.note_via(fill.link, "filled", fill.key, fill.tier.name, stored, fill.lease):
             client.count("fills")  # the daemon publishes it (or drops it: see node._land)
         else:  # the daemon ended the lease with the connection (and adopted the staged
-            fill.tier.unstage(fill.key)  # file, or not): what is still staged is no one's
+            fill.tier.unstage(fill.key, fill.lease)  # file, or not): the rest is no one's
 
 
 def drain_all(client=None, timeout: float = 60.0) -> None:

@@ -15,6 +15,7 @@ prefetch. A tier never holds more than its capacity.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -48,6 +49,7 @@ class _Inflight:
     tier: str
     nbytes: int
     tag: bytes | None
+    lease: int = 0  # its number: names its staged file (tiers/directory.py)
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False  # evicted or invalidated while in flight: do not index it
 
@@ -79,6 +81,7 @@ class NodeCache(MoveRunner):
         self._index: dict[str, _Entry] = {}
         self._by_tag: dict[bytes, set[str]] = defaultdict(set)
         self._inflight: dict[str, _Inflight] = {}
+        self._lease_numbers = itertools.count(1)
         self.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
         self.counters.update(leases=0, waits=0, busy=0, adopted=0, reindexed=0, served_remote=0,
                              peer_fallbacks=0, replicas=0)
@@ -138,7 +141,8 @@ class NodeCache(MoveRunner):
 
     def lease(self, key: str, length: int, url: str | None, conn: object,
               wait: float | None = None) -> tuple[str, str | None]:
-        """("present", tier) | ("fill", tier) | ("nofill", reason). Never blocks past lease_wait.
+        """("present", tier) | ("fill", tier, lease number) | ("nofill", reason). Never blocks
+        past lease_wait.
 
         ``length`` is the block's data length; the tier is charged what the block file
         will occupy (data + checksums + trailer).
@@ -162,7 +166,8 @@ class NodeCache(MoveRunner):
                     if refused is not None:
                         break
                     inflight = self._inflight[key] = _Inflight(
-                        conn, tier, nbytes, url_tag(url) if url else None)
+                        conn, tier, nbytes, url_tag(url) if url else None,
+                        next(self._lease_numbers))
                     self._tiers[tier].reserved += nbytes
                     self.counters["leases"] += 1
                     break
@@ -182,7 +187,7 @@ class NodeCache(MoveRunner):
         with self._lock:
             ts = self._tiers[tier]
             if ts.used + ts.reserved <= ts.config.capacity:
-                return ("fill", tier)
+                return ("fill", tier, inflight.lease)
         self.abort(key, "full", conn)
         return ("nofill", "full")
 
@@ -194,7 +199,7 @@ class NodeCache(MoveRunner):
         here on a fill of ours: without looking at the file, two such clients would hold
         each other up for lease_wait. ("present", tier) once published; None when the
         lease ended otherwise, was cancelled (nothing will be published), or time is up."""
-        staged = self._tiers[inflight.tier].tier.staged_path(key)
+        staged = self._tiers[inflight.tier].tier.staged_path(key, inflight.lease)
         step = 0.002
         while not inflight.cancelled:
             remaining = deadline - time.monotonic()
@@ -209,12 +214,17 @@ class NodeCache(MoveRunner):
             step = min(step * 2, 0.02)
         return None
 
-    def filled(self, key: str, tier: str, stored: int, conn: object) -> bool:
-        """A client staged the fill of its lease (see _land); True if it is now cached."""
+    def filled(self, key: str, tier: str, stored: int, conn: object, lease: int) -> bool:
+        """A client staged the fill of lease ``lease`` (see _land); True if it is now cached.
+        A lease that has ended already (aborted on a disconnect, say) owns nothing: its
+        staged file is deleted."""
         with self._lock:
             inflight = self._inflight.get(key)
-            if inflight is None or inflight.conn is not conn:
-                return False
+            ours = inflight is not None and inflight.conn is conn and inflight.lease == lease
+        if not ours:
+            if tier in self._tiers:
+                self._tiers[tier].tier.unstage(key, lease)
+            return False
         return self._land(key, inflight, stored)
 
     def _land(self, key: str, inflight: _Inflight, stored: int) -> bool:
@@ -229,13 +239,13 @@ class NodeCache(MoveRunner):
                 return False
             del self._inflight[key]
             ts.reserved -= inflight.nbytes
-            indexed = not inflight.cancelled and ts.tier.publish(key)
+            indexed = not inflight.cancelled and ts.tier.publish(key, inflight.lease)
             if indexed:
                 self._add(key, inflight.tier, stored, inflight.tag)
             else:
                 self.placer.drop(key)
         if not indexed:
-            ts.tier.unstage(key)
+            ts.tier.unstage(key, inflight.lease)
         inflight.done.set()
         return indexed
 
@@ -243,6 +253,14 @@ class NodeCache(MoveRunner):
         with self._lock:
             inflight = self._inflight.get(key)
             if inflight is None or inflight.conn is not conn:
+                return
+        self.end_unfilled(key, inflight, reason)
+
+    def end_unfilled(self, key: str, inflight: _Inflight, reason: str) -> None:
+        """End a fill lease that brought no block (an error, a disconnect, a failed
+        prefetch): room and placement are given back; whatever was staged is deleted."""
+        with self._lock:
+            if self._inflight.get(key) is not inflight:
                 return
             del self._inflight[key]
             ts = self._tiers[inflight.tier]
@@ -252,7 +270,7 @@ class NodeCache(MoveRunner):
                 ts.full_until = time.monotonic() + 5.0
                 log.warning("%s tier %s is out of space; not admitting for 5 s", ts.config.name,
                             ts.tier.path)
-        ts.tier.unstage(key)  # whatever the client got written of it, if anything
+        ts.tier.unstage(key, inflight.lease)  # whatever got written of it, if anything
         inflight.done.set()
 
     def release(self, conn: object) -> None:
@@ -263,16 +281,16 @@ class NodeCache(MoveRunner):
         with self._lock:
             held = [(k, f) for k, f in self._inflight.items() if f.conn is conn]
         for key, inflight in held:
-            stored = self._verified_size(inflight.tier, key, inflight.nbytes)
+            stored = self._verified_size(inflight, key)
             if stored is not None and self._land(key, inflight, stored):
                 self.count("adopted")
-            else:
-                self.abort(key, "disconnected", conn)
-                self._tiers[inflight.tier].tier.unstage(key)  # a damaged leftover, if any
+            else:  # nothing (sound) staged, or cancelled: ends it, deletes what is staged
+                self.end_unfilled(key, inflight, "disconnected")
 
-    def _verified_size(self, tier: str, key: str, nbytes: int) -> int | None:
-        """The size of the fill staged for ``key`` in ``tier`` if it is whole and verifies."""
-        path = self._tiers[tier].tier.staged_path(key)
+    def _verified_size(self, inflight: _Inflight, key: str) -> int | None:
+        """The size of the fill staged for ``inflight`` if it is whole and verifies."""
+        nbytes = inflight.nbytes
+        path = self._tiers[inflight.tier].tier.staged_path(key, inflight.lease)
         try:
             size = os.stat(path).st_size
             length = blockfile.data_length(size, path)

@@ -59,7 +59,8 @@ def _serve_one(node, key, length, url, source):
         node.count("served_remote")
         return data
     requester = _Requester()
-    kind, tier = node.lease(key, length, url, requester, wait=OWNER_LEASE_WAIT)
+    reply = node.lease(key, length, url, requester, wait=OWNER_LEASE_WAIT)
+    kind, tier = reply[0], reply[1]
     if kind == "nofill" and tier == "busy":
         return None  # another fill of it is slow: do not hold the peer past its timeout
     if kind == "present":
@@ -83,11 +84,11 @@ def _serve_one(node, key, length, url, source):
     node.count("misses")
     if kind == "fill":
         try:
-            stored = node.tier(tier).stage(key, block, tag=url_tag(url))  # filled() publishes
+            stored = node.tier(tier).stage(key, block, reply[2], tag=url_tag(url))
         except OSError as exc:
             node.abort(key, "nospace" if exc.errno in (28, 122) else "error", requester)
         else:
-            node.filled(key, tier, stored, requester)
+            node.filled(key, tier, stored, requester, reply[2])  # publishes it
             node.count("fills")
     node.count("served_remote")
     return block

@@ -32,7 +32,8 @@ def run_prefetch(node, budget: int) -> None:
                 node.placer.drop(move.key)
                 continue
             url = known[1]
-            fill = _Inflight(node, move.tier, move.size, url_tag(url) if url else None)
+            fill = _Inflight(node, move.tier, move.size, url_tag(url) if url else None,
+                             next(node._lease_numbers))
             node._inflight[move.key] = fill
             node._tiers[move.tier].reserved += move.size
             planned.append((move, known, fill))
@@ -51,7 +52,7 @@ def _fetch_one(node, move, url, source, fill, source_for) -> None:
     block, stored = None, 0
     try:
         block = source_for(target_json).read_block(path, index, block_size, file_size)
-        stored = node._tiers[move.tier].tier.stage(move.key, block,
+        stored = node._tiers[move.tier].tier.stage(move.key, block, fill.lease,
                                                    tag=url_tag(url) if url else b"")
     except Exception as exc:
         log.warning("prefetch of %s block %d failed: %s", url, index, exc)
@@ -60,25 +61,13 @@ def _fetch_one(node, move, url, source, fill, source_for) -> None:
 
 
 def _finish(node, move, fill, block, stored) -> None:
-    """End a prefetch: publish its staged block under the node lock (ordered with
-    invalidate, as node._land does), unless it failed or was evicted or invalidated while
-    being fetched; staged bytes not published are dropped."""
-    ts = node._tiers[move.tier]
-    keep = block is not None and not fill.cancelled
-    added = False
+    """End a prefetch as a client's fill ends (node._land / end_unfilled): published under
+    the node lock unless evicted or invalidated meanwhile; if a reader waiting on it has
+    published it already, nothing is left to do (its room was given back then)."""
+    if block is None:
+        node.end_unfilled(move.key, fill, "error")
+        return
+    node._land(move.key, fill, stored)
     with node._lock:
-        if node._inflight.get(move.key) is fill:
-            del node._inflight[move.key]
-        ts.reserved -= move.size
-        if keep and move.key not in node._index:
-            added = keep = ts.tier.publish(move.key)
-            if added:
-                node._add(move.key, move.tier, stored, fill.tag)
-        if block is not None:
-            node.counters["prefetched"] = node.counters.get("prefetched", 0) + 1
-            node.counters["bytes_from_source"] += len(block)
-    if not added:  # failed, cancelled, or indexed meanwhile (the same bytes, published)
-        ts.tier.unstage(move.key)
-    if not keep:
-        node.placer.drop(move.key)
-    fill.done.set()
+        node.counters["prefetched"] = node.counters.get("prefetched", 0) + 1
+        node.counters["bytes_from_source"] += len(block)

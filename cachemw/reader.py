@@ -160,9 +160,9 @@ class BlockReader:
         if reply is None:
             client.count("fallbacks")
             return self._direct(piece)
-        kind, arg = reply
+        kind, arg = reply[0], reply[1]
         if kind == "fill":
-            return self._fill(piece, arg)
+            return self._fill(piece, arg, reply[2])
         if kind == "data":
             client.count("remote_reads")
             return arg if piece.lo == 0 and piece.hi == len(arg) else arg[piece.lo:piece.hi]
@@ -180,7 +180,7 @@ class BlockReader:
         client.count("fallbacks" if kind == "fallback" else "bypassed")
         return self._direct(piece)
 
-    def _fill(self, piece: _Piece, tier_name: str) -> bytes:
+    def _fill(self, piece: _Piece, tier_name: str, lease: int) -> bytes:
         client = self.client
         meta = piece.meta
         self.fills.kick()  # the earlier fills get written while we wait on the source
@@ -196,8 +196,8 @@ class BlockReader:
         if tier is None:  # a tier this process does not know (the daemon was reconfigured)
             client.abort(piece.key, "error")
         else:
-            self.fills.submit(Fill(piece.key, tier, block, url_tag(meta.url), client.link()),
-                              waited=time.perf_counter() - started)
+            self.fills.submit(Fill(piece.key, tier, block, url_tag(meta.url), client.link(),
+                                   lease), waited=time.perf_counter() - started)
         return block if piece.lo == 0 and piece.hi == len(block) else block[piece.lo:piece.hi]
 
     def _direct(self, piece: _Piece) -> bytes:

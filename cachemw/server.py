@@ -140,7 +140,7 @@ class SocketServer:
                 elif op == "lease_many":
                     reply = ("ok", node.lease_many(args[0], conn))
                 elif op == "filled":
-                    node.filled(args[0], args[1], args[2], conn)
+                    node.filled(args[0], args[1], args[2], conn, args[3])
                     continue
                 elif op == "abort":
                     node.abort(args[0], args[1], conn)

@@ -107,14 +107,21 @@ def gate(monkeypatch):
     held = threading.Event()
     real_stage = DirectoryTier.stage
 
-    def stage(self, key, data, tag=b""):
+    def stage(self, key, data, lease, tag=b""):
         if not held.wait(60):
             raise TimeoutError("test gate never opened")
-        return real_stage(self, key, data, tag=tag)
+        return real_stage(self, key, data, lease, tag=tag)
 
     monkeypatch.setattr(DirectoryTier, "stage", stage)
     yield held
     held.set()
+
+
+def staged_files(tier, key: str) -> list[str]:
+    """The fills of ``key`` staged in ``tier`` (whatever their lease), not yet published."""
+    import glob
+
+    return glob.glob(f"{glob.escape(tier.block_path(key))}.*.staged")
 
 
 def published(fs) -> None:

@@ -24,9 +24,9 @@ def served(tmp_path):
     for i in range(3):
         key = block_key("file:///x", "v1", i, L)
         data = os.urandom(L)
-        kind, tier = node.lease(key, L, "file:///x", conn)
+        kind, tier, lease = node.lease(key, L, "file:///x", conn)
         assert kind == "fill"
-        node.filled(key, tier, node.tier(tier).stage(key, data), conn)
+        node.filled(key, tier, node.tier(tier).stage(key, data, lease), conn, lease)
         blocks[key] = data
     server = BlockServer(node, "127.0.0.1", SECRET)
     yield node, server, blocks
@@ -112,8 +112,8 @@ def two_owners(tmp_path):
         node = nodes.get(ring.owner(key))
         if node is not None:
             conn = object()
-            kind, tier = node.lease(key, L, "file:///x", conn)
-            node.filled(key, tier, node.tier(tier).stage(key, data), conn)
+            kind, tier, lease = node.lease(key, L, "file:///x", conn)
+            node.filled(key, tier, node.tier(tier).stage(key, data, lease), conn, lease)
     servers = {name: BlockServer(node, "127.0.0.1", SECRET) for name, node in nodes.items()}
     yield ring, nodes, servers, blocks
     for s in servers.values():

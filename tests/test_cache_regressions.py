@@ -32,7 +32,8 @@ KEYS = [block_key("file:///x", "v", i, L) for i in range(20)]
 def _fill(nc, key, conn, byte=b"x"):
     reply = nc.lease(key, L, "file:///x", conn)
     if reply[0] == "fill":
-        nc.filled(key, reply[1], nc.tier(reply[1]).stage(key, byte * L), conn)
+        nc.filled(key, reply[1], nc.tier(reply[1]).stage(key, byte * L, reply[2]), conn,
+                  reply[2])
     return reply
 
 
@@ -55,10 +56,12 @@ def test_a_late_hit_report_after_eviction_does_not_block_recaching(tmp_path):
 
 def test_a_fill_evicted_while_in_flight_is_not_indexed_and_admission_goes_on(tmp_path):
     nc, slow, fast = _node(tmp_path), object(), object()
-    assert nc.lease(KEYS[0], L, "file:///x", slow)[0] == "fill"  # in flight
+    kind, _, lease = nc.lease(KEYS[0], L, "file:///x", slow)
+    assert kind == "fill"  # in flight
     for k in KEYS[1:4]:  # the third evicts the in-flight KEYS[0] (whose bytes are
         _fill(nc, k, fast)  # still reserved, so the tier may refuse it until they land)
-    nc.filled(KEYS[0], "dram", nc.tier("dram").stage(KEYS[0], b"s" * L), slow)  # lands late
+    stored = nc.tier("dram").stage(KEYS[0], b"s" * L, lease)
+    nc.filled(KEYS[0], "dram", stored, slow, lease)  # lands late
     assert KEYS[0] not in nc._index and not nc.tier("dram").contains(KEYS[0])
     assert _engine_keys(nc) == set(nc._index)
     for k in KEYS[4:10]:  # admission never wedges
@@ -70,10 +73,13 @@ def test_a_fill_evicted_while_in_flight_is_not_indexed_and_admission_goes_on(tmp
 
 def test_invalidate_cancels_fills_in_flight(tmp_path):
     nc, conn = _node(tmp_path), object()
-    assert nc.lease(KEYS[0], L, "file:///x", conn)[0] == "fill"
+    kind, _, lease = nc.lease(KEYS[0], L, "file:///x", conn)
+    assert kind == "fill"
     nc.invalidate("file:///x")  # written meanwhile: the fill read the old bytes
-    nc.filled(KEYS[0], "dram", nc.tier("dram").stage(KEYS[0], b"old" * (L // 3) + b"o"), conn)
+    stored = nc.tier("dram").stage(KEYS[0], b"old" * (L // 3) + b"o", lease)
+    nc.filled(KEYS[0], "dram", stored, conn, lease)
     assert KEYS[0] not in nc._index and not nc.tier("dram").contains(KEYS[0])
+    assert not os.path.exists(nc.tier("dram").staged_path(KEYS[0], lease))
 
 
 @pytest.mark.timeout(60)

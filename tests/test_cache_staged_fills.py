@@ -18,7 +18,7 @@ from cachemw.keys import block_key
 from cachemw.metadata import MetadataCache
 from cachemw.node import NodeCache
 from cachemw.tiers.directory import DirectoryTier
-from conftest import daemon_stats, wait_for
+from conftest import daemon_stats, staged_files, wait_for
 
 BS = 65536
 
@@ -61,7 +61,7 @@ def test_a_fill_cancelled_by_a_write_never_appears_under_its_key(make_cache_fs, 
             wait_for(lambda: daemon_stats(rt, drain=False)["counters"]["waits"] >= 1, 20,
                      what="A to wait on C's lease")
             gate.set()  # A's writer stages the old bytes now; its note waits behind A
-            wait_for(lambda: os.path.exists(tier.staged_path(key)), 10, what="the fill")
+            wait_for(lambda: staged_files(tier, key), 10, what="the fill to be staged")
             time.sleep(0.3)
             result["published"] = os.path.exists(tier.block_path(key))
             result["d"] = make_cache_fs(block_size=BS).cat_file(f)
@@ -77,7 +77,7 @@ def test_a_fill_cancelled_by_a_write_never_appears_under_its_key(make_cache_fs, 
     assert "exc" not in result, result.get("exc")
     assert result["published"] is False
     assert result["d"] == new
-    wait_for(lambda: not os.path.exists(tier.staged_path(key)), 10,
+    wait_for(lambda: not staged_files(tier, key), 10,
              what="the cancelled fill to be dropped once its note is read")
     assert not os.path.exists(tier.block_path(key))
 
@@ -137,14 +137,15 @@ def test_release_of_a_cancelled_lease_keeps_nothing_and_counts_nothing(tmp_path)
     node = _node(tmp_path)
     tier = node._tiers["dram"].tier
     conn, key = object(), "ab" + "0" * 30
-    assert node.lease(key, BS, "file:///x", conn) == ("fill", "dram")
-    tier.stage(key, os.urandom(BS))
+    kind, _, lease = node.lease(key, BS, "file:///x", conn)
+    assert kind == "fill"
+    tier.stage(key, os.urandom(BS), lease)
     node.invalidate("file:///x")
     node.release(conn)
     s = node.stats()
     assert s["tiers"]["dram"]["blocks"] == 0 and s["counters"]["adopted"] == 0
     assert not os.path.exists(tier.block_path(key))
-    assert not os.path.exists(tier.staged_path(key))
+    assert not staged_files(tier, key)
 
 
 @pytest.mark.parametrize("end", ["filled", "release"])
@@ -152,14 +153,16 @@ def test_a_key_whose_fill_was_cancelled_can_be_cached_again(tmp_path, end):
     node = _node(tmp_path)
     tier = node._tiers["dram"].tier
     url, key, conn = "file:///x", "cd" + "0" * 30, object()
-    assert node.lease(key, BS, url, conn) == ("fill", "dram")
-    stored = tier.stage(key, os.urandom(BS))
+    kind, _, lease = node.lease(key, BS, url, conn)
+    assert kind == "fill"
+    stored = tier.stage(key, os.urandom(BS), lease)
     node.invalidate(url)
     if end == "filled":
-        assert node.filled(key, "dram", stored, conn) is False
+        assert node.filled(key, "dram", stored, conn, lease) is False
     else:
         node.release(conn)
-    assert node.lease(key, BS, url, object()) == ("fill", "dram")
+    assert node.lease(key, BS, url, object())[:2] == ("fill", "dram")
+    assert not staged_files(tier, key)
 
 
 @pytest.mark.timeout(60)
@@ -171,8 +174,8 @@ def test_a_fill_adopted_on_disconnect_is_kept_by_the_client_too(make_cache_fs, t
     staged, go = threading.Event(), threading.Event()
     real_stage = DirectoryTier.stage
 
-    def stage(self, key, data, tag=b""):
-        n = real_stage(self, key, data, tag=tag)
+    def stage(self, key, data, lease, tag=b""):
+        n = real_stage(self, key, data, lease, tag=tag)
         staged.set()
         go.wait(30)
         return n
@@ -195,3 +198,98 @@ def test_a_fill_adopted_on_disconnect_is_kept_by_the_client_too(make_cache_fs, t
     s = daemon_stats(rt)
     assert s["counters"]["adopted"] == 1 and s["tiers"]["dram"]["blocks"] == 1
     assert os.path.exists(block)
+
+
+URL = "file:///data/f.bin"
+KEY = "ef" + "0" * 30
+
+
+@pytest.mark.timeout(30)
+def test_a_reader_publishing_a_prefetch_gives_its_room_back_once(tmp_path, monkeypatch):
+    """A reader waiting on a prefetch publishes its staged block; the prefetch then ends
+    without releasing the reserved room a second time."""
+    import types
+
+    from cachemw import blockfile, prefetch
+    from cachemw.keys import url_tag
+    from cachemw.node import _Inflight
+
+    node = _node(tmp_path)
+    ts = node._tiers["dram"]
+    nbytes = BS + blockfile.tail_size(BS)
+    fill = _Inflight(node, "dram", nbytes, url_tag(URL), next(node._lease_numbers))
+    with node._lock:  # as run_prefetch plans it
+        node._inflight[KEY] = fill
+        ts.reserved += nbytes
+    move = types.SimpleNamespace(key=KEY, tier="dram", size=nbytes)
+    real_stage = DirectoryTier.stage
+    answers = []
+
+    def stage(self, key, data, lease, tag=b""):  # a reader asks right after the staging
+        stored = real_stage(self, key, data, lease, tag=tag)
+        t = threading.Thread(target=lambda: answers.append(node.lease(KEY, BS, URL, object())))
+        t.start()
+        t.join(10)
+        return stored
+
+    monkeypatch.setattr(DirectoryTier, "stage", stage)
+    src = types.SimpleNamespace(read_block=lambda *a: os.urandom(BS))
+    prefetch._fetch_one(node, move, URL, ("{}", "/data/f.bin", 0, BS, BS, "v"), fill,
+                        lambda _t: src)
+    assert answers == [("present", "dram")]
+    assert KEY in node._index and ts.reserved == 0
+    assert node.counters["prefetched"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_cancelled_lease_staged_file_is_never_taken_for_the_next_lease(tmp_path, monkeypatch):
+    """C1's fill was cancelled by a write; while its staged file is being deleted, C2 gets
+    the next lease and C3 waits on it: C3 must not get C1's stale bytes as C2's fill."""
+    node = _node(tmp_path)
+    tier = node._tiers["dram"].tier
+    c1, c2, c3 = object(), object(), object()
+    old = os.urandom(BS)
+    kind, _, lease1 = node.lease(KEY, BS, URL, c1)
+    stored = tier.stage(KEY, old, lease1)
+    node.invalidate(URL)
+    in_unstage, go_on = threading.Event(), threading.Event()
+    real_unstage = DirectoryTier.unstage
+
+    def unstage(self, key, lease):  # hold the deletion of C1's staged file
+        if threading.current_thread().name == "note":
+            in_unstage.set()
+            go_on.wait(10)
+        return real_unstage(self, key, lease)
+
+    monkeypatch.setattr(DirectoryTier, "unstage", unstage)
+    note = threading.Thread(target=node.filled, args=(KEY, "dram", stored, c1, lease1),
+                            name="note")
+    note.start()
+    try:
+        assert in_unstage.wait(10)
+        assert node.lease(KEY, BS, URL, c2)[0] == "fill"
+        assert node.lease(KEY, BS, URL, c3, wait=0.3) == ("nofill", "busy")
+        assert node.read_local(KEY, BS) is None
+    finally:
+        go_on.set()
+        note.join(10)
+    assert not os.path.exists(tier.staged_path(KEY, lease1))
+
+
+def test_a_late_fill_of_an_ended_lease_is_never_published_nor_left_behind(tmp_path):
+    """C1's lease ended with its connection before its writer staged; C2 holds the next
+    lease. C1's late file is not taken for C2's, C2's fill is published, and C1's note
+    (if it gets through) deletes C1's file."""
+    node = _node(tmp_path)
+    tier = node._tiers["dram"].tier
+    c1, c2, c3 = object(), object(), object()
+    old, mine = os.urandom(BS), os.urandom(BS)
+    lease1 = node.lease(KEY, BS, URL, c1)[2]
+    node.release(c1)
+    lease2 = node.lease(KEY, BS, URL, c2)[2]
+    late = tier.stage(KEY, old, lease1)
+    assert node.lease(KEY, BS, URL, c3, wait=0.3) == ("nofill", "busy")
+    assert node.filled(KEY, "dram", tier.stage(KEY, mine, lease2), c2, lease2) is True
+    assert node.read_local(KEY, BS) == mine
+    assert node.filled(KEY, "dram", late, c1, lease1) is False
+    assert not staged_files(tier, KEY)

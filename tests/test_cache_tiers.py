@@ -110,9 +110,9 @@ def test_tier_accounting_counts_the_checksum_tail_against_capacity(tmp_path):
     tier = node._tiers["dram"].tier
     for i in range(3):
         key = f"{i:02x}" + "0" * 30
-        kind, name = node.lease(key, BS, "file:///x", conn)
+        kind, name, *lease = node.lease(key, BS, "file:///x", conn)
         if kind == "fill":
-            node.filled(key, name, tier.stage(key, os.urandom(BS)), conn)
+            node.filled(key, name, tier.stage(key, os.urandom(BS), lease[0]), conn, lease[0])
     t = node.stats()["tiers"]["dram"]
     assert t["used_bytes"] <= t["capacity_bytes"], \
         f"tier holds {t['used_bytes']} bytes, capacity {t['capacity_bytes']}"

@@ -14,7 +14,7 @@ import fsspec
 import pytest
 
 from cachemw.keys import block_key
-from conftest import daemon_stats, published, wait_for
+from conftest import daemon_stats, published, staged_files, wait_for
 
 BS = 65536
 
@@ -216,7 +216,7 @@ def test_lost_connection_before_the_write_leaves_no_unaccounted_file(make_cache_
     gate.set()
     assert fs.reader.fills.drain(30)
     assert not os.path.exists(block)  # staged, then deleted: nobody would account it
-    assert not os.path.exists(fs.client.tiers()[0].staged_path(os.path.basename(block)))
+    assert not staged_files(fs.client.tiers()[0], os.path.basename(block))
     assert _cached_bytes(fs.options.runtime_dir) == (0, 0)
     assert fs.stats()["fills"] == 0
     fs.client._next_try = 0  # reconnect now rather than after the back-off
@@ -334,11 +334,11 @@ class _Tier:
     def __init__(self):
         self.written = []
 
-    def stage(self, key, data, tag=b""):
+    def stage(self, key, data, lease, tag=b""):
         self.written.append(key)
         return len(data)
 
-    def unstage(self, key):
+    def unstage(self, key, lease):
         self.written.remove(key)
 
 
@@ -360,10 +360,10 @@ def test_a_source_faster_than_the_write_is_filled_on_the_reader_path():
 
     tier, client = _Tier(), _Client()
     writer = FillWriter(client, 1 << 20)
-    writer.store(Fill("k0", tier, b"x" * 4096, b"", None))  # measures what a write costs
-    writer.submit(Fill("k1", tier, b"x" * 4096, b"", None), waited=0.0)
+    writer.store(Fill("k0", tier, b"x" * 4096, b"", None, 1))  # measures what a write costs
+    writer.submit(Fill("k1", tier, b"x" * 4096, b"", None, 2), waited=0.0)
     assert tier.written == ["k0", "k1"] and not writer.pending  # written before returning
-    writer.submit(Fill("k2", tier, b"x" * 4096, b"", None), waited=10.0)
+    writer.submit(Fill("k2", tier, b"x" * 4096, b"", None, 3), waited=10.0)
     assert "k2" in writer.pending or "k2" in tier.written
     assert writer.drain(10)
     assert tier.written == ["k0", "k1", "k2"] and not writer.pending
@@ -375,12 +375,12 @@ def test_an_unexpected_error_in_a_write_still_ends_the_lease():
     from cachemw.fills import Fill, FillWriter
 
     class Broken(_Tier):
-        def stage(self, key, data, tag=b""):
+        def stage(self, key, data, lease, tag=b""):
             raise RuntimeError("a bug in a tier")
 
     client = _Client()
     writer = FillWriter(client, 1 << 20)
-    writer.submit(Fill("k", Broken(), b"x" * 4096, b"", None), waited=10.0)
+    writer.submit(Fill("k", Broken(), b"x" * 4096, b"", None, 1), waited=10.0)
     assert writer.drain(10)
     assert client.notes == [("abort", "k", "error")] and client.counts == {"fill_errors": 1}
     assert not writer.pending
@@ -421,12 +421,14 @@ def test_a_client_gone_after_writing_its_fill_has_the_block_adopted(tmp_path):
                                   runtime_dir=str(tmp_path / "rt")))
     tier = node._tiers["dram"].tier
     conn = object()
-    keys = [f"{i:02x}" + "0" * 30 for i in range(3)]
+    keys, leases = [f"{i:02x}" + "0" * 30 for i in range(3)], []
     for key in keys:
-        assert node.lease(key, BS, "file:///x", conn) == ("fill", "dram")
-    tier.stage(keys[0], os.urandom(BS))  # written whole, never noted
-    tier.stage(keys[1], os.urandom(BS))
-    with open(tier.staged_path(keys[1]), "r+b") as f:  # written, then damaged
+        reply = node.lease(key, BS, "file:///x", conn)
+        assert reply[:2] == ("fill", "dram")
+        leases.append(reply[2])
+    tier.stage(keys[0], os.urandom(BS), leases[0])  # written whole, never noted
+    tier.stage(keys[1], os.urandom(BS), leases[1])
+    with open(tier.staged_path(keys[1], leases[1]), "r+b") as f:  # written, then damaged
         f.seek(100)
         f.write(b"\xff" * 8)
     node.release(conn)  # keys[2]: never written

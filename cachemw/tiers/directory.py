@@ -5,10 +5,12 @@ Files are the data plane: any process of the node reads a hit with one open and 
 with no daemon round trip. Fills are atomic (temp + rename). Everything is private to the
 job's user (0700 directories, 0600 files) because HPC nodes are shared.
 
-A client's fill is staged: it writes ``<key>.staged`` (itself atomically) and the daemon,
-which holds the lease, publishes it under its key, or drops it if the lease was cancelled
-meanwhile (the file was written through the cache). Hits read files by key without asking
-the daemon, so a block fetched before a write must never appear under its key after it.
+A client's fill is staged: it writes ``<key>.<lease>.staged`` (itself atomically) and the
+daemon, which granted lease number ``lease``, publishes it under its key, or drops it if the
+lease was cancelled meanwhile (the file was written through the cache). Hits read files by
+key without asking the daemon, so a block fetched before a write must never appear under
+its key after it; and the name is the lease's own, so a late or leftover file of an ended
+lease is never taken for another lease's fill.
 """
 from __future__ import annotations
 
@@ -51,24 +53,24 @@ class DirectoryTier:
     def put(self, key: str, data: bytes, tag: bytes = b"") -> int:
         return blockfile.write_block(self.block_path(key), data, tag=tag)
 
-    def staged_path(self, key: str) -> str:
-        return f"{self.path}/{key[:2]}/{key}{_STAGED}"
+    def staged_path(self, key: str, lease: int) -> str:
+        return f"{self.path}/{key[:2]}/{key}.{lease}{_STAGED}"
 
-    def stage(self, key: str, data: bytes, tag: bytes = b"") -> int:
-        """Write a fill where only its lease holder (the daemon) will publish it."""
-        return blockfile.write_block(self.staged_path(key), data, tag=tag)
+    def stage(self, key: str, data: bytes, lease: int, tag: bytes = b"") -> int:
+        """Write the fill of lease ``lease``, for the daemon to publish (or drop)."""
+        return blockfile.write_block(self.staged_path(key, lease), data, tag=tag)
 
-    def publish(self, key: str) -> bool:
-        """Make a staged fill the block of ``key``; False if there is none staged."""
+    def publish(self, key: str, lease: int) -> bool:
+        """Make lease ``lease``'s staged fill the block of ``key``; False if none is staged."""
         try:
-            os.rename(self.staged_path(key), self.block_path(key))
+            os.rename(self.staged_path(key, lease), self.block_path(key))
         except FileNotFoundError:
             return False
         return True
 
-    def unstage(self, key: str) -> None:
+    def unstage(self, key: str, lease: int) -> None:
         try:
-            os.unlink(self.staged_path(key))
+            os.unlink(self.staged_path(key, lease))
         except FileNotFoundError:
             pass
 
