@@ -15,6 +15,7 @@ from cachemw import blockfile
 from cachemw.config import DaemonConfig
 from cachemw.keys import block_key
 from cachemw.node import NodeCache
+from conftest import published
 
 L = 64 << 10
 STORED = L + blockfile.tail_size(L)
@@ -123,7 +124,7 @@ def test_an_indexed_block_whose_file_vanished_is_filled_again(make_cache_fs, tmp
     with open(path, "wb") as f:
         f.write(data)
     assert fs.cat_file(path) == data
-    fs.reader.fills.drain()  # its block file written (behind the read)
+    published(fs)  # its block file written (behind the read) and published
     meta = fs.meta.file(path)
     dram = fs.client.tiers()[0]
     os.unlink(dram.block_path(block_key(meta.url, meta.version, 0, L)))  # /dev/shm cleaned
