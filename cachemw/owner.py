@@ -87,6 +87,9 @@ def _serve_one(node, key, length, url, source):
             stored = node.tier(tier).stage(key, block, reply[2], tag=url_tag(url))
         except OSError as exc:
             node.abort(key, "nospace" if exc.errno in (28, 122) else "error", requester)
+        except BaseException:  # whatever it is, the lease ends here: no one waits on it
+            node.abort(key, "error", requester)
+            raise
         else:
             node.filled(key, tier, stored, requester, reply[2])  # publishes it
             node.count("fills")

@@ -49,15 +49,16 @@ def run_prefetch(node, budget: int) -> None:
 
 def _fetch_one(node, move, url, source, fill, source_for) -> None:
     target_json, path, index, block_size, file_size, _version = source
-    block, stored = None, 0
+    block, stored, staged = None, 0, False
     try:
         block = source_for(target_json).read_block(path, index, block_size, file_size)
         stored = node._tiers[move.tier].tier.stage(move.key, block, fill.lease,
                                                    tag=url_tag(url) if url else b"")
+        staged = True
     except Exception as exc:
         log.warning("prefetch of %s block %d failed: %s", url, index, exc)
-        block = None
-    _finish(node, move, fill, block, stored)
+    finally:  # whatever happened, the lease ends here: no reader waits on it for nothing
+        _finish(node, move, fill, block if staged else None, stored)
 
 
 def _finish(node, move, fill, block, stored) -> None:

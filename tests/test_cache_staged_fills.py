@@ -293,3 +293,44 @@ def test_a_late_fill_of_an_ended_lease_is_never_published_nor_left_behind(tmp_pa
     assert node.read_local(KEY, BS) == mine
     assert node.filled(KEY, "dram", late, c1, lease1) is False
     assert not staged_files(tier, KEY)
+
+
+@pytest.mark.parametrize("where", ["owner", "prefetch"])
+def test_an_unexpected_error_staging_a_daemon_fill_still_ends_its_lease(tmp_path, monkeypatch,
+                                                                        where):
+    """An owner's fill for another node, or a prefetch: a bug or a failing tier while
+    staging ends the lease (a later miss is leased again, not left waiting on it)."""
+    import types
+
+    from cachemw import blockfile, owner, prefetch
+    from cachemw.keys import url_tag, version_token
+    from cachemw.node import _Inflight
+
+    node = _node(tmp_path)
+    path = str(tmp_path / "src.bin")
+    _write(path, os.urandom(BS))
+    fs = LocalFileSystem()
+    url = fs.unstrip_protocol(path)
+    key = block_key(url, version_token(fs.info(path)), 0, BS)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("a bug in a tier")
+
+    monkeypatch.setattr(DirectoryTier, "stage", broken)
+    if where == "owner":
+        source = (fs.to_json(), path, 0, BS, BS, version_token(fs.info(path)))
+        out = owner.serve_blocks(node, [(key, BS, url, source)])
+        assert out == [None]  # logged; the requester reads its own source
+    else:
+        nbytes = BS + blockfile.tail_size(BS)
+        fill = _Inflight(node, "dram", nbytes, url_tag(url), next(node._lease_numbers))
+        with node._lock:
+            node._inflight[key] = fill
+            node._tiers["dram"].reserved += nbytes
+        move = types.SimpleNamespace(key=key, tier="dram", size=nbytes)
+        src = types.SimpleNamespace(read_block=lambda *a: os.urandom(BS))
+        prefetch._fetch_one(node, move, url, ("{}", path, 0, BS, BS, "v"), fill, lambda _t: src)
+        assert fill.done.is_set()
+    assert not node._inflight and node._tiers["dram"].reserved == 0
+    monkeypatch.undo()
+    assert node.lease(key, BS, url, object())[0] == "fill"

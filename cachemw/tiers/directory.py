@@ -64,14 +64,14 @@ class DirectoryTier:
         """Make lease ``lease``'s staged fill the block of ``key``; False if none is staged."""
         try:
             os.rename(self.staged_path(key, lease), self.block_path(key))
-        except FileNotFoundError:
+        except OSError:  # none staged (or the tier directory is gone): not published
             return False
         return True
 
     def unstage(self, key: str, lease: int) -> None:
         try:
             os.unlink(self.staged_path(key, lease))
-        except FileNotFoundError:
+        except OSError:  # none staged: nothing to do; a failing directory: not ours to fix
             pass
 
     def delete(self, key: str) -> int:
