@@ -73,22 +73,26 @@ class MoveRunner:
         if entry.tier == dst:
             return True
         src, lower = self._tiers[entry.tier], self._tiers[dst]
+        lease = next(self._lease_numbers)  # staged, published below (see node._land)
         try:
             data = _read_whole(src.tier.block_path(key))
             if data is None:
                 return False
-            stored = lower.tier.put(key, data, tag=entry.tag or b"")
+            stored = lower.tier.stage(key, data, lease, tag=entry.tag or b"")
         except OSError as exc:
             log.warning("moving %s from %s to %s failed: %s", key, entry.tier, dst, exc)
+            lower.tier.unstage(key, lease)
             return False
-        with self._lock:
-            if self._index.get(key) is not entry:
-                lower.tier.delete(key)
-                return True
-            self._remove_locked(key)
-            self._add(key, dst, stored, entry.tag)
-            if self._order.index(dst) > self._order.index(entry.tier):
-                src.demotions += 1
+        with self._lock:  # dropped or invalidated meanwhile: the copy must not appear
+            moved = self._index.get(key) is entry and lower.tier.publish(key, lease)
+            if moved:
+                self._remove_locked(key)
+                self._add(key, dst, stored, entry.tag)
+                if self._order.index(dst) > self._order.index(entry.tier):
+                    src.demotions += 1
+        if not moved:
+            lower.tier.unstage(key, lease)
+            return self._index.get(key) is not entry  # gone meanwhile: nothing left to move
         src.tier.delete(key)
         return True
 

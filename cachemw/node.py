@@ -354,27 +354,29 @@ class NodeCache(MoveRunner):
     def admit_replica(self, key: str, data: bytes, url: str | None) -> bool:
         """Keep a local copy of a remote block, if the placement engine wants it here."""
         nbytes = len(data) + blockfile.tail_size(len(data))
+        tag = url_tag(url) if url else None
         with self._lock:
             if key in self._index or key in self._inflight:
                 return False
             tier, moves = self.placer.admit(key, nbytes)
             if tier is None:
                 return False
-            ts = self._tiers[tier]
-            ts.reserved += nbytes
-        self._run(moves)
+            # in flight like any fill: a write through the cache meanwhile cancels it
+            inflight = self._inflight[key] = _Inflight(self, tier, nbytes, tag,
+                                                       next(self._lease_numbers))
+            self._tiers[tier].reserved += nbytes
         try:
-            stored = ts.tier.put(key, data, tag=url_tag(url) if url else b"")
-        except OSError:
-            with self._lock:
-                ts.reserved -= nbytes
-            self.placer.drop(key)
+            self._run(moves)
+            stored = self._tiers[tier].tier.stage(key, data, inflight.lease, tag=tag or b"")
+        except OSError:  # a full or failing tier: no replica, the read goes on
+            self.end_unfilled(key, inflight, "error")
             return False
-        with self._lock:
-            ts.reserved -= nbytes
-            if key not in self._index:
-                self._add(key, tier, stored, url_tag(url) if url else None)
-                self.counters["replicas"] += 1
+        except BaseException:
+            self.end_unfilled(key, inflight, "error")
+            raise
+        if not self._land(key, inflight, stored):
+            return False
+        self.count("replicas")
         return True
 
     # -- index ---------------------------------------------------------------------

@@ -334,3 +334,41 @@ def test_an_unexpected_error_staging_a_daemon_fill_still_ends_its_lease(tmp_path
     assert not node._inflight and node._tiers["dram"].reserved == 0
     monkeypatch.undo()
     assert node.lease(key, BS, url, object())[0] == "fill"
+
+
+def _invalidate_while_staging(monkeypatch, node, url):
+    real_stage = DirectoryTier.stage
+
+    def stage(self, key, data, lease, tag=b""):
+        stored = real_stage(self, key, data, lease, tag=tag)
+        node.invalidate(url)  # the file is written through the cache right then
+        return stored
+
+    monkeypatch.setattr(DirectoryTier, "stage", stage)
+
+
+def test_a_replica_of_a_remote_block_written_over_meanwhile_is_not_kept(tmp_path, monkeypatch):
+    node = _node(tmp_path)
+    tier = node._tiers["dram"].tier
+    _invalidate_while_staging(monkeypatch, node, URL)
+    assert node.admit_replica(KEY, os.urandom(BS), URL) is False
+    assert KEY not in node._index and not node._inflight
+    assert not os.path.exists(tier.block_path(KEY)) and not staged_files(tier, KEY)
+    assert node._tiers["dram"].reserved == 0 and node.counters["replicas"] == 0
+
+
+def test_a_block_moved_between_tiers_while_written_over_is_not_kept(tmp_path, monkeypatch):
+    node = NodeCache(DaemonConfig(tiers=(TierConfig("dram", str(tmp_path / "dram"), 1 << 30),
+                                         TierConfig("nvme", str(tmp_path / "nvme"), 1 << 30)),
+                                  runtime_dir=str(tmp_path / "rt")))
+    kind, tier, lease = node.lease(KEY, BS, URL, object())
+    assert (kind, tier) == ("fill", "dram")
+    dram, nvme = node._tiers["dram"].tier, node._tiers["nvme"].tier
+    node.filled(KEY, "dram", dram.stage(KEY, os.urandom(BS), lease), node._inflight[KEY].conn,
+                lease)
+    assert KEY in node._index
+    _invalidate_while_staging(monkeypatch, node, URL)
+    node._move_tier(KEY, "nvme")
+    assert KEY not in node._index
+    for t in (dram, nvme):
+        assert not os.path.exists(t.block_path(KEY)) and not staged_files(t, KEY)
