@@ -140,7 +140,7 @@ class NodeCache(MoveRunner):
     # -- leases: single-flight fills ---------------------------------------------
 
     def lease(self, key: str, length: int, url: str | None, conn: object,
-              wait: float | None = None) -> tuple[str, str | None]:
+              wait: float | None = None) -> tuple:
         """("present", tier) | ("fill", tier, lease number) | ("nofill", reason). Never blocks
         past lease_wait.
 
