@@ -196,9 +196,8 @@ class DaemonClient:
         """Drop this thread's connection, back off, and say so once (not per read)."""
         conn = getattr(self._local, "conn", None)
         self._local.conn = None
-        send_lock = getattr(self._local, "send_lock", None)
-        if conn is not None and send_lock is not None:
-            with send_lock:  # not under the fill writer's send on this connection
+        if conn is not None:  # set with its send lock (_connect)
+            with self._local.send_lock:  # not under the fill writer's send on this connection
                 try:
                     conn.close()
                 except OSError:
@@ -207,10 +206,6 @@ class DaemonClient:
             self._next_try = time.monotonic() + RETRY_SECONDS
             if conn is not None:
                 self._conns.discard(conn)
-                try:
-                    conn.close()
-                except OSError:
-                    pass
             if not self._warned:
                 (log.debug if _exiting else log.warning)(
                     "cachemw daemon unreachable (%s); misses read the source directly, "
