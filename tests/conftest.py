@@ -254,3 +254,46 @@ def _checkpoints_without_a_daemon(request, tmp_path_factory, monkeypatch):
     name = request.node.module.__name__
     if name.startswith("test_checkpoint_") and name != "test_checkpoint_daemon_tier":
         monkeypatch.setenv("CACHEMW_RUNTIME_DIR", str(tmp_path_factory.mktemp("no-daemon")))
+
+
+# ---------------------------------------------------------------------------------------
+# A real S3 server on localhost (moto's, over HTTP), for tests against an object store.
+
+S3_BUCKET = "cachemw-test"
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server on 127.0.0.1 with one empty bucket; yields its endpoint and keys.
+
+    ``s3_server["target_options"]`` are s3fs options that reach it; ``s3_server["boto3"]()``
+    a boto3 client for writing behind the cache's back."""
+    pytest.importorskip("s3fs")
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    creds = dict(aws_access_key_id="testing", aws_secret_access_key="testing",
+                 region_name="us-east-1")
+
+    def client():
+        return boto3.client("s3", endpoint_url=endpoint, **creds)
+
+    client().create_bucket(Bucket=S3_BUCKET)
+    try:
+        yield {
+            "endpoint": endpoint,
+            "bucket": S3_BUCKET,
+            "boto3": client,
+            "target_options": {"key": "testing", "secret": "testing",
+                               "client_kwargs": {"endpoint_url": endpoint,
+                                                 "region_name": "us-east-1"}},
+        }
+    finally:
+        server.stop()
