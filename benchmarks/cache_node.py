@@ -25,7 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 def start_daemon(runtime_dir: str, dram_capacity: str) -> subprocess.Popen:
     code = (
         "import time, sys\n"
-        "from cachemw.service import NodeService\n"
+        "from cachemw.node.service import NodeService\n"
         "from cachemw.config import DaemonConfig\n"
         f"s = NodeService(DaemonConfig.build(runtime_dir={runtime_dir!r}, dram_capacity={dram_capacity!r}))\n"
         "print('ready', flush=True)\n"

@@ -59,7 +59,7 @@ SOURCE_READS = ("misses", "bypassed", "fallbacks")
 def start_daemon(runtime_dir: str, **config) -> subprocess.Popen:
     """A node daemon in its own process (as `cachemw start` runs one); returns once ready."""
     code = ("import json, sys\nfrom cachemw.config import DaemonConfig\n"
-            "from cachemw.service import NodeService\n"
+            "from cachemw.node.service import NodeService\n"
             "s = NodeService(DaemonConfig.build(**json.loads(sys.argv[1])))\n"
             "print('ready', flush=True)\nsys.stdin.read()\n")
     args = json.dumps(dict(runtime_dir=runtime_dir, **config))

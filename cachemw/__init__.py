@@ -21,14 +21,14 @@ if not _os.path.isdir(_os.path.join(_here, "placement")) and _os.path.isfile(
 
 
 def start(**kwargs):
-    """Start this node's daemon (see :func:`cachemw.daemon.start`)."""
-    from .daemon import start as _start
+    """Start this node's daemon (see :func:`cachemw.cluster.actor.start`)."""
+    from .cluster.actor import start as _start
 
     return _start(**kwargs)
 
 
 def stop(**kwargs):
-    """Stop the daemons started by :func:`start` (see :func:`cachemw.daemon.stop`)."""
-    from .daemon import stop as _stop
+    """Stop the daemons started by :func:`start` (see :func:`cachemw.cluster.actor.stop`)."""
+    from .cluster.actor import stop as _stop
 
     return _stop(**kwargs)

@@ -19,6 +19,11 @@ import time
 
 from fsspec.implementations.local import LocalFileSystem
 
+from .client.fs import CacheFileSystem
+from .config import parse_size
+from .node.service import stop_local
+from .report import format_stats
+
 
 class SlowLocalFileSystem(LocalFileSystem):
     """A local filesystem with a fixed delay per data request: a stand-in for a PFS/S3."""
@@ -89,10 +94,6 @@ def _epoch(loader) -> tuple[float, int]:
 def main(args) -> int:
     import torch.utils.data
 
-    from .config import parse_size
-    from .service import stop_local
-    from .fs import CacheFileSystem
-
     size = parse_size(args.file_size, name="--file-size")
     work = tempfile.mkdtemp(prefix="cachemw-bench-")
     data_dir = args.data_dir or os.path.join(work, "pfs")
@@ -141,8 +142,6 @@ def main(args) -> int:
         print(f"{'all':>5} | {totals[0]:>9.2f} {'':>10} | {totals[1]:>9.2f} {'':>10} {'':>9} | "
               f"{totals[0] / totals[1]:>6.2f}x")
         stats = cached.client.daemon_stats()
-        from .cli import format_stats
-
         print("\n" + format_stats(stats))
         return 0
     finally:

@@ -7,7 +7,9 @@ import logging
 import os
 import sys
 
+from .bench import add_arguments as add_bench_arguments
 from .config import default_runtime_dir, parse_size
+from .report import format_stats, human_bytes
 
 
 def _size(value: str) -> int:
@@ -21,39 +23,8 @@ def _runtime_dir(args) -> str:
     return args.runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def format_stats(stats: dict) -> str:
-    c = stats["counters"]
-    lines = [f"node {stats['node_id']} (daemon pid {stats['pid']})",
-             f"  {'tier':<6} {'used':>11} {'capacity':>11} {'blocks':>8} {'hits':>9} "
-             f"{'evictions':>9} {'demoted':>8}  admitting"]
-    for name, t in stats["tiers"].items():
-        lines.append(f"  {name:<6} {_human(t['used_bytes']):>11} {_human(t['capacity_bytes']):>11} "
-                     f"{t['blocks']:>8} {t['hits']:>9} {t['evictions']:>9} {t['demotions']:>8}  "
-                     f"{'yes' if t['admitting'] else 'NO (out of space)'}")
-    total = c["hits"] + c["misses"] + c["fallbacks"] + c["bypassed"]
-    ratio = c["hits"] / total if total else 0.0
-    lines += [
-        f"  reads: {c['hits']} hits, {c['misses']} misses, hit ratio {ratio:.1%}; from other "
-        f"nodes: {c.get('remote_hits', 0)} hits, {c.get('remote_reads', 0)} fetched by the owner, "
-        f"{c.get('direct_failures', 0)} owner transfers failed",
-        f"  from source: {_human(c['bytes_from_source'])}; fallbacks (daemon unreachable): "
-        f"{c['fallbacks']}; bypassed (not admitted): {c['bypassed']}",
-        f"  corrupt blocks repaired: {c['corrupt_repaired']}; fill errors: {c['fill_errors']}; "
-        f"blocks re-indexed at start: {c['reindexed']}",
-    ]
-    return "\n".join(lines)
-
-
 def cmd_start(args) -> int:
-    from . import daemon
+    from .cluster import actor as daemon
 
     options = {k: v for k, v in {
         "dram_dir": args.dram_dir, "dram_capacity": args.dram_capacity,
@@ -61,13 +32,13 @@ def cmd_start(args) -> int:
         "peer_timeout": args.peer_timeout}.items() if v is not None}
     addresses = daemon.start(args.address, runtime_dir=_runtime_dir(args), **options)
     for a in addresses:
-        tiers = ", ".join(f"{t['name']}={t['path']} ({_human(t['capacity'])})" for t in a["tiers"])
+        tiers = ", ".join(f"{t['name']}={t['path']} ({human_bytes(t['capacity'])})" for t in a["tiers"])
         print(f"daemon on node {a['node_id']}: {a['socket']}  tiers: {tiers}")
     return 0
 
 
 def cmd_stop(args) -> int:
-    from . import daemon
+    from .cluster import actor as daemon
 
     n = daemon.stop(args.address, runtime_dir=_runtime_dir(args))
     print(f"stopped {n} daemon(s)")
@@ -75,7 +46,7 @@ def cmd_stop(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from . import daemon
+    from .cluster import actor as daemon
 
     try:
         nodes = daemon.status(args.address, runtime_dir=_runtime_dir(args))
@@ -90,7 +61,7 @@ def cmd_status(args) -> int:
         if "error" in s:
             print(f"node {n['node_id']}: daemon NOT ANSWERING ({s['error']})")
         else:
-            tiers = ", ".join(f"{k} {_human(t['used_bytes'])}/{_human(t['capacity_bytes'])}"
+            tiers = ", ".join(f"{k} {human_bytes(t['used_bytes'])}/{human_bytes(t['capacity_bytes'])}"
                               for k, t in s["tiers"].items())
             print(f"node {n['node_id']}: daemon pid {s['pid']}, {tiers}")
     if not nodes:
@@ -102,7 +73,7 @@ def cmd_status(args) -> int:
 
 
 def _local_stats(args) -> dict | None:
-    from .client import DaemonClient
+    from .client.link import DaemonClient
 
     client = DaemonClient(_runtime_dir(args), autostart=False, timeout=10)
     try:
@@ -112,7 +83,7 @@ def _local_stats(args) -> dict | None:
 
 
 def cmd_stats(args) -> int:
-    logging.getLogger("cachemw.client").setLevel(logging.ERROR)
+    logging.getLogger("cachemw.client.link").setLevel(logging.ERROR)
     stats = _local_stats(args)
     if stats is None:
         print(f"no cachemw daemon answers in {_runtime_dir(args)}", file=sys.stderr)
@@ -131,7 +102,7 @@ def cmd_warm(args) -> int:
         files = fs.find(path) if fs.isdir(path) else [path]
         for f in tqdm(files, desc=f"warming {url}", unit="file", disable=args.quiet):
             total += len(fs.cat_file(f))
-    print(f"warmed {_human(total)}")
+    print(f"warmed {human_bytes(total)}")
     return 0
 
 
@@ -176,10 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_warm)
 
-    from .bench import add_arguments
-
     s = sub.add_parser("bench", help="the DLIO-style read benchmark (the main job)")
-    add_arguments(s)
+    add_bench_arguments(s)
     s.set_defaults(func=cmd_bench)
     return p
 

@@ -40,7 +40,7 @@ from typing import Callable, Iterator, Sequence, Union
 
 import torch.utils.data
 
-log = logging.getLogger("cachemw.torch")
+log = logging.getLogger(__name__)
 
 Entry = Union[str, tuple]  # a path, or (path, start, end)
 

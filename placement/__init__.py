@@ -49,11 +49,11 @@ from .nodes import assign_blocks, rebalance_plans, stable_digest
 from .policies import HistoryPolicy, LRUPolicy, PinPolicy, Policy
 from .registry import POLICIES, default_policy_name, make_policy
 from .simulator import SimResult, simulate
-from .specs import TierSpec, TimeModel
+from .specs import NOMINAL_BANDWIDTH, TierSpec, TimeModel, nominal_bandwidth
 
 __all__ = [
     "Admit", "BeladyPolicy", "ClairvoyantPolicy", "Demote", "Engine", "Evict", "HistoryPolicy",
-    "LRUPolicy", "Move", "POLICIES", "PinPolicy", "Plan", "Policy", "Prefetch", "Promote",
+    "LRUPolicy", "Move", "NOMINAL_BANDWIDTH", "POLICIES", "PinPolicy", "Plan", "Policy", "Prefetch", "Promote",
     "Replicate", "SimResult", "TierSpec", "TimeModel", "assign_blocks", "default_policy_name",
-    "make_policy", "next_uses", "rebalance_plans", "simulate", "stable_digest",
+    "make_policy", "nominal_bandwidth", "next_uses", "rebalance_plans", "simulate", "stable_digest",
 ]

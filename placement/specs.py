@@ -32,6 +32,17 @@ def check_positive_float(name: str, value: Any, *, allow_zero: bool = False) -> 
     return value
 
 
+# Nominal read bandwidths (bytes/s) of the cache's tier kinds, for the engine's time model
+# where a tier's real speed is not measured (the node daemon's tiers, the GPU tier).
+NOMINAL_BANDWIDTH = {"gpu": 50e9, "dram": 10e9, "nvme": 2e9}
+DEFAULT_BANDWIDTH = 1e9
+
+
+def nominal_bandwidth(tier_name: str) -> float:
+    """The nominal read bandwidth of a tier named after its kind (1 GB/s if unknown)."""
+    return NOMINAL_BANDWIDTH.get(tier_name, DEFAULT_BANDWIDTH)
+
+
 @dataclass(frozen=True)
 class TierSpec:
     """One storage tier: how much it holds and how fast it reads.

@@ -19,7 +19,7 @@ os.environ.setdefault("CACHEMW_DRAM_CAPACITY", "2GiB")
 @pytest.fixture(scope="session", autouse=True)
 def _session_runtime():
     yield os.environ["CACHEMW_RUNTIME_DIR"]
-    from cachemw.service import stop_local
+    from cachemw.node.service import stop_local
 
     stop_local(os.environ["CACHEMW_RUNTIME_DIR"])
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
@@ -60,7 +60,7 @@ def dataset(tmp_path):
 _DAEMON_SCRIPT = r"""
 import json, sys, time
 from cachemw.config import DaemonConfig
-from cachemw.service import NodeService
+from cachemw.node.service import NodeService
 service = NodeService(DaemonConfig.build(**json.loads(sys.argv[1])))
 print("ready", flush=True)
 while True:
@@ -85,8 +85,8 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
 def daemon_stats(runtime_dir: str, drain: bool = True) -> dict:
     """The stats of the daemon serving ``runtime_dir``, asked over its socket by a fresh client,
     once this process's fills written behind its reads have landed."""
-    from cachemw.client import DaemonClient
-    from cachemw.fills import drain_all
+    from cachemw.client.link import DaemonClient
+    from cachemw.client.fills import drain_all
 
     if drain:
         drain_all(timeout=30)
@@ -134,7 +134,7 @@ def published(fs) -> None:
 
 @pytest.fixture
 def spawn_daemon(tmp_path):
-    """Start a real node daemon (cachemw.service.NodeService) in its own process.
+    """Start a real node daemon (cachemw.node.service.NodeService) in its own process.
 
     ``spawn_daemon(runtime_dir, **DaemonConfig.build kwargs)`` returns the Popen once the
     daemon has published its address. Every daemon still alive at teardown is SIGKILLed.

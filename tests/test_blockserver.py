@@ -7,10 +7,11 @@ import os
 
 import pytest
 
-from cachemw.blockserver import BlockClient, BlockServer
+from cachemw.client.blockclient import BlockClient
+from cachemw.cluster.blockserver import BlockServer
 from cachemw.config import DaemonConfig
 from cachemw.keys import block_key
-from cachemw.node import NodeCache
+from cachemw.node.cache import NodeCache
 
 L = 100_000
 SECRET = os.urandom(32)
@@ -122,7 +123,7 @@ def two_owners(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_reads_from_several_owners_at_once(two_owners):
-    from cachemw.direct import DirectReads
+    from cachemw.client.direct import DirectReads
 
     ring, nodes, servers, blocks = two_owners
     directory = _Directory(servers)
@@ -142,7 +143,7 @@ def test_reads_from_several_owners_at_once(two_owners):
 
 @pytest.mark.timeout(60)
 def test_a_damaged_block_from_an_owner_is_left_out_and_counted(two_owners):
-    from cachemw.direct import DirectReads
+    from cachemw.client.direct import DirectReads
 
     ring, nodes, servers, blocks = two_owners
     held = [k for k in blocks if ring.owner(k) in nodes]
@@ -164,7 +165,7 @@ class _FakeOwner:
         import socket
         import threading
 
-        from cachemw.blockserver import authenticate_server
+        from cachemw.blockwire import authenticate_server
 
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.address = self.sock.getsockname()
@@ -203,7 +204,7 @@ def _hung_owner():
 def test_a_hung_owner_costs_one_bounded_timeout(two_owners):
     import time
 
-    from cachemw.direct import DirectReads
+    from cachemw.client.direct import DirectReads
 
     ring, nodes, servers, blocks = two_owners
     hung = _hung_owner()
@@ -229,7 +230,7 @@ def test_the_daemons_peer_timeout_bounds_direct_reads(two_owners):
     setting for a peer's Ray calls and for direct transfers from it."""
     import time
 
-    from cachemw.direct import DirectReads
+    from cachemw.client.direct import DirectReads
 
     ring, nodes, servers, blocks = two_owners
     hung = _hung_owner()
@@ -252,7 +253,7 @@ def test_a_header_announcing_another_length_breaks_the_connection():
     import struct
     import threading
 
-    from cachemw.blockserver import authenticate_server
+    from cachemw.blockwire import authenticate_server
 
     server = socket.create_server(("127.0.0.1", 0))
 
@@ -308,7 +309,7 @@ def test_a_dripping_owner_costs_at_most_the_fetch_budget(two_owners, chunk, peri
     import signal
     import time
 
-    from cachemw.direct import DirectReads
+    from cachemw.client.direct import DirectReads
 
     ring, nodes, servers, blocks = two_owners
     slow = _dripping_owner(blocks, chunk, period)
@@ -336,7 +337,7 @@ def test_an_exchange_cut_short_never_passes_one_blocks_bytes_off_as_anothers(two
     """A fetch interrupted between its request and its reply (a signal handler raising, as
     Ctrl-C does) leaves a reply unread on the connection: the next fetches still return
     each key's own bytes, and a reply read for the wrong request is refused."""
-    from cachemw.direct import DirectReads
+    from cachemw.client.direct import DirectReads
 
     ring, nodes, servers, blocks = two_owners
     a_keys = [k for k in blocks if ring.owner(k) == "a"]

@@ -25,7 +25,7 @@ def new_fs(runtime_dir):
 
 def unreachable_warnings(caplog):
     return [r for r in caplog.records
-            if r.name == "cachemw.client" and "unreachable" in r.getMessage()]
+            if r.name == "cachemw.client.link" and "unreachable" in r.getMessage()]
 
 
 @pytest.mark.timeout(90)

@@ -14,7 +14,7 @@ import pytest
 from cachemw import blockfile
 from cachemw.config import DaemonConfig
 from cachemw.keys import block_key
-from cachemw.node import NodeCache
+from cachemw.node.cache import NodeCache
 from conftest import published
 
 L = 64 << 10
@@ -156,7 +156,7 @@ def test_connections_of_finished_threads_are_closed(make_cache_fs, tmp_path):
 
 
 def test_owner_refuses_a_block_of_another_version(tmp_path):
-    from cachemw.owner import serve_blocks
+    from cachemw.cluster.owner import serve_blocks
     from fsspec.implementations.local import LocalFileSystem
 
     nc = _node(tmp_path, blocks=8)

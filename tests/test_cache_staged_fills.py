@@ -12,11 +12,11 @@ import time
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from cachemw.client import DaemonClient
+from cachemw.client.link import DaemonClient
 from cachemw.config import DaemonConfig, TierConfig
 from cachemw.keys import block_key
-from cachemw.metadata import MetadataCache
-from cachemw.node import NodeCache
+from cachemw.client.metadata import MetadataCache
+from cachemw.node.cache import NodeCache
 from cachemw.tiers.directory import DirectoryTier
 from conftest import daemon_stats, staged_files, wait_for
 
@@ -212,7 +212,7 @@ def test_a_reader_publishing_a_prefetch_gives_its_room_back_once(tmp_path, monke
 
     from cachemw import blockfile, prefetch
     from cachemw.keys import url_tag
-    from cachemw.node import _Inflight
+    from cachemw.node.cache import _Inflight
 
     node = _node(tmp_path)
     ts = node._tiers["dram"]
@@ -304,7 +304,7 @@ def test_an_unexpected_error_staging_a_daemon_fill_still_ends_its_lease(tmp_path
 
     from cachemw import blockfile, owner, prefetch
     from cachemw.keys import url_tag, version_token
-    from cachemw.node import _Inflight
+    from cachemw.node.cache import _Inflight
 
     node = _node(tmp_path)
     path = str(tmp_path / "src.bin")

@@ -101,7 +101,7 @@ def test_tier_accounting_counts_the_checksum_tail_against_capacity(tmp_path):
     """Admission reserves a block's data length, but the tier then charges its stored size
     (data + checksums + trailer): a capacity between the two lets the tier pass its capacity."""
     from cachemw.config import DaemonConfig, TierConfig
-    from cachemw.node import NodeCache
+    from cachemw.node.cache import NodeCache
 
     capacity = 2 * STORED + BS + 8  # room for 2 stored blocks + a 3rd block's data, not its tail
     node = NodeCache(DaemonConfig(tiers=(TierConfig("dram", str(tmp_path / "dram"), capacity),),
@@ -158,7 +158,7 @@ def test_real_enospc_reads_go_on_and_tier_stops_admitting(runtime_dir, spawn_dae
         assert s["fallbacks"] == 0
         assert s["misses"] + s["bypassed"] == NFILES  # every read answered, none twice
         assert s["fills"] == s["misses"] - s["fill_errors"]
-        warnings = [r for r in caplog.records if r.name == "cachemw.fills"
+        warnings = [r for r in caplog.records if r.name == "cachemw.client.fills"
                     and "could not fill" in r.getMessage()]
         assert len(warnings) == 1
         # the blocks that did fit are served; everything reads right a second time

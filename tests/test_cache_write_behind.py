@@ -148,7 +148,7 @@ def test_a_dropped_filesystem_leaves_no_writer_thread_behind(make_cache_fs, tmp_
     import gc
     import time
 
-    from cachemw.fills import FillWriter
+    from cachemw.client.fills import FillWriter
 
     monkeypatch.setattr(FillWriter, "IDLE", 0.1)
     before = threading.active_count()
@@ -302,7 +302,7 @@ def _deferring_cache(tmp_path):
     (as the fill writer would hold them) until the test runs them."""
     from fsspec.implementations.local import LocalFileSystem
 
-    from cachemw.metadata import MetadataCache
+    from cachemw.client.metadata import MetadataCache
 
     path = str(tmp_path / "f.bin")
     _write(path, b"abc")
@@ -356,7 +356,7 @@ class _Client:
 
 def test_a_source_faster_than_the_write_is_filled_on_the_reader_path():
     """Written behind, a fill only helps when the reader has a wait to hide it in."""
-    from cachemw.fills import Fill, FillWriter
+    from cachemw.client.fills import Fill, FillWriter
 
     tier, client = _Tier(), _Client()
     writer = FillWriter(client, 1 << 20)
@@ -372,7 +372,7 @@ def test_a_source_faster_than_the_write_is_filled_on_the_reader_path():
 
 
 def test_an_unexpected_error_in_a_write_still_ends_the_lease():
-    from cachemw.fills import Fill, FillWriter
+    from cachemw.client.fills import Fill, FillWriter
 
     class Broken(_Tier):
         def stage(self, key, data, lease, tag=b""):
@@ -415,7 +415,7 @@ def test_a_client_gone_after_writing_its_fill_has_the_block_adopted(tmp_path):
     was read): the daemon keeps the block if its file is whole and verifies; a damaged or
     missing one is dropped and the lease aborted, as before."""
     from cachemw.config import DaemonConfig, TierConfig
-    from cachemw.node import NodeCache
+    from cachemw.node.cache import NodeCache
 
     node = NodeCache(DaemonConfig(tiers=(TierConfig("dram", str(tmp_path / "dram"), 1 << 30),),
                                   runtime_dir=str(tmp_path / "rt")))

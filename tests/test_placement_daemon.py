@@ -18,7 +18,7 @@ import pytest
 from cachemw.blockfile import tail_size
 from cachemw.config import TierConfig
 from cachemw.placement import Evict, simulate
-from cachemw.placer import Placer
+from cachemw.node.placer import Placer
 from conftest import daemon_stats, wait_for
 
 

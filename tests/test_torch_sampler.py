@@ -155,7 +155,7 @@ def test_a_path_that_cannot_be_announced_never_stops_the_epoch(tmp_path, caplog)
 
 
 def test_importing_cachemw_never_imports_torch():
-    code = ("import sys, cachemw, cachemw.fs, cachemw.placement, cachemw.tiers.gpu; "
+    code = ("import sys, cachemw, cachemw.client.fs, cachemw.placement, cachemw.tiers.gpu; "
             "sys.exit('torch' in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

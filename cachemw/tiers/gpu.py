@@ -40,11 +40,10 @@ import xxhash
 from ..blockfile import CorruptBlock
 from ..config import parse_size
 from ..keys import url_tag
-from ..placement import Admit, Engine, Evict, Plan, TierSpec
+from ..placement import NOMINAL_BANDWIDTH, Admit, Engine, Evict, Plan, TierSpec
 from .base import BlockEntry, TierInfo
 
 _hash = xxhash.xxh3_64_intdigest
-_DEVICE_BANDWIDTH = 50e9  # nominal; the engine uses it only for its time model
 
 
 @dataclass
@@ -79,7 +78,7 @@ class GpuTier:
         self._torch = torch
         self.name = name
         self.capacity = capacity
-        self._engine = Engine([TierSpec(name, capacity, _DEVICE_BANDWIDTH)], policy,
+        self._engine = Engine([TierSpec(name, capacity, NOMINAL_BANDWIDTH["gpu"])], policy,
                               announced=policy == "clairvoyant")
         self._blocks: dict[str, _Resident] = {}
         self._used = 0

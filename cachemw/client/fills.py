@@ -32,7 +32,7 @@ import time
 import weakref
 from typing import NamedTuple
 
-log = logging.getLogger("cachemw.fills")
+log = logging.getLogger(__name__)
 
 _writers: "weakref.WeakSet[FillWriter]" = weakref.WeakSet()
 

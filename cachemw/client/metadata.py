@@ -23,7 +23,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-from .keys import path_key, version_token
+from ..keys import path_key, version_token
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 
 import fsspec
 
-from . import blockfile
-from .keys import url_tag, version_token
-from .tiers.source import SourceTier
+from ..keys import url_tag, version_token
+from ..tiers.source import SourceTier
 
-log = logging.getLogger("cachemw.owner")
+log = logging.getLogger(__name__)
 
 OWNER_LEASE_WAIT = 3.0  # well under a peer's timeout: a slow fill must not evict us from rings
 _sources: dict[str, SourceTier] = {}

@@ -20,13 +20,16 @@ import tempfile
 import time
 from dataclasses import asdict
 
-from .config import DaemonConfig, default_runtime_dir
-from .protocol import ensure_private_dir, lookup
+from ..config import DaemonConfig, default_runtime_dir
+from ..node.service import NodeService
+from ..protocol import ensure_private_dir, lookup
+from .blockserver import BlockServer
+from .names import NAMESPACE, actor_name
+from .owner import RemoteReads, serve_blocks
+from .peers import PeerSet, pack
 
-log = logging.getLogger("cachemw.daemon")
+log = logging.getLogger(__name__)
 
-NAMESPACE = "cachemw"
-ACTOR_PREFIX = "cachemw-daemon-"
 RAY_STATE = "ray.json"
 
 
@@ -43,9 +46,6 @@ class DaemonActor:
     def __init__(self, options: dict) -> None:
         import ray
 
-        from .owner import RemoteReads
-        from .peers import PeerSet
-        from .service import NodeService
 
         logging.basicConfig(level=logging.INFO)
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -56,8 +56,6 @@ class DaemonActor:
         secret = options.get("cluster_secret")
         self.blocks = None
         if secret:  # the data plane for remote hits (Ray remains the control plane)
-            from .blockserver import BlockServer
-
             self.blocks = BlockServer(self.service.node, ray.util.get_node_ip_address(),
                                       bytes.fromhex(secret))
         self.peers = PeerSet(self.node_id, spawn=lambda n: place(n, self.options),
@@ -80,9 +78,6 @@ class DaemonActor:
 
     def serve_blocks(self, requests: list[tuple]):
         """Blocks this node owns, for a peer: one packed array (zero-copy in Ray) + lengths."""
-        from .owner import serve_blocks
-        from .peers import pack
-
         return pack(serve_blocks(self.service.node, requests))
 
     def ping(self) -> str:
@@ -102,7 +97,7 @@ def place(node_id: str, options: dict):
 
     actor_cls = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=16)(DaemonActor)
     return actor_cls.options(
-        name=ACTOR_PREFIX + node_id, namespace=NAMESPACE, lifetime="detached",
+        name=actor_name(node_id), namespace=NAMESPACE, lifetime="detached",
         get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(options)
@@ -267,7 +262,7 @@ def _daemon_handles():
     for node in ray.nodes():
         node_id = node["NodeID"]
         try:
-            handles[node_id] = ray.get_actor(ACTOR_PREFIX + node_id, namespace=NAMESPACE)
+            handles[node_id] = ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
         except ValueError:
             continue
     return handles

@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 import os
 
-from . import blockfile
-from .placement import Admit, Demote, Evict, Promote
+from .. import blockfile
+from ..placement import Admit, Demote, Evict, Promote
 
-log = logging.getLogger("cachemw.node")
+log = logging.getLogger(__name__)
 
 
 class MoveRunner:

@@ -14,15 +14,15 @@ import logging
 import time
 from typing import NamedTuple
 
-from .blockfile import CorruptBlock
-from .client import DaemonClient
+from ..blockfile import CorruptBlock
+from .link import DaemonClient
 from .direct import DirectReads
 from .fills import Fill, FillWriter
-from .keys import block_key, block_length, url_tag
+from ..keys import block_key, block_length, url_tag
 from .metadata import FileMeta
-from .tiers.source import SourceTier
+from ..tiers.source import SourceTier
 
-log = logging.getLogger("cachemw.reader")
+log = logging.getLogger(__name__)
 
 
 class _Piece(NamedTuple):

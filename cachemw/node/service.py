@@ -1,7 +1,7 @@
 """NodeService: a node cache served on the node's local socket.
 
 This is the body of every daemon: the one a process autostarts when none runs on the node
-(``python -m cachemw.service``: a process of its own, so it never competes with the trainer
+(``python -m cachemw.node.service``: a process of its own, so it never competes with the trainer
 for its GIL; it ends with the main process that started it, or after being idle when a
 DataLoader worker started it) and the Ray actor started by ``cachemw start`` run the same
 thing. It takes the runtime dir's
@@ -15,14 +15,14 @@ import os
 import shutil
 import threading
 
-from .config import DaemonConfig
-from .node import NodeCache
-from .protocol import (SOCKET, DaemonAddress, DaemonLock, ensure_private_dir, pid_alive, publish,
+from ..config import DaemonConfig
+from .cache import NodeCache
+from ..protocol import (SOCKET, DaemonAddress, DaemonLock, ensure_private_dir, pid_alive, publish,
                        unpublish)
 from .server import SocketServer
-from .tiers.directory import DirectoryTier
+from ..tiers.directory import DirectoryTier
 
-log = logging.getLogger("cachemw.daemon")
+log = logging.getLogger(__name__)
 
 
 class DaemonAlreadyRunning(RuntimeError):
@@ -89,14 +89,14 @@ def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: 
     import sys
     import time
 
-    from .protocol import lookup
+    from ..protocol import lookup
 
     ensure_private_dir(runtime_dir)
     log_path = os.path.join(runtime_dir, "daemon.log")
     with open(log_path, "ab") as log_file:
         os.chmod(log_path, 0o600)
         subprocess.Popen(
-            [sys.executable, "-m", "cachemw.service", "--runtime-dir", runtime_dir,
+            [sys.executable, "-m", "cachemw.node.service", "--runtime-dir", runtime_dir,
              "--idle-exit", str(idle_exit), "--options", json.dumps(options or {}),
              *(["--parent-pid", str(parent_pid)] if parent_pid else [])],
             stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    p = argparse.ArgumentParser(prog="python -m cachemw.service")
+    p = argparse.ArgumentParser(prog="python -m cachemw.node.service")
     p.add_argument("--runtime-dir", required=True)
     p.add_argument("--idle-exit", type=float, default=600.0)
     p.add_argument("--options", default="{}", help="DaemonConfig.build keywords, as JSON")
@@ -153,8 +153,8 @@ def stop_local(runtime_dir: str, timeout: float = 10.0) -> bool:
     """Ask the daemon of ``runtime_dir`` to stop (whatever started it); True if one did."""
     import time
 
-    from .client import DaemonClient
-    from .protocol import lookup
+    from ..client.link import DaemonClient
+    from ..protocol import lookup
 
     address = lookup(runtime_dir)
     if address is None:

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import logging
 
-from .keys import url_tag
-from .placement import Prefetch
+from ..keys import url_tag
+from ..placement import Prefetch
 
-log = logging.getLogger("cachemw.prefetch")
+log = logging.getLogger(__name__)
 
 
 def run_prefetch(node, budget: int) -> None:
-    from .node import _Inflight
-    from .owner import source_for
+    from .cache import _Inflight
+    from ..cluster.owner import source_for
 
     planned = []
     with node._lock:  # a lease decides under this lock too: none slips in between

@@ -24,15 +24,15 @@ try:  # fsspec >= 2025.x marks filesystems layered over another one (fills in th
 except ImportError:  # pragma: no cover - older fsspec
     _Base = AbstractFileSystem
 
-from .client import DaemonClient
-from .config import CacheOptions, DaemonConfig
-from .blockfile import PAGE_SIZE, CorruptBlock, MappedBlock, page_hash
-from .keys import block_count, block_key, block_length
+from .link import DaemonClient
+from ..config import CacheOptions, DaemonConfig
+from ..blockfile import PAGE_SIZE, CorruptBlock, MappedBlock, page_hash
+from ..keys import block_count, block_key, block_length
 from .metadata import MetadataCache
 from .reader import BlockReader
-from .tiers.source import ChangedSourceError, SourceTier
+from ..tiers.source import ChangedSourceError, SourceTier
 
-log = logging.getLogger("cachemw.fs")
+log = logging.getLogger(__name__)
 
 # Options of fsspec's own base class, passed through; anything else unknown is an error.
 _FSSPEC_BASE_OPTIONS = {"use_listings_cache", "listings_expiry_time", "max_paths",

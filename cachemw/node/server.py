@@ -13,10 +13,10 @@ import threading
 import time
 from multiprocessing.connection import Connection, deliver_challenge
 
-from .node import NodeCache
-from .protocol import REPLY_OPS
+from .cache import NodeCache
+from ..protocol import REPLY_OPS
 
-log = logging.getLogger("cachemw.server")
+log = logging.getLogger(__name__)
 
 
 class SocketServer:

@@ -20,10 +20,10 @@ import weakref
 from multiprocessing.connection import Connection, answer_challenge
 
 from .fills import drain_all
-from .protocol import CLIENT_COUNTERS, DaemonAddress, lookup
-from .tiers.directory import DirectoryTier
+from ..protocol import CLIENT_COUNTERS, DaemonAddress, lookup
+from ..tiers.directory import DirectoryTier
 
-log = logging.getLogger("cachemw.client")
+log = logging.getLogger(__name__)
 
 RETRY_SECONDS = 2.0
 
@@ -153,7 +153,7 @@ class DaemonClient:
         which would fight it for the GIL). Started by a main process, it ends with that
         process; started by a DataLoader worker (a dataset of plain cachemw:: URLs), it
         outlives the worker and exits once idle."""
-        from .service import spawn_detached
+        from ..node.service import spawn_detached
 
         parent = os.getpid() if is_main_process() else None
         return spawn_detached(self.runtime_dir, self.daemon_config, parent_pid=parent)

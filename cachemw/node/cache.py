@@ -23,16 +23,16 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .config import DaemonConfig, TierConfig
-from . import blockfile
-from .keys import url_tag
-from .moves import MoveRunner
-from .placement import Demote
+from ..config import DaemonConfig, TierConfig
+from .. import blockfile
+from ..keys import url_tag
+from .mover import MoveRunner
+from ..placement import Demote
 from .placer import Placer
-from .protocol import CLIENT_COUNTERS
-from .tiers.directory import DirectoryTier
+from ..protocol import CLIENT_COUNTERS
+from ..tiers.directory import DirectoryTier
 
-log = logging.getLogger("cachemw.node")
+log = logging.getLogger(__name__)
 
 
 

@@ -17,9 +17,10 @@ import time
 
 import numpy as np
 
-from .ring import HashRing
+from ..ring import HashRing
+from .names import NAMESPACE, actor_name
 
-log = logging.getLogger("cachemw.peers")
+log = logging.getLogger(__name__)
 
 
 class PeerSet:
@@ -28,11 +29,7 @@ class PeerSet:
                  blocks: tuple | None = None) -> None:
         import ray
 
-        from .daemon import ACTOR_PREFIX, NAMESPACE
-
         self._ray = ray
-        self._prefix = ACTOR_PREFIX
-        self._namespace = NAMESPACE
         self.self_id = self_id
         self.spawn = spawn  # callable(node_id): place a daemon on that node
         self.refresh_interval = refresh_interval
@@ -75,7 +72,7 @@ class PeerSet:
             handle = self._handles.get(node_id)
             if handle is None:
                 try:
-                    handle = ray.get_actor(self._prefix + node_id, namespace=self._namespace)
+                    handle = ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
                 except ValueError:
                     handle = None
                 if handle is not None:

@@ -15,10 +15,11 @@ import select
 import threading
 import time
 
-from .blockserver import BlockClient, fetch_deadline
-from .ring import HashRing
+from ..blockwire import fetch_deadline
+from .blockclient import BlockClient
+from ..ring import HashRing
 
-log = logging.getLogger("cachemw.direct")
+log = logging.getLogger(__name__)
 
 REFRESH = 2.0
 

@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import threading
 
-from .config import TierConfig
-from .placement import Admit, Engine, Evict, Plan, Prefetch, TierSpec
-
-# Nominal read bandwidths (bytes/s); the engine uses them only for its time model.
-_BANDWIDTH = {"gpu": 50e9, "dram": 10e9, "nvme": 2e9}
+from ..config import TierConfig
+from ..placement import Admit, Engine, Evict, Plan, Prefetch, TierSpec, nominal_bandwidth
 
 
 class Placer:
     def __init__(self, tiers: tuple[TierConfig, ...], policy: str | None = None) -> None:
         # The engine fills a tier up to its high watermark; the rest is headroom for fills
         # in flight, so the tier's hard capacity holds.
-        self._specs = [TierSpec(t.name, max(1, t.high_bytes), _BANDWIDTH.get(t.name, 1e9))
+        self._specs = [TierSpec(t.name, max(1, t.high_bytes), nominal_bandwidth(t.name))
                        for t in tiers]
         self.policy = policy
         self.announced = policy == "clairvoyant"
