@@ -53,6 +53,28 @@ def dataset(tmp_path):
     return root, files
 
 
+@pytest.fixture
+def make_tree(tmp_path):
+    """Factory of random source trees: ``make_tree(sizes, name="src", seed=0,
+    fmt="{i:04d}.bin")`` writes one file per entry of ``sizes`` (bytes from a RNG seeded
+    with ``seed``) under ``tmp_path/name`` and returns ``{path: bytes}`` in file order."""
+    import random
+
+    def make(sizes, *, name: str = "src", seed: int = 0, fmt: str = "{i:04d}.bin") -> dict:
+        rng = random.Random(seed)
+        root = tmp_path / name
+        root.mkdir(parents=True, exist_ok=True)
+        out = {}
+        for i, size in enumerate(sizes):
+            data = rng.randbytes(size)
+            path = root / fmt.format(i=i)
+            path.write_bytes(data)
+            out[str(path)] = data
+        return out
+
+    return make
+
+
 # ---------------------------------------------------------------------------------------
 # Helpers of the cache behaviour tests (tests/test_cache_*.py): a daemon in a separate
 # process, a target filesystem that logs the calls it gets, and daemon stats over the socket.

@@ -8,7 +8,6 @@ import os
 import threading
 import time
 
-import fsspec
 import pytest
 
 from cachemw import blockfile

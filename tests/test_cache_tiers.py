@@ -5,7 +5,6 @@ surviving a daemon restart)."""
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import subprocess
 
@@ -21,18 +20,9 @@ NFILES = 24
 
 
 @pytest.fixture
-def blocks_dataset(tmp_path):
+def blocks_dataset(make_tree):
     """NFILES files of exactly one block each."""
-    rng = random.Random(11)
-    root = tmp_path / "src"
-    root.mkdir()
-    files = {}
-    for i in range(NFILES):
-        p = str(root / f"s{i:02d}.bin")
-        files[p] = rng.randbytes(BS)
-        with open(p, "wb") as f:
-            f.write(files[p])
-    return files
+    return make_tree([BS] * NFILES, seed=11, fmt="s{i:02d}.bin")
 
 
 def new_fs(runtime_dir, **options):

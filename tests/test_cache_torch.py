@@ -47,18 +47,10 @@ class UrlDataset(torch.utils.data.Dataset):
 
 
 @pytest.fixture
-def files(tmp_path):
+def files(make_tree):
     rng = random.Random(5)
-    root = tmp_path / "train"
-    root.mkdir()
-    out = {}
-    for i in range(24):
-        data = rng.randbytes(rng.choice([0, 1, 4096, BS, BS + 1, 3 * BS - 7]))
-        p = str(root / f"{i:03d}.bin")
-        with open(p, "wb") as f:
-            f.write(data)
-        out[p] = data
-    return out
+    sizes = [rng.choice([0, 1, 4096, BS, BS + 1, 3 * BS - 7]) for _ in range(24)]
+    return make_tree(sizes, name="train", seed=5, fmt="{i:03d}.bin")
 
 
 def _epochs(dataset, method, n=2):

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from cachemw.checkpoint import (BufferStager, CachemwStorageReader, CachemwStorageWriter,  # noqa: E402
-                                CheckpointNotFoundError, ChecksumError, SpreadSavePlanner)
+                                CheckpointNotFoundError, SpreadSavePlanner)
 from cachemw.checkpoint.writer import MANIFEST_NAME  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]

@@ -1,7 +1,6 @@
 """Existing loaders read through cachemw by changing the filesystem or URL: pyarrow."""
 from __future__ import annotations
 
-import fsspec
 import numpy as np
 import pytest
 

@@ -4,7 +4,6 @@ and a node that leaves or joins costs speed, never a read."""
 from __future__ import annotations
 
 import os
-import random
 import time
 
 import pytest
@@ -55,19 +54,6 @@ def _fs(template, node_id):
                              validate="immutable")
 
 
-def _files(tmp_path, n, size, seed=0):
-    rng = random.Random(seed)
-    d = tmp_path / f"src{seed}"
-    d.mkdir()
-    out = {}
-    for i in range(n):
-        p = d / f"s{i:04d}"
-        data = rng.randbytes(size)
-        p.write_bytes(data)
-        out[str(p)] = data
-    return out
-
-
 def _node_stats(timeout=30):
     from cachemw import daemon
 
@@ -85,7 +71,7 @@ def _wait(predicate, timeout=30.0):
 
 
 @pytest.mark.timeout(600)
-def test_reads_owned_elsewhere_and_aggregate_capacity(cluster, tmp_path):
+def test_reads_owned_elsewhere_and_aggregate_capacity(cluster, tmp_path, make_tree):
     import ray
 
     c, _ = cluster
@@ -95,7 +81,7 @@ def test_reads_owned_elsewhere_and_aggregate_capacity(cluster, tmp_path):
     stats = _node_stats()
     assert len(stats) == 3 and all("error" not in s for s in stats.values())
     assert all(len(s["peers"]["ring"]) == 3 for s in stats.values())
-    files = _files(tmp_path, 96, BLOCK)  # 6 MiB
+    files = make_tree([BLOCK] * 96, name="src0", fmt="s{i:04d}")  # 6 MiB
     fs = _fs(template, head)
     paths = sorted(files)
     got = fs.cat(paths)  # one batch: misses grouped per owner
@@ -124,13 +110,13 @@ def test_reads_owned_elsewhere_and_aggregate_capacity(cluster, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_node_removed_mid_epoch_then_added(cluster, tmp_path):
+def test_node_removed_mid_epoch_then_added(cluster, tmp_path, make_tree):
     import ray
 
     c, nodes = cluster
     template = _start(tmp_path, c.address)
     head = ray.get_runtime_context().get_node_id()
-    files = _files(tmp_path, 120, BLOCK // 2, seed=1)
+    files = make_tree([BLOCK // 2] * 120, name="src1", seed=1, fmt="s{i:04d}")
     paths = sorted(files)
     fs = _fs(template, head)
     half = len(paths) // 2
@@ -161,14 +147,14 @@ def test_node_removed_mid_epoch_then_added(cluster, tmp_path):
     assert _wait(lambda: new_id in _node_stats() and "error" not in _node_stats()[new_id], 60)
     assert _wait(lambda: all(len(s.get("peers", {}).get("ring", ())) == 3
                              for s in _node_stats().values() if "error" not in s), 30)
-    more = _files(tmp_path, 60, BLOCK // 2, seed=2)
+    more = make_tree([BLOCK // 2] * 60, name="src2", seed=2, fmt="s{i:04d}")
     got = fs.cat(sorted(more))
     assert all(got[p] == more[p] for p in more)
     assert _node_stats()[new_id]["tiers"]["dram"]["blocks"] > 0
 
 
 @pytest.mark.timeout(600)
-def test_hung_daemon_times_out_and_reads_fall_back(cluster, tmp_path):
+def test_hung_daemon_times_out_and_reads_fall_back(cluster, tmp_path, make_tree):
     """A peer that stops answering (SIGSTOP) costs one bounded timeout, then its blocks are
     read from the source, counted, and the ring goes on without it."""
     import signal
@@ -178,7 +164,7 @@ def test_hung_daemon_times_out_and_reads_fall_back(cluster, tmp_path):
     c, nodes = cluster
     template = _start(tmp_path, c.address)
     head = ray.get_runtime_context().get_node_id()
-    files = _files(tmp_path, 90, BLOCK // 2, seed=3)
+    files = make_tree([BLOCK // 2] * 90, name="src3", seed=3, fmt="s{i:04d}")
     paths = sorted(files)
     fs = _fs(template, head)
     got = fs.cat(paths)
@@ -188,7 +174,7 @@ def test_hung_daemon_times_out_and_reads_fall_back(cluster, tmp_path):
     os.kill(pid, signal.SIGSTOP)
     try:
         t = time.monotonic()
-        again = _files(tmp_path, 90, BLOCK // 2, seed=4)
+        again = make_tree([BLOCK // 2] * 90, name="src4", seed=4, fmt="s{i:04d}")
         got = fs.cat(sorted(again))  # new blocks, a third of them owned by the hung node
         assert all(got[p] == again[p] for p in again)
         assert time.monotonic() - t < 30  # one timeout (3 s), not one per block

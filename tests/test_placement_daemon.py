@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import os
 import time
 
 import fsspec
@@ -60,16 +59,6 @@ FILE = 16 << 10
 STORED = FILE + tail_size(FILE)
 
 
-def make_files(root, n: int) -> list[str]:
-    root.mkdir()
-    paths = []
-    for i in range(n):
-        p = root / f"{i:04d}.bin"
-        p.write_bytes(os.urandom(FILE))
-        paths.append(str(p))
-    return paths
-
-
 def cache_fs(runtime_dir: str):
     return fsspec.filesystem("cachemw", target_protocol="file", runtime_dir=runtime_dir,
                              autostart=False, validate="immutable", skip_instance_cache=True)
@@ -95,9 +84,9 @@ def read_epochs(fs, paths, orders, announce: bool, compute: float) -> list[dict]
 
 
 @pytest.mark.timeout(60)
-def test_an_announced_order_is_prefetched_ahead_of_the_reader(tmp_path, runtime_dir, spawn_daemon):
+def test_an_announced_order_is_prefetched_ahead_of_the_reader(make_tree, runtime_dir, spawn_daemon):
     spawn_daemon(runtime_dir, dram_capacity="16MiB")
-    paths = make_files(tmp_path / "src", 40)
+    paths = sorted(make_tree([FILE] * 40))
     fs = cache_fs(runtime_dir)
     assert fs.announce(paths[::-1]) == 40
     wait_for(lambda: daemon_stats(runtime_dir)["counters"].get("prefetched", 0) == 40, 20,
@@ -113,12 +102,12 @@ def test_an_announced_order_is_prefetched_ahead_of_the_reader(tmp_path, runtime_
 @pytest.mark.torch
 @pytest.mark.timeout(180)
 def test_epoch2_hit_ratio_with_half_the_dataset_beats_lru_and_matches_the_simulator(
-        tmp_path, runtime_dir, spawn_daemon):
+        tmp_path, make_tree, runtime_dir, spawn_daemon):
     pytest.importorskip("torch")  # the trace comes from torch's RandomSampler
     from cachemw.placement import workloads
 
     n, epochs = 160, 3
-    paths = make_files(tmp_path / "src", n)
+    paths = sorted(make_tree([FILE] * n))
     # the engine fills a tier to its high watermark (95%): size it so that is half the data
     dram = int(n * STORED * 0.5 / 0.95) + 1
     capacity = TierConfig("dram", "/unused", dram).high_bytes

@@ -14,6 +14,7 @@ imports Ray, so it works in forked DataLoader workers.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import fsspec
@@ -222,81 +223,73 @@ class CacheFileSystem(_Base):
             self._written(p)
         self._written(path)
 
+    @contextlib.contextmanager
+    def _then_forget(self, paths, how: str = "file"):
+        """Run a write on the target, then, even if it failed part-way, forget what the
+        cache knew of ``paths``: a file's blocks and metadata (``"file"``), everything
+        under a path too (``"tree"``), or only metadata (``"meta"``: directories)."""
+        try:
+            yield
+        finally:
+            for p in paths if isinstance(paths, list) else [paths]:
+                if how == "meta":
+                    self.meta.forget_tree(p)
+                elif how == "tree":
+                    self._written_tree(p)
+                else:
+                    self._written(p)
+
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         path = self._strip_protocol(path)
-        try:
+        with self._then_forget(path):
             self.target.pipe_file(path, value, mode=mode, **kwargs)
-        finally:
-            self._written(path)
 
     def rm_file(self, path):
         path = self._strip_protocol(path)
-        try:
+        with self._then_forget(path):
             self.target.rm_file(path)
-        finally:
-            self._written(path)
 
     def rm(self, path, recursive=False, maxdepth=None):
         paths = self._strip_protocol(path)
-        paths = paths if isinstance(paths, list) else [paths]
-        try:
+        with self._then_forget(paths, "tree"):
             self.target.rm(paths, recursive=recursive, maxdepth=maxdepth)
-        finally:
-            for p in paths:
-                self._written_tree(p)
 
     def mkdir(self, path, create_parents=True, **kwargs):
         path = self._strip_protocol(path)
-        try:
+        with self._then_forget(path, "meta"):
             self.target.mkdir(path, create_parents=create_parents, **kwargs)
-        finally:
-            self.meta.forget_tree(path)
 
     def makedirs(self, path, exist_ok=False):
         path = self._strip_protocol(path)
-        try:
+        with self._then_forget(path, "meta"):
             self.target.makedirs(path, exist_ok=exist_ok)
-        finally:
-            self.meta.forget_tree(path)
 
     def rmdir(self, path):
         path = self._strip_protocol(path)
-        try:
+        with self._then_forget(path, "meta"):
             self.target.rmdir(path)
-        finally:
-            self.meta.forget_tree(path)
 
     def cp_file(self, path1, path2, **kwargs):
         path1, path2 = self._strip_protocol(path1), self._strip_protocol(path2)
-        try:
+        with self._then_forget(path2):
             self.target.cp_file(path1, path2, **kwargs)
-        finally:
-            self._written(path2)
 
     def mv(self, path1, path2, recursive=False, maxdepth=None, **kwargs):
         p1, p2 = self._strip_protocol(path1), self._strip_protocol(path2)
-        try:
+        both = (p1 if isinstance(p1, list) else [p1]) + (p2 if isinstance(p2, list) else [p2])
+        with self._then_forget(both, "tree"):
             self.target.mv(p1, p2, recursive=recursive, maxdepth=maxdepth, **kwargs)
-        finally:
-            for p in (p1 if isinstance(p1, list) else [p1]):
-                self._written_tree(p)
-            for p in (p2 if isinstance(p2, list) else [p2]):
-                self._written_tree(p)
 
     def put_file(self, lpath, rpath, callback=fsspec.callbacks.DEFAULT_CALLBACK, mode="overwrite",
                  **kwargs):
         rpath = self._strip_protocol(rpath)
-        try:
+        with self._then_forget(rpath):
             self.target.put_file(lpath, rpath, callback=callback, mode=mode, **kwargs)
-        finally:
-            self._written(rpath)
 
     def touch(self, path, truncate=True, **kwargs):
         path = self._strip_protocol(path)
-        try:
+        with self._then_forget(path):
             self.target.touch(path, truncate=truncate, **kwargs)
-        finally:
-            self._written(path)
 
     # -- cache control and visibility ---------------------------------------------------
 
