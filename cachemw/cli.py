@@ -7,7 +7,9 @@ import logging
 import os
 import sys
 
-from .bench import add_arguments as add_bench_arguments
+from . import bench
+from .client.link import DaemonClient
+from .cluster import actor as daemon
 from .config import default_runtime_dir, parse_size
 from .report import format_stats, human_bytes
 
@@ -24,8 +26,6 @@ def _runtime_dir(args) -> str:
 
 
 def cmd_start(args) -> int:
-    from .cluster import actor as daemon
-
     options = {k: v for k, v in {
         "dram_dir": args.dram_dir, "dram_capacity": args.dram_capacity,
         "nvme_dir": args.nvme_dir, "nvme_capacity": args.nvme_capacity,
@@ -38,16 +38,12 @@ def cmd_start(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    from .cluster import actor as daemon
-
     n = daemon.stop(args.address, runtime_dir=_runtime_dir(args))
     print(f"stopped {n} daemon(s)")
     return 0
 
 
 def cmd_status(args) -> int:
-    from .cluster import actor as daemon
-
     try:
         nodes = daemon.status(args.address, runtime_dir=_runtime_dir(args))
     except ConnectionError:
@@ -73,8 +69,6 @@ def cmd_status(args) -> int:
 
 
 def _local_stats(args) -> dict | None:
-    from .client.link import DaemonClient
-
     client = DaemonClient(_runtime_dir(args), autostart=False, timeout=10)
     try:
         return client.daemon_stats()
@@ -107,9 +101,7 @@ def cmd_warm(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import main as bench_main
-
-    return bench_main(args)
+    return bench.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_warm)
 
     s = sub.add_parser("bench", help="the DLIO-style read benchmark (the main job)")
-    add_bench_arguments(s)
+    bench.add_arguments(s)
     s.set_defaults(func=cmd_bench)
     return p
 

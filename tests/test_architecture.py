@@ -1,0 +1,92 @@
+"""The architecture as tests: the import-linter contracts of pyproject.toml hold, and no
+module of the package imports another of its modules inside a function (the way an import
+loop is usually dodged). See README "Layout"."""
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# The three Python folders install as one package (setuptools package-dir): cachemw/,
+# placement/ as cachemw.placement, checkpoint/ as cachemw.checkpoint.
+FOLDERS = {"cachemw": "cachemw", "placement": "cachemw.placement",
+           "checkpoint": "cachemw.checkpoint"}
+
+# Imports of the package's own modules that stay inside a function, each for its reason.
+DEFERRED = {
+    # `import cachemw` (which every fsspec read through cachemw does) must not load the
+    # cluster layer: cachemw.start()/stop() load it when called.
+    ("cachemw", "cachemw.cluster.actor"),
+}
+
+
+def _package_view(tmp_path: Path) -> Path:
+    """The package as it installs (placement/ and checkpoint/ inside cachemw/), as symlinks."""
+    view = tmp_path / "view" / "cachemw"
+    view.mkdir(parents=True)
+    for entry in (REPO / "cachemw").iterdir():
+        (view / entry.name).symlink_to(entry)
+    (view / "placement").symlink_to(REPO / "placement")
+    (view / "checkpoint").symlink_to(REPO / "checkpoint")
+    return view.parent
+
+
+@pytest.mark.timeout(120)
+def test_import_contracts_hold(tmp_path):
+    lint = shutil.which("lint-imports", path=os.path.dirname(sys.executable))
+    if lint is None:
+        pytest.fail("lint-imports (import-linter) is not installed: it is a dev dependency")
+    env = dict(os.environ, PYTHONPATH=str(_package_view(tmp_path)))
+    run = subprocess.run([lint, "--config", str(REPO / "pyproject.toml"), "--no-cache"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def _module_name(path: Path, folder: str) -> str:
+    rel = path.relative_to(REPO / folder).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join([FOLDERS[folder], *parts])
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
+    if node.level == 0:
+        return [node.module] if node.module else []
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    target = ".".join(base + ([node.module] if node.module else []))
+    return [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+
+
+def _deferred_imports():
+    for folder in FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            module = _module_name(path, folder)
+            tree = ast.parse(path.read_text(), str(path))
+            for func in ast.walk(tree):
+                if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(func):
+                    if isinstance(node, ast.Import):
+                        targets = [a.name for a in node.names]
+                    elif isinstance(node, ast.ImportFrom):
+                        targets = _resolve(module, path.name == "__init__.py", node)
+                    else:
+                        continue
+                    for target in targets:
+                        if target == "cachemw" or target.startswith("cachemw."):
+                            yield module, target, f"{path.relative_to(REPO)}:{node.lineno}"
+
+
+def test_no_module_imports_another_of_the_package_inside_a_function():
+    found = [f"{where}: {module} imports {target}"
+             for module, target, where in _deferred_imports()
+             if not any(module == m and (target == t or target.startswith(t + "."))
+                        for m, t in DEFERRED)]
+    assert not found, "imports inside functions (move them to the top, or move the code " \
+                      "to where its data lives):\n" + "\n".join(found)
