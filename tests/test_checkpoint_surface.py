@@ -67,3 +67,67 @@ def test_unknown_attribute_of_the_package_is_an_attribute_error():
         ck.no_such_name  # noqa: B018
 
 
+def test_single_process_save_and_load_emit_no_warning(tmp_path):
+    from cachemw.checkpoint import load, save
+
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        save({"w": torch.arange(6.0), "meta": {"epoch": 2}}, tmp_path / "c")
+        back = load(tmp_path / "c")
+        other = UserWarning("not DCP's: still shown")
+        warnings.warn(other)
+    assert [str(w.message) for w in seen] == [str(other)]  # only ours: the filter is scoped to the calls
+    assert torch.equal(back["w"], torch.arange(6.0)) and back["meta"] == {"epoch": 2}
+    assert warnings.filters == before
+
+
+def test_dcp_warning_is_silenced_only_during_our_calls(tmp_path):
+    from cachemw.checkpoint import save
+
+    save({"w": torch.ones(2)}, tmp_path / "ours")
+    with pytest.warns(UserWarning, match="torch.distributed is disabled"):
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+
+
+def test_silencing_survives_catch_warnings_interleaved_from_another_thread():
+    """The Checkpointer's worker thread silences DCP while the main thread may enter and leave
+    ``catch_warnings`` (pytest does, around each test): the entry never outlives the call."""
+    from cachemw.checkpoint.quiet import MESSAGE, single_process_dcp
+
+    def ours(filters):
+        return [f for f in filters if f[1] is not None and f[1].pattern == MESSAGE]
+
+    before = list(warnings.filters)
+    worker_call = single_process_dcp()
+    worker_call.__enter__()                # worker: a DCP call starts
+    main = warnings.catch_warnings()
+    main.__enter__()                       # main thread: copies the filters, entry included
+    assert ours(warnings.filters)
+    worker_call.__exit__(None, None, None)  # worker: the call ends while main is inside
+    assert not ours(warnings.filters)
+    main.__exit__(None, None, None)        # main: restores the list it saved
+    assert not ours(warnings.filters) and warnings.filters == before
+
+
+@pytest.mark.timeout(120)
+def test_single_process_save_load_and_checkpointer_print_nothing(tmp_path):
+    """In a fresh process showing every warning and log record: stderr stays empty."""
+    proc = run_python(f"""
+        import logging
+        import torch
+        logging.basicConfig(level=logging.DEBUG)
+        from cachemw.checkpoint import Checkpointer, load, save
+        save({{"w": torch.ones(3)}}, "c")
+        assert torch.equal(load("c")["w"], torch.ones(3))
+        with Checkpointer("root", keep_last=1) as ck:
+            ck.save(1, {{"w": torch.ones(3)}})
+            ck.wait()
+            state = {{"w": torch.zeros(3)}}
+            assert ck.load(state) == 1 and torch.equal(state["w"], torch.ones(3))
+        print("done")
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "done"
+    assert proc.stderr == ""
+
