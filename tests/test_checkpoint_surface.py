@@ -3,12 +3,15 @@ the package (Lightning only when its plug-in is asked for), quiet single-process
 README's examples run as written, and Lightning's usual calls on checkpoints its plug-in wrote."""
 from __future__ import annotations
 
+import io as io_module
 import os
 import re
+import struct
 import subprocess
 import sys
 import textwrap
 import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -252,3 +255,37 @@ def test_readme_checkpointing_examples_run_as_written(aws_env, tmp_path, monkeyp
           "path": first.checkpoint_callback.best_model_path}
     exec(lightning, ns)
     assert ns["trainer"].current_epoch == 2 and ns["trainer"].global_step == 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_lightning_plugin_checkpoint_on_s3_reads_with_the_usual_calls(aws_env):
+    if pl is None:
+        pytest.skip("Lightning is not installed")
+    import fsspec
+
+    from cachemw.checkpoint import CachemwCheckpointIO, ChecksumError
+
+    io, url = CachemwCheckpointIO(), "s3://bucket/run-2/checkpoints/epoch=0-step=4.ckpt"
+    model = ReadmeModel(hidden=3)
+    io.save_checkpoint({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
+                        "pytorch-lightning_version": pl.__version__}, url)
+    keys = [o["Key"] for o in aws_env.list_objects_v2(Bucket="bucket", Prefix="run-2/")["Contents"]]
+    assert keys == ["run-2/checkpoints/epoch=0-step=4.ckpt"]  # no temp object left
+    loaded = ReadmeModel.load_from_checkpoint(url)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    with fsspec.open(url, "rb") as f:
+        assert torch.load(f)["hyper_parameters"]["hidden"] == 3
+    assert torch.equal(io.load_checkpoint(url)["state_dict"]["layer.0.weight"], model.layer[0].weight)
+
+    body = bytearray(aws_env.get_object(Bucket="bucket", Key=keys[0])["Body"].read())
+    with zipfile.ZipFile(io_module.BytesIO(bytes(body))) as archive:
+        record = next(r for r in archive.infolist() if r.filename.endswith("/data/0"))
+    name_len, extra_len = struct.unpack("<HH", body[record.header_offset + 26:record.header_offset + 30])
+    body[record.header_offset + 30 + name_len + extra_len] ^= 0x01  # the first byte of a tensor
+    with fsspec.open("s3://bucket/run-2/checkpoints/bad.ckpt", "wb") as f:
+        f.write(bytes(body))
+    with pytest.raises(ChecksumError, match=record.filename):
+        io.load_checkpoint("s3://bucket/run-2/checkpoints/bad.ckpt")
+    io.remove_checkpoint(url)
+    assert "Contents" not in aws_env.list_objects_v2(Bucket="bucket", Prefix="run-2/checkpoints/epoch")
