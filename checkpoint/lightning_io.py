@@ -52,8 +52,10 @@ class CachemwCheckpointIO(_BASES[0] if _BASES else object):  # type: ignore[misc
                             f"{storage_options!r}")
         torch_file.save_file(checkpoint, path)
 
-    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = "cpu",
                         weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning calls this without ``map_location``: tensors come to CPU (as with its own
+        ``TorchCheckpointIO``), not each onto the device it was saved from."""
         legacy = Location(path)
         if legacy.exists(MANIFEST_NAME):  # a directory written by an earlier version of this plug-in
             return torch_like.load(path, map_location=map_location)
