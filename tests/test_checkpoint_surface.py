@@ -116,17 +116,17 @@ def test_silencing_survives_catch_warnings_interleaved_from_another_thread():
 @pytest.mark.timeout(120)
 def test_single_process_save_load_and_checkpointer_print_nothing(tmp_path):
     """In a fresh process showing every warning and log record: stderr stays empty."""
-    proc = run_python(f"""
+    proc = run_python("""
         import logging
         import torch
         logging.basicConfig(level=logging.DEBUG)
         from cachemw.checkpoint import Checkpointer, load, save
-        save({{"w": torch.ones(3)}}, "c")
+        save({"w": torch.ones(3)}, "c")
         assert torch.equal(load("c")["w"], torch.ones(3))
         with Checkpointer("root", keep_last=1) as ck:
-            ck.save(1, {{"w": torch.ones(3)}})
+            ck.save(1, {"w": torch.ones(3)})
             ck.wait()
-            state = {{"w": torch.zeros(3)}}
+            state = {"w": torch.zeros(3)}
             assert ck.load(state) == 1 and torch.equal(state["w"], torch.ones(3))
         print("done")
     """, tmp_path)
