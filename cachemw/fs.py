@@ -110,19 +110,27 @@ class CacheFileSystem(_Base):
     # -- reads ---------------------------------------------------------------------------
 
     def cat_file(self, path, start=None, end=None, **kwargs):
+        """Bytes of one version of the file. A block the cache misses is read from the
+        source pinned to the version the metadata names; if the source has moved on
+        (ChangedSourceError), the call starts over once with fresh metadata, so it returns
+        the new version whole rather than the old one's cached blocks around new ones."""
         path = self._strip_protocol(path)
-        meta = self.meta.file(path)
-        start, end = _clip(start, end, meta.size)
         try:
-            return self.reader.read(meta, start, end)
-        except ChangedSourceError:
-            self.meta.forget(path)
-            meta = self.meta.file(path)
-            start, end = _clip(start, end, meta.size)
-            return self.reader.read(meta, start, end)
+            try:
+                return self._read(self.meta.file(path), start, end)
+            except ChangedSourceError:
+                self.meta.forget(path)
+                return self._read(self.meta.file(path), start, end)
         except FileNotFoundError:
             self.meta.forget(path)
             raise
+
+    def _read(self, meta, start, end) -> bytes:
+        if meta.size == 0:  # a size the source cannot state (/proc) or an empty file
+            data = self.reader.read_unsized(meta)
+            start, end = _clip(start, end, len(data))
+            return data[start:end]
+        return self.reader.read(meta, *_clip(start, end, meta.size))
 
     def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
         """Many ranges in one batch: misses go to the daemon (and to owner nodes) together."""
@@ -133,7 +141,7 @@ class CacheFileSystem(_Base):
         if len(starts) != len(paths) or len(ends) != len(paths):
             raise ValueError("cat_ranges: paths, starts and ends must have the same length")
         out: list = [None] * len(paths)
-        requests, where = [], []
+        requests, where, unsized = [], [], []
         for i, (p, s, e) in enumerate(zip(paths, starts, ends)):
             try:
                 meta = self.meta.file(self._strip_protocol(p))
@@ -142,16 +150,27 @@ class CacheFileSystem(_Base):
                     raise
                 out[i] = exc
                 continue
+            if meta.size == 0:
+                unsized.append(i)
+                continue
             requests.append((meta, *_clip(s, e, meta.size)))
             where.append(i)
         try:
             results = self.reader.read_many(requests)
-        except ChangedSourceError:
+        except ChangedSourceError:  # one path's version moved: each read again on its own
             for meta, _, _ in requests:
                 self.meta.forget(meta.path)
-            return [self.cat_file(p, s, e) for p, s, e in zip(paths, starts, ends)]
-        for i, data in zip(where, results):
-            out[i] = data
+            unsized.extend(where)
+        else:
+            for i, data in zip(where, results):
+                out[i] = data
+        for i in sorted(unsized):
+            try:
+                out[i] = self.cat_file(paths[i], starts[i], ends[i])
+            except Exception as exc:
+                if on_error == "raise":
+                    raise
+                out[i] = exc
         return out
 
     def cat(self, path, recursive=False, on_error="raise", **kwargs):
@@ -175,6 +194,8 @@ class CacheFileSystem(_Base):
         path = self._strip_protocol(path)
         if "r" in mode and "+" not in mode:
             meta = self.meta.file(path)
+            if meta.size == 0:  # read now, to its end (see _read): the file is its bytes
+                return _BytesFile(self, path, self.cat_file(path))
             return CachedFile(self, path, meta, block_size=block_size,
                               cache_type=kwargs.pop("cache_type", "none"),
                               cache_options=cache_options)
@@ -341,6 +362,12 @@ class CachedFile(AbstractBufferedFile):
     """A read-only file whose bytes come from the cache; ``cache_type="none"`` by default
     because the tiers already are the cache (fsspec's readahead would only re-copy).
 
+    An open file keeps the version it was opened at (``meta``), whatever ``validate`` says
+    (that bounds how long metadata is trusted for new opens and reads, not what an open file
+    may switch to): its cached blocks are keyed by that version, and a block it has to fetch
+    is fetched pinned to it. If the source has another version by then, the read raises
+    ChangedSourceError (an OSError): reopen the file to read the new one.
+
     Reads that fall inside one cached block are served from a memory map of the block file
     (see blockfile.MappedBlock): the small random reads of HDF5 or Parquet readers then cost
     a page checksum and a copy, not an open, a seek and a read.
@@ -457,6 +484,18 @@ class CachedFile(AbstractBufferedFile):
         for index in list(self._mapped):
             self._unmap(index)
         super().close()
+
+
+class _BytesFile(AbstractBufferedFile):
+    """A read-only file over bytes already read: a file whose size the source states as 0
+    (``/proc`` files) is read whole on open, its size then known."""
+
+    def __init__(self, fs, path: str, data: bytes) -> None:
+        self._data = data
+        super().__init__(fs, path, mode="rb", size=len(data), cache_type="none")
+
+    def _fetch_range(self, start, end):
+        return self._data[start:end]
 
 
 class _InvalidatingWriter:
