@@ -216,11 +216,12 @@ class BlockReader:
     def read_unsized(self, meta: FileMeta) -> bytes:
         """The whole of a file whose size the source states as 0, read to its end from the
         source (still version-checked) and not cached: a ``/proc`` file's stat says 0 and
-        its content is whatever the kernel has now; a really empty file reads as ``b""``.
-        Counted as ``bypassed``."""
+        its content is whatever the kernel has now. Counted as ``bypassed`` when it held
+        bytes; a really empty file reads as ``b""`` and is no bypass of anything."""
         data = self.source.read_all(meta.path, meta.version)
-        self.client.count("bypassed")
-        self.client.count("bytes_from_source", len(data))
+        if data:
+            self.client.count("bypassed")
+            self.client.count("bytes_from_source", len(data))
         if data and not self._warned_unsized:
             self._warned_unsized = True
             log.info("%s: its size is stated as 0 but it holds %d bytes (a special file): "
