@@ -10,6 +10,7 @@ with ranges and ETags through fsspec's own HTTP filesystem.
 * Revalidation reaches the store: after ``ls`` (s3fs keeps the listing and answers
   ``info`` from it), an overwrite is seen under ``always`` and after ``ttl``, also by a new
   cachemw instance (fsspec hands it the same s3fs instance).
+* HTTP: pinned by If-Match, and by the response's ETag where a server ignores If-Match.
 * Daemon-side source reads are pinned too: an owner node's fill for a peer and a prefetch
   never keep another version's bytes under a version's key.
 * Files whose size the source states as 0 (``/proc``) are read to their end, uncached.
@@ -348,6 +349,7 @@ class _Handler(BaseHTTPRequestHandler):
     static file server does."""
 
     root = ""
+    if_match = True  # False: a server that ignores If-Match (its ETags still tell)
 
     def log_message(self, *args):
         pass
@@ -361,7 +363,7 @@ class _Handler(BaseHTTPRequestHandler):
             return None, None
         etag = '"' + hashlib.blake2b(data, digest_size=16).hexdigest() + '"'
         match = self.headers.get("If-Match")
-        if match is not None and match != "*" and etag not in [m.strip() for m in match.split(",")]:
+        if self.if_match and match is not None and match != "*" and etag not in [m.strip() for m in match.split(",")]:
             self.send_error(412)
             return None, None
         return data, etag
@@ -396,12 +398,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
 
-@pytest.fixture
-def http_root(tmp_path):
-    """A threaded HTTP server on 127.0.0.1 serving a fresh directory; yields (dir, base URL)."""
+@pytest.fixture(params=["if-match", "ignores-if-match"])
+def http_root(tmp_path, request):
+    """A threaded HTTP server on 127.0.0.1 serving a fresh directory; yields (dir, base URL).
+    Once as a server honouring If-Match, once as one ignoring it."""
     root = tmp_path / "www"
     root.mkdir()
-    handler = type("Handler", (_Handler,), {"root": str(root)})
+    handler = type("Handler", (_Handler,), {"root": str(root),
+                                            "if_match": request.param == "if-match"})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -17,9 +17,10 @@ its peers, the daemon's prefetches. How a read is pinned depends on the store:
 - S3 (s3fs): one GET pinned to the version: ``VersionId`` when the token has one (a
   version-aware bucket: the bytes stay readable after an overwrite), and ``IfMatch`` on the
   ETag; the ETag the response carries is compared too, for stores that ignore ``IfMatch``.
-- HTTP (fsspec's ``HTTPFileSystem``): an ``If-Match`` header with a strong ETag; the server
-  answers 412 if the resource has another one.
-- anything else (and the above without an ETag, or with a weak one): read, then ask the
+- HTTP (fsspec's ``HTTPFileSystem``): a GET with ``If-Match`` on a strong ETag (412 if the
+  resource has another one), and the ETag of the response compared, for servers that
+  ignore ``If-Match`` (and weak ETags, which ``If-Match`` cannot compare).
+- anything else (and the above without an ETag): read, then ask the
   store for the file's info past the target's own caches (``invalidate_cache(path)``
   first) and compare tokens. A change before or during the read is then always seen; a
   change after it costs a spurious retry, never wrong bytes.
@@ -94,7 +95,7 @@ def _reads_for(fs):
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     if "s3" in protocols and hasattr(fs, "_call_s3"):
         return _read_s3
-    if "http" in protocols or "https" in protocols:
+    if ("http" in protocols or "https" in protocols) and hasattr(fs, "set_session"):
         return _read_http
     return _read_checked
 
@@ -175,19 +176,38 @@ def _s3_code(exc: BaseException) -> str | None:
     return None
 
 
+async def _http_get(fs, url: str, headers: dict) -> tuple[int, str | None, bytes]:
+    session = await fs.set_session()
+    kwargs = {**fs.kwargs, "headers": headers}
+    async with session.get(fs.encode_url(url), **kwargs) as r:
+        return r.status, r.headers.get("ETag"), await r.read()
+
+
 def _read_http(fs, path: str, start: int, end: int | None, version: str) -> bytes:
+    """One GET on fsspec's own session (its client options and request options): the
+    response's status and ETag are checked here, which fsspec's ``cat_file`` does not
+    show, so a server that ignores ``If-Match`` (or ``Range``) is still caught."""
     etag = version_fields(version).get("ETag")
-    if not etag or etag.startswith("W/"):  # If-Match compares strong ETags only
+    if not etag:  # no validator to pin the GET to: check the info afterwards
         return _read_checked(fs, path, start, end, version)
-    headers = {**getattr(fs, "kwargs", {}).get("headers", {}), "If-Match": etag}
-    try:
-        if end is None and start == 0:
-            return fs.cat_file(path, headers=headers)
-        return fs.cat_file(path, start=start, end=end, headers=headers)
-    except Exception as exc:
-        if getattr(exc, "status", None) == 412:  # aiohttp's error for the response
-            raise ChangedSourceError(path, version, detail="its ETag moved") from exc
-        raise
+    headers = dict(fs.kwargs.get("headers") or {})
+    if not etag.startswith("W/"):  # If-Match compares strong ETags only
+        headers["If-Match"] = etag
+    if end is not None or start:
+        headers["Range"] = f"bytes={start}-" + ("" if end is None else str(end - 1))
+    status, got, data = sync(fs.loop, _http_get, fs, path, headers)
+    if status == 404:
+        raise FileNotFoundError(errno.ENOENT, f"{path}: not found (HTTP 404)", path)
+    if status == 412 or (status < 300 and got is not None and got != etag):
+        raise ChangedSourceError(path, version, detail=f"the server has ETag {got}"
+                                 if got else "its ETag moved")
+    if status == 200 and "Range" in headers:  # the server ignored Range: all of it came
+        data = data[start:end]
+    elif status not in (200, 206):
+        raise OSError(errno.EIO, f"{path}: HTTP {status} from the server")
+    if got is None:  # an ETag on HEAD but none on GET: ask again after the read
+        _check_after(fs, path, version)
+    return data
 
 
 def _read_checked(fs, path: str, start: int, end: int | None, version: str) -> bytes:
@@ -195,8 +215,12 @@ def _read_checked(fs, path: str, start: int, end: int | None, version: str) -> b
         data = fs.cat_file(path)
     else:
         data = fs.cat_file(path, start=start, end=end)
+    _check_after(fs, path, version)
+    return data
+
+
+def _check_after(fs, path: str, version: str) -> None:
     fs.invalidate_cache(path)  # the store's answer, not a listing the target kept
     found = version_token(fs.info(path))
     if found != version:
         raise ChangedSourceError(path, version, found)
-    return data
