@@ -40,15 +40,18 @@ _READ_CHUNK = 1 << 20  # reads to the end of a file whose size is unknown, this 
 
 
 class ChangedSourceError(OSError):
-    """The source file no longer matches the version the cache recorded for it."""
+    """The source file no longer matches the version the cache recorded for it.
 
-    def __init__(self, path: str, expected: str, found: str | None = None,
-                 detail: str = "") -> None:
-        what = f"it is now {found}" if found else detail or "it was changed or replaced"
-        super().__init__(errno.ESTALE, f"{path}: the source no longer has the version being "
-                         f"read ({expected}): {what}; reopen the file (or read it again) to "
-                         f"get the new version")
-        self.path = path
+    Built as a plain ``OSError(errno.ESTALE, message)`` (see ``_changed``), so it pickles
+    and unpickles as one (a DataLoader worker's error crosses a process boundary)."""
+
+
+def _changed(path: str, expected: str, found: str | None = None,
+             detail: str = "") -> ChangedSourceError:
+    what = f"it is now {found}" if found else detail or "it was changed or replaced"
+    return ChangedSourceError(errno.ESTALE, f"{path}: the source no longer has the version "
+                              f"being read ({expected}): {what}; reopen the file (or read "
+                              f"it again) to get the new version")
 
 
 class SourceTier:
@@ -68,8 +71,8 @@ class SourceTier:
             return b""
         data = self._read(self.fs, path, start, start + length, version)
         if len(data) != length:
-            raise ChangedSourceError(path, version, detail=f"{length} bytes expected at "
-                                     f"offset {start}, the source returned {len(data)}")
+            raise _changed(path, version, detail=f"{length} bytes expected at offset "
+                           f"{start}, the source returned {len(data)}")
         return data
 
     def read_range(self, path: str, start: int, end: int, version: str) -> bytes:
@@ -105,7 +108,7 @@ def _read_local(fs, path: str, start: int, end: int | None, version: str) -> byt
     try:
         before = os.fstat(fd)
         if stat_token(before) != version:
-            raise ChangedSourceError(path, version, stat_token(before))
+            raise _changed(path, version, stat_token(before))
         if end is None:
             if not stat.S_ISREG(before.st_mode):  # a FIFO or device may never end
                 raise OSError(errno.EINVAL, f"{path}: not a regular file (a device, FIFO "
@@ -127,7 +130,7 @@ def _read_local(fs, path: str, start: int, end: int | None, version: str) -> byt
                 data += more
         after = os.fstat(fd)
         if stat_token(after) != version:
-            raise ChangedSourceError(path, version, stat_token(after))
+            raise _changed(path, version, stat_token(after))
         return data
     finally:
         os.close(fd)
@@ -159,10 +162,10 @@ def _read_s3(fs, path: str, start: int, end: int | None, version: str) -> bytes:
         got, data = sync(fs.loop, _s3_get, fs, bucket, key, kwargs)
     except OSError as exc:
         if _s3_code(exc) in ("PreconditionFailed", "412", "NoSuchVersion"):
-            raise ChangedSourceError(path, version, detail="its ETag or version moved") from exc
+            raise _changed(path, version, detail="its ETag or version moved") from exc
         raise
     if got and got.strip('"') != etag.strip('"'):
-        raise ChangedSourceError(path, version, detail=f"the store sent ETag {got}")
+        raise _changed(path, version, detail=f"the store sent ETag {got}")
     return data
 
 
@@ -199,8 +202,8 @@ def _read_http(fs, path: str, start: int, end: int | None, version: str) -> byte
     if status == 404:
         raise FileNotFoundError(errno.ENOENT, f"{path}: not found (HTTP 404)", path)
     if status == 412 or (status < 300 and got is not None and got != etag):
-        raise ChangedSourceError(path, version, detail=f"the server has ETag {got}"
-                                 if got else "its ETag moved")
+        raise _changed(path, version,
+                       detail=f"the server has ETag {got}" if got else "its ETag moved")
     if status == 200 and "Range" in headers:  # the server ignored Range: all of it came
         data = data[start:end]
     elif status not in (200, 206):
@@ -223,4 +226,4 @@ def _check_after(fs, path: str, version: str) -> None:
     fs.invalidate_cache(path)  # the store's answer, not a listing the target kept
     found = version_token(fs.info(path))
     if found != version:
-        raise ChangedSourceError(path, version, found)
+        raise _changed(path, version, found)
