@@ -150,7 +150,7 @@ class CacheFileSystem(_Base):
         if len(starts) != len(paths) or len(ends) != len(paths):
             raise ValueError("cat_ranges: paths, starts and ends must have the same length")
         out: list = [None] * len(paths)
-        requests, where, unsized = [], [], []
+        requests, where, alone = [], [], []  # alone: read one by one, through cat_file
         for i, (p, s, e) in enumerate(zip(paths, starts, ends)):
             try:
                 meta = self.meta.file(self._strip_protocol(p))
@@ -159,8 +159,8 @@ class CacheFileSystem(_Base):
                     raise
                 out[i] = exc
                 continue
-            if meta.size == 0:
-                unsized.append(i)
+            if meta.size == 0:  # read to its end (see _read)
+                alone.append(i)
                 continue
             requests.append((meta, *_clip(s, e, meta.size)))
             where.append(i)
@@ -169,11 +169,11 @@ class CacheFileSystem(_Base):
         except ChangedSourceError:  # one path's version moved: each read again on its own
             for meta, _, _ in requests:
                 self.meta.forget(meta.path)
-            unsized.extend(where)
+            alone.extend(where)
         else:
             for i, data in zip(where, results):
                 out[i] = data
-        for i in sorted(unsized):
+        for i in sorted(alone):
             try:
                 out[i] = self.cat_file(paths[i], starts[i], ends[i])
             except Exception as exc:
