@@ -7,32 +7,75 @@ from __future__ import annotations
 
 import hashlib
 from typing import Mapping
+from urllib.parse import quote, unquote
 
+# What names a version of an object (content digests, generations, version ids): all of
+# those the store gives are kept, so the source tier can pin a read to the version
+# (s3fs: ``VersionId``, ``IfMatch`` on the ETag; HTTP: ``If-Match``).
 _VERSION_FIELDS = ("ETag", "etag", "e_tag", "md5", "generation", "version_id", "VersionId")
-_TIME_FIELDS = ("mtime", "LastModified", "last_modified", "updated", "modified", "created")
+# Without those: the first modification time given ...
+_TIME_FIELDS = ("mtime", "LastModified", "last_modified", "Last-Modified", "updated", "modified")
+# ... plus what a user cannot set back (POSIX ctime, which fsspec's local info calls
+# "created", and the inode): a same-size rewrite that restores the mtime, or a file
+# replaced by rename with the same size and mtime, still counts as changed.
+_UNFORGEABLE_FIELDS = ("created", "ino")
+
+
+def _quote(value) -> str:
+    return quote(str(value), safe="\"/+ ")
 
 
 def version_token(info: Mapping) -> str:
     """A string that changes whenever the file's content may have changed.
 
-    Object stores give an ETag (or generation); POSIX filesystems give size + mtime, plus
-    the inode where known, so a file replaced by rename with the same size and mtime still
-    counts as changed.
+    ``size:name=value[:name=value...]``, values percent-quoted where needed (so ``:`` and
+    ``=`` only separate); ``version_fields`` reads it back. Object stores give an ETag (or generation,
+    version id); POSIX filesystems give size, mtime, ctime and inode. ``stat_token``
+    computes the same string from an ``os.stat_result`` through this very function, so the
+    token of a file's metadata and of a descriptor read from it cannot drift apart.
+
+    The limit: a POSIX timestamp has the filesystem's granularity (ext4, tmpfs: a kernel
+    tick); an in-place rewrite of the same size within the same tick as the version before
+    it looks the same (README, "What a read returns").
     """
-    size = info.get("size")
+    parts = [str(info.get("size"))]
     for name in _VERSION_FIELDS:
         value = info.get(name)
         if value:
-            return f"{size}:{name}={value}"
-    parts = [str(size)]
-    for name in _TIME_FIELDS:
-        value = info.get(name)
-        if value is not None:
-            parts.append(f"{name}={value}")
-            break
-    if info.get("ino") is not None:
-        parts.append(f"ino={info['ino']}")
+            parts.append(f"{name}={_quote(value)}")
+    if len(parts) == 1:
+        for name in _TIME_FIELDS:
+            value = info.get(name)
+            if value is not None:
+                parts.append(f"{name}={_quote(value)}")
+                break
+        for name in _UNFORGEABLE_FIELDS:
+            value = info.get(name)
+            if value is not None:
+                parts.append(f"{name}={_quote(value)}")
     return ":".join(parts)
+
+
+def stat_info(st) -> dict:
+    """The fields of fsspec's ``LocalFileSystem.info`` that name a version, from a stat
+    (of a path, following links, or of an open descriptor), as fsspec computes them."""
+    return {"size": st.st_size, "mtime": st.st_mtime,
+            "created": getattr(st, "st_birthtime", st.st_ctime), "ino": st.st_ino}
+
+
+def stat_token(st) -> str:
+    """``version_token`` of a local file from its stat: the same string its info gives."""
+    return version_token(stat_info(st))
+
+
+def version_fields(token: str) -> dict[str, str]:
+    """The ``name=value`` fields of a version token (``size`` included), unquoted."""
+    size, _, rest = token.partition(":")
+    out = {"size": size}
+    for part in rest.split(":") if rest else ():
+        name, _, value = part.partition("=")
+        out[name] = unquote(value)
+    return out
 
 
 def block_key(url: str, version: str, index: int, block_size: int) -> str:

@@ -34,6 +34,7 @@ from .errors import CheckpointBusyError, ChecksumError, CheckpointNotFoundError
 from .handle import SaveHandle
 from .layout import CheckpointDir, step_dir_name
 from .planner import SpreadSavePlanner
+from .quiet import single_process_dcp
 from .reader import CachemwStorageReader
 from .stager import BufferStager
 from .state_tree import apply_loaded, prepare_for_load, to_state_dict
@@ -269,8 +270,9 @@ class Checkpointer:
             on_file_durable=drainer.submit if drainer else None, reuse_files=self.fast is not None and pool is None,
             in_place=pool)
         try:
-            dcp.save(staged, storage_writer=writer, planner=SpreadSavePlanner(chunk_bytes=self.config.chunk_bytes),
-                     process_group=self.coord.group, no_dist=self.coord.no_dist)
+            with single_process_dcp(self.coord.no_dist):
+                dcp.save(staged, storage_writer=writer, planner=SpreadSavePlanner(chunk_bytes=self.config.chunk_bytes),
+                         process_group=self.coord.group, no_dist=self.coord.no_dist)
         except BaseException:
             if drainer is not None:
                 drainer.wait_quietly()
@@ -365,9 +367,10 @@ class Checkpointer:
         while tiers:
             tier = tiers.pop(0)
             try:
-                dcp.load(loaded, storage_reader=CachemwStorageReader(tier.location.child(name),
-                                                                     thread_count=self.config.thread_count),
-                         process_group=self.coord.group, no_dist=self.coord.no_dist)
+                with single_process_dcp(self.coord.no_dist):
+                    dcp.load(loaded, storage_reader=CachemwStorageReader(tier.location.child(name),
+                                                                         thread_count=self.config.thread_count),
+                             process_group=self.coord.group, no_dist=self.coord.no_dist)
                 break
             except (CheckpointException, OSError, ValueError, AssertionError) as exc:
                 # A fast-tier copy may vanish under a reader (the next save recycles it): DCP

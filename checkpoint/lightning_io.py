@@ -1,53 +1,78 @@
-"""A Lightning ``CheckpointIO`` plugin over ``torch_like.save``/``load``.
+"""A Lightning ``CheckpointIO`` plug-in: each ``.ckpt`` is one torch.save file written by cachemw.
 
-Optional: Lightning is imported if installed (``lightning`` or ``pytorch_lightning``);
-without it the class still exists, with ``object`` as base, so importing this module never
-requires Lightning. Usage: ``Trainer(plugins=[CachemwCheckpointIO(compression="lz4")])``.
+``Trainer(plugins=[CachemwCheckpointIO()])``. The ``.ckpt`` is a plain torch checkpoint file,
+so Lightning's usual calls read it as any other: ``Model.load_from_checkpoint(path)``,
+``trainer.fit(model, ckpt_path=path)``, ``torch.load(path)``. What the plug-in adds
+(``torch_file``): the file appears only once whole and durable (temp, fsync, rename; a failed
+save leaves the previous file), it may live behind any fsspec URL (``cachemw::s3://...``), and
+the plug-in's own load (resume, ``trainer.test(ckpt_path=...)``) checks every record's CRC32
+first, so a damaged file is a ``ChecksumError`` naming the record, never a run resumed on
+wrong bytes.
+
+Why not a DCP directory: Lightning hands one whole checkpoint to rank 0, so there is nothing
+to spread over ranks, and a directory breaks every tool that opens the ``.ckpt`` as a file.
+Directories written by earlier versions of this plug-in (a cachemw manifest inside) are still
+loaded and removed.
+
+Lightning is imported here; ``cachemw.checkpoint`` imports this module only when
+``CachemwCheckpointIO`` is asked for. Either distribution works: the class derives from the
+``CheckpointIO`` of ``lightning`` or ``pytorch_lightning`` and, when both are installed, is
+registered with the other's too, so either Trainer accepts it. Without Lightning it still
+works on its own (``object`` as base).
 """
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from . import torch_like
-from .storage_io import as_location
+from . import torch_file, torch_like
+from .storage_io import Location, split_file
 from .writer import MANIFEST_NAME
 
 try:  # pragma: no cover - depends on what is installed
-    from lightning.pytorch.plugins.io import CheckpointIO as _CheckpointIOBase
+    from lightning.pytorch.plugins.io import CheckpointIO as _LightningCheckpointIO
 except ImportError:  # pragma: no cover
-    try:
-        from pytorch_lightning.plugins.io import CheckpointIO as _CheckpointIOBase
-    except ImportError:
-        _CheckpointIOBase = object
+    _LightningCheckpointIO = None
+try:  # pragma: no cover
+    from pytorch_lightning.plugins.io import CheckpointIO as _PytorchLightningCheckpointIO
+except ImportError:  # pragma: no cover
+    _PytorchLightningCheckpointIO = None
 
-LIGHTNING_AVAILABLE = _CheckpointIOBase is not object
+_BASES = [b for b in (_LightningCheckpointIO, _PytorchLightningCheckpointIO) if b is not None]
+LIGHTNING_AVAILABLE = bool(_BASES)
 
 
-class CachemwCheckpointIO(_CheckpointIOBase):
-    """Each Lightning checkpoint file path becomes a cachemw checkpoint directory."""
-
-    def __init__(self, *, compression: str | None = None, thread_count: int = 2) -> None:
-        if compression not in (None, "lz4"):
-            raise ValueError(f"compression must be None or 'lz4', got {compression!r}")
-        self.compression = compression
-        self.thread_count = thread_count
+class CachemwCheckpointIO(_BASES[0] if _BASES else object):  # type: ignore[misc]
+    """Lightning checkpoints as torch.save files, committed atomically, CRC-checked on load."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
         if storage_options is not None:
-            raise TypeError("CachemwCheckpointIO.save_checkpoint takes no storage_options")
-        torch_like.save(checkpoint, path, compression=self.compression, thread_count=self.thread_count)
+            raise TypeError("CachemwCheckpointIO.save_checkpoint takes no storage_options, got "
+                            f"{storage_options!r}")
+        torch_file.save_file(checkpoint, path)
 
-    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = "cpu",
                         weights_only: bool | None = None) -> dict[str, Any]:
-        return torch_like.load(path, map_location=map_location, thread_count=self.thread_count)
+        """Lightning calls this without ``map_location``: tensors come to CPU (as with its own
+        ``TorchCheckpointIO``), not each onto the device it was saved from."""
+        legacy = Location(path)
+        if legacy.exists(MANIFEST_NAME):  # a directory written by an earlier version of this plug-in
+            return torch_like.load(path, map_location=map_location)
+        return torch_file.load_file(path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        location = as_location(path)
-        location.remove_file(MANIFEST_NAME)  # uncommit first
-        if location.exists():
-            location.fs.rm(location.path, recursive=True)
+        legacy = Location(path)
+        if legacy.exists(MANIFEST_NAME):
+            legacy.remove_file(MANIFEST_NAME)  # uncommit first
+            legacy.fs.rm(legacy.path, recursive=True)
+            return
+        location, name = split_file(path)
+        location.remove_file(name)
 
     def teardown(self) -> None:
         pass
+
+
+for _other in _BASES[1:]:
+    _other.register(CachemwCheckpointIO)

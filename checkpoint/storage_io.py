@@ -5,9 +5,10 @@ other filesystems get what they offer (an object is durable once ``close`` retur
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
-from typing import IO
+from typing import IO, Iterator
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -66,18 +67,34 @@ class Location:
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Write ``rel`` so that readers see the old content or the whole new one, never a part."""
+        with self.open_atomic(rel) as f:
+            f.write(data)
+
+    @contextlib.contextmanager
+    def open_atomic(self, rel: str) -> Iterator[IO[bytes]]:
+        """A file to write ``rel`` through: a temp name beside it, made durable, then renamed.
+
+        ``rel`` appears only once the block exits cleanly; until then readers see the old
+        content (or nothing). If the block raises, the temp file is removed and ``rel`` is
+        untouched.
+        """
         tmp = f".{rel}.{uuid.uuid4().hex[:8]}.tmp"
         f = self.open(tmp, "wb")
         try:
-            f.write(data)
-        finally:
-            self.close_durably(f)
+            try:
+                yield f
+            finally:
+                self.close_durably(f)
+        except BaseException:
+            self.remove_file(tmp)
+            raise
+        # From here the temp file may be the only whole copy: a failure leaves it in place.
         if self.local:
             os.replace(self.join(tmp), self.join(rel))
             self.sync_dir()
         else:
             if self.fs.exists(self.join(rel)):
-                self.fs.rm_file(self.join(rel))
+                self.fs.rm(self.join(rel))
             self.fs.mv(self.join(tmp), self.join(rel))
 
     def read_bytes(self, rel: str) -> bytes:
@@ -130,10 +147,22 @@ class Location:
             if self.local:
                 os.remove(self.join(rel))
             else:
-                self.fs.rm_file(self.join(rel))
+                self.fs.rm(self.join(rel))  # rm_file is not implemented by every fsspec filesystem
         except FileNotFoundError:
             pass
 
 
 def as_location(where: "str | os.PathLike | Location") -> Location:
     return where if isinstance(where, Location) else Location(where)
+
+
+def split_file(url: str | os.PathLike) -> tuple[Location, str]:
+    """(the directory, the name) of a file given as a path or fsspec URL."""
+    url = os.fspath(url)
+    if "://" not in url and "::" not in url:
+        parent, name = os.path.split(os.path.abspath(url))
+        return Location(parent), name
+    parent, sep, name = url.rstrip("/").rpartition("/")
+    if not sep or not name:
+        raise ValueError(f"{url!r} names no file inside a directory")
+    return Location(parent), name

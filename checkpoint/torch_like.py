@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .checkpointer import unwrap
 from .planner import SpreadSavePlanner
+from .quiet import single_process_dcp
 from .reader import CachemwStorageReader
 from .storage_io import as_location
 from .writer import MANIFEST_NAME, CachemwStorageWriter
@@ -70,7 +71,8 @@ def save(obj: Any, path: str | os.PathLike, *, compression: str | None = None, t
     state = {"tensors": tensors, SKELETON_KEY: pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)}
     writer = CachemwStorageWriter(location, compression=compression, thread_count=thread_count)
     try:
-        dcp.save(state, storage_writer=writer, planner=SpreadSavePlanner(), no_dist=True)
+        with single_process_dcp():
+            dcp.save(state, storage_writer=writer, planner=SpreadSavePlanner(), no_dist=True)
     except CheckpointException as exc:
         raise unwrap(exc, 1) from None
 
@@ -82,7 +84,8 @@ def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int
 
     reader = CachemwStorageReader(as_location(path), thread_count=thread_count)
     try:
-        state = _load_state_dict_from_keys(storage_reader=reader)
+        with single_process_dcp():
+            state = _load_state_dict_from_keys(storage_reader=reader)
     except CheckpointException as exc:
         raise unwrap(exc, 1) from None
     tensors = state.get("tensors", {})

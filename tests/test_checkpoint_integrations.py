@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import struct
 import time
+import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +19,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from cachemw.checkpoint import ChecksumError, torch_like  # noqa: E402
 from cachemw.checkpoint.lightning_io import LIGHTNING_AVAILABLE, CachemwCheckpointIO  # noqa: E402
 
-pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore::UserWarning")]
+pytestmark = pytest.mark.torch
 
 
 def lightning_like_checkpoint():
@@ -59,30 +63,99 @@ def test_torch_like_load_names_a_corrupted_chunk(tmp_path):
         torch_like.load(tmp_path / "c")
 
 
-def test_checkpoint_io_plugin_without_a_trainer(tmp_path):
-    io = CachemwCheckpointIO(compression="lz4")
+def flip_a_byte_of_record(src, dst, record_suffix="/data/0"):
+    """Copy the torch file ``src`` to ``dst`` with one byte of a tensor record's data flipped."""
+    data = bytearray(src.read_bytes())
+    with zipfile.ZipFile(src) as archive:
+        record = next(r for r in archive.infolist() if r.filename.endswith(record_suffix))
+    name_len, extra_len = struct.unpack("<HH", data[record.header_offset + 26:record.header_offset + 30])
+    data[record.header_offset + 30 + name_len + extra_len + record.file_size // 2] ^= 0x10
+    dst.write_bytes(bytes(data))
+    return record.filename
+
+
+def test_checkpoint_io_plugin_writes_a_torch_file_that_torch_load_reads(tmp_path):
+    io = CachemwCheckpointIO()
     ckpt = lightning_like_checkpoint()
-    io.save_checkpoint(ckpt, tmp_path / "epoch=3.ckpt")
-    assert_same_checkpoint(ckpt, io.load_checkpoint(tmp_path / "epoch=3.ckpt"))
-    io.remove_checkpoint(tmp_path / "epoch=3.ckpt")
-    assert not (tmp_path / "epoch=3.ckpt").exists()
-    with pytest.raises(ValueError, match="compression"):
-        CachemwCheckpointIO(compression="gzip")
+    io.save_checkpoint(ckpt, tmp_path / "sub" / "epoch=3.ckpt")
+    path = tmp_path / "sub" / "epoch=3.ckpt"
+    assert path.is_file() and os.listdir(tmp_path / "sub") == ["epoch=3.ckpt"]  # no temp file left
+    assert_same_checkpoint(ckpt, torch.load(path, weights_only=False))
+    assert_same_checkpoint(ckpt, io.load_checkpoint(path))
+    assert io.load_checkpoint(path, map_location="cpu")["state_dict"]["weight"].device.type == "cpu"
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint(ckpt, path, storage_options={"x": 1})
+    io.remove_checkpoint(path)
+    assert not path.exists()
+    io.remove_checkpoint(path)  # already gone: nothing to do
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.skipif(not LIGHTNING_AVAILABLE, reason="Lightning is not installed")
-def test_checkpoint_io_plugin_in_a_lightning_trainer(tmp_path):
+def test_checkpoint_io_plugin_failed_overwrite_keeps_the_previous_checkpoint(tmp_path):
+    """A save that fails midway leaves the committed file as it was and no partial one."""
+    io = CachemwCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"w": torch.ones(1000)}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle this")
+
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        io.save_checkpoint({"w": torch.zeros(1000), "z": Unpicklable()}, path)
+    assert torch.equal(io.load_checkpoint(path)["w"], torch.ones(1000))
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
+def test_checkpoint_io_plugin_load_refuses_a_damaged_file_that_torch_load_takes(tmp_path):
+    io = CachemwCheckpointIO()
+    good, bad = tmp_path / "good.ckpt", tmp_path / "bad.ckpt"
+    io.save_checkpoint({"w": torch.arange(1000.0)}, good)
+    record = flip_a_byte_of_record(good, bad)
+    assert not torch.equal(torch.load(bad)["w"], torch.arange(1000.0))  # torch.load does not check
+    with pytest.raises(ChecksumError, match=record):
+        io.load_checkpoint(bad)
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(good.read_bytes()[:-100])
+    with pytest.raises(ChecksumError, match="not a whole"):
+        io.load_checkpoint(truncated)
+
+
+def test_checkpoint_io_plugin_records_crc32s_even_when_torch_is_told_not_to(tmp_path):
+    io = CachemwCheckpointIO()
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        io.save_checkpoint({"w": torch.arange(1000.0)}, tmp_path / "a.ckpt")
+        assert torch.serialization.get_crc32_options() is False  # put back as it was
+    finally:
+        torch.serialization.set_crc32_options(previous)
+    with zipfile.ZipFile(tmp_path / "a.ckpt") as archive:
+        assert all(r.CRC != 0 for r in archive.infolist()) and archive.testzip() is None
+    flip_a_byte_of_record(tmp_path / "a.ckpt", tmp_path / "b.ckpt")
+    with pytest.raises(ChecksumError):
+        io.load_checkpoint(tmp_path / "b.ckpt")
+
+
+def test_checkpoint_io_plugin_reads_and_removes_directories_of_earlier_versions(tmp_path):
+    ckpt = lightning_like_checkpoint()
+    torch_like.save(ckpt, tmp_path / "epoch=1.ckpt")  # what the plug-in used to write
+    io = CachemwCheckpointIO()
+    assert_same_checkpoint(ckpt, io.load_checkpoint(tmp_path / "epoch=1.ckpt"))
+    io.remove_checkpoint(tmp_path / "epoch=1.ckpt")
+    assert not (tmp_path / "epoch=1.ckpt").exists()
+
+
+if LIGHTNING_AVAILABLE:
     try:
         import lightning.pytorch as pl
     except ImportError:
         import pytorch_lightning as pl
 
     class Tiny(pl.LightningModule):
-        def __init__(self):
+        def __init__(self, hidden: int = 4):
             super().__init__()
-            self.layer = torch.nn.Linear(8, 1)
+            self.save_hyperparameters()
+            self.layer = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Linear(hidden, 1))
 
         def training_step(self, batch, _):
             return self.layer(batch[0]).pow(2).mean()
@@ -90,18 +163,39 @@ def test_checkpoint_io_plugin_in_a_lightning_trainer(tmp_path):
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=0.01)
 
+
+def tiny_trainer(root, max_epochs):
+    return pl.Trainer(max_epochs=max_epochs, default_root_dir=root, plugins=[CachemwCheckpointIO()], logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not LIGHTNING_AVAILABLE, reason="Lightning is not installed")
+def test_lightning_usual_calls_read_what_the_plugin_saved(tmp_path):
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8)), batch_size=8)
-    trainer = pl.Trainer(max_epochs=2, default_root_dir=tmp_path, plugins=[CachemwCheckpointIO()],
-                         logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
-    model = Tiny()
+    trainer = tiny_trainer(tmp_path, max_epochs=1)
+    model = Tiny(hidden=3)
     trainer.fit(model, data)
-    ckpt_path = trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path
-    assert ckpt_path and (tmp_path / ckpt_path).exists()
-    trainer2 = pl.Trainer(max_epochs=3, default_root_dir=tmp_path, plugins=[CachemwCheckpointIO()], logger=False,
-                          enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
-    model2 = Tiny()
-    trainer2.fit(model2, data, ckpt_path=ckpt_path)
-    assert trainer2.current_epoch == 3
+    path = trainer.checkpoint_callback.best_model_path
+    assert path.endswith(".ckpt") and os.path.isfile(path)
+
+    loaded = Tiny.load_from_checkpoint(path)  # Lightning's own loader: a plain torch.load
+    assert loaded.hparams.hidden == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    raw = torch.load(path)
+    assert raw["epoch"] == 0 and raw["global_step"] == 4 and raw["hyper_parameters"]["hidden"] == 3
+
+    resumed = tiny_trainer(tmp_path, max_epochs=2)
+    resumed.fit(Tiny(hidden=3), data, ckpt_path=path)  # through the plug-in's CRC-checked load
+    assert resumed.current_epoch == 2 and resumed.global_step == 8
+    ckpt_dir = os.path.dirname(resumed.checkpoint_callback.best_model_path)
+    assert all(name.endswith(".ckpt") for name in os.listdir(ckpt_dir))  # no temp files left behind
+
+    bad = tmp_path / "bad.ckpt"
+    record = flip_a_byte_of_record(Path(path), bad)
+    with pytest.raises(ChecksumError, match=record):
+        tiny_trainer(tmp_path, max_epochs=2).fit(Tiny(hidden=3), data, ckpt_path=str(bad))
 
 
 def _watch_consumer(root, fast_root, out):

@@ -18,7 +18,7 @@ import contextlib
 import logging
 
 import fsspec
-from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
+from fsspec.spec import AbstractFileSystem
 
 try:  # fsspec >= 2025.x marks filesystems layered over another one (fills in the path)
     from fsspec.implementations.chained import ChainedFileSystem as _Base
@@ -27,9 +27,9 @@ except ImportError:  # pragma: no cover - older fsspec
 
 from .link import DaemonClient
 from ..config import CacheOptions, DaemonConfig
-from ..blockfile import PAGE_SIZE, CorruptBlock, MappedBlock, page_hash
-from ..keys import block_count, block_key, block_length
+from ..keys import block_count, block_key
 from .metadata import MetadataCache
+from .openfile import BytesFile, CachedFile, clip
 from .reader import BlockReader
 from ..tiers.source import ChangedSourceError, SourceTier
 
@@ -111,19 +111,36 @@ class CacheFileSystem(_Base):
     # -- reads ---------------------------------------------------------------------------
 
     def cat_file(self, path, start=None, end=None, **kwargs):
+        """Bytes of one version of the file. A block the cache misses is read from the
+        source pinned to the version the metadata names; if the source has moved on
+        (ChangedSourceError), the call starts over once with fresh metadata, so it returns
+        the new version whole rather than the old one's cached blocks around new ones."""
         path = self._strip_protocol(path)
-        meta = self.meta.file(path)
-        start, end = _clip(start, end, meta.size)
         try:
-            return self.reader.read(meta, start, end)
-        except ChangedSourceError:
-            self.meta.forget(path)
-            meta = self.meta.file(path)
-            start, end = _clip(start, end, meta.size)
-            return self.reader.read(meta, start, end)
+            try:
+                return self._read(self.meta.file(path), start, end)
+            except ChangedSourceError:
+                self.meta.forget(path)
+                return self._read(self.meta.file(path), start, end)
         except FileNotFoundError:
             self.meta.forget(path)
             raise
+
+    def _read(self, meta, start, end) -> bytes:
+        if meta.size == 0:  # a size the source cannot state (/proc) or an empty file
+            try:
+                data = self.reader.read_unsized(meta)
+            except ChangedSourceError:
+                raise
+            except OSError:
+                if self.options.validate != "immutable":
+                    raise
+                # immutable: the metadata is trusted for good, and a warmed dataset stays
+                # readable without its source: a file known as empty is empty
+                data = b""
+            start, end = clip(start, end, len(data))
+            return data[start:end]
+        return self.reader.read(meta, *clip(start, end, meta.size))
 
     def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
         """Many ranges in one batch: misses go to the daemon (and to owner nodes) together."""
@@ -134,7 +151,7 @@ class CacheFileSystem(_Base):
         if len(starts) != len(paths) or len(ends) != len(paths):
             raise ValueError("cat_ranges: paths, starts and ends must have the same length")
         out: list = [None] * len(paths)
-        requests, where = [], []
+        requests, where, alone = [], [], []  # alone: read one by one, through cat_file
         for i, (p, s, e) in enumerate(zip(paths, starts, ends)):
             try:
                 meta = self.meta.file(self._strip_protocol(p))
@@ -143,16 +160,27 @@ class CacheFileSystem(_Base):
                     raise
                 out[i] = exc
                 continue
-            requests.append((meta, *_clip(s, e, meta.size)))
+            if meta.size == 0:  # read to its end (see _read)
+                alone.append(i)
+                continue
+            requests.append((meta, *clip(s, e, meta.size)))
             where.append(i)
         try:
             results = self.reader.read_many(requests)
-        except ChangedSourceError:
+        except ChangedSourceError:  # one path's version moved: each read again on its own
             for meta, _, _ in requests:
                 self.meta.forget(meta.path)
-            return [self.cat_file(p, s, e) for p, s, e in zip(paths, starts, ends)]
-        for i, data in zip(where, results):
-            out[i] = data
+            alone.extend(where)
+        else:
+            for i, data in zip(where, results):
+                out[i] = data
+        for i in sorted(alone):
+            try:
+                out[i] = self.cat_file(paths[i], starts[i], ends[i])
+            except Exception as exc:
+                if on_error == "raise":
+                    raise
+                out[i] = exc
         return out
 
     def cat(self, path, recursive=False, on_error="raise", **kwargs):
@@ -176,6 +204,8 @@ class CacheFileSystem(_Base):
         path = self._strip_protocol(path)
         if "r" in mode and "+" not in mode:
             meta = self.meta.file(path)
+            if meta.size == 0:  # read now, to its end (see _read): the file is its bytes
+                return BytesFile(self, path, self.cat_file(path))
             return CachedFile(self, path, meta, block_size=block_size,
                               cache_type=kwargs.pop("cache_type", "none"),
                               cache_options=cache_options)
@@ -301,7 +331,7 @@ class CacheFileSystem(_Base):
         for entry in paths:
             path, start, end = (entry, None, None) if isinstance(entry, str) else entry
             meta = self.meta.file(self._strip_protocol(path))
-            start, end = _clip(start, end, meta.size)
+            start, end = clip(start, end, meta.size)
             items.extend(self.reader.announce_items(meta, start, end))
         sent = 0
         for i in range(0, len(items), chunk):
@@ -322,134 +352,6 @@ class CacheFileSystem(_Base):
         self.reader.fills.drain()
         self.client.fold_tallies()
         return dict(self.client.counters)
-
-
-def _clip(start, end, size):
-    start = 0 if start is None else (max(size + start, 0) if start < 0 else min(start, size))
-    end = size if end is None else (max(size + end, 0) if end < 0 else min(end, size))
-    return start, end
-
-
-class CachedFile(AbstractBufferedFile):
-    """A read-only file whose bytes come from the cache; ``cache_type="none"`` by default
-    because the tiers already are the cache (fsspec's readahead would only re-copy).
-
-    Reads that fall inside one cached block are served from a memory map of the block file
-    (see blockfile.MappedBlock): the small random reads of HDF5 or Parquet readers then cost
-    a page checksum and a copy, not an open, a seek and a read.
-    """
-
-    MAX_MAPPED = 256  # 2 GiB of 8 MiB blocks; evicted ones are unmapped (see below)
-
-    def __init__(self, fs: CacheFileSystem, path: str, meta, **kwargs) -> None:
-        self.meta = meta
-        self._mapped: dict[int, MappedBlock | None] = {}
-        self._fast_reads = 0  # reads served from mapped blocks ...
-        self._fast_bytes = 0  # ... and their bytes, not yet added to the client's counters
-        self._client = fs.client
-        self._bs = fs.options.block_size
-        super().__init__(fs, path, mode="rb", size=meta.size, **kwargs)
-        fs.client.tallies[id(self)] = self
-
-    def _fetch_range(self, start, end):
-        start, end = _clip(start, end, self.meta.size)
-        return self.fs.reader.read(self.meta, start, end)
-
-    def seek(self, loc, whence=0):
-        if whence == 0 and type(loc) is int and loc >= 0:  # the hot path of random reads
-            self.loc = loc
-            return loc
-        return super().seek(loc, whence)
-
-    def read(self, length=-1):
-        # The fast path: a read inside one mapped block (after close, nothing is mapped).
-        loc = self.loc
-        if length is not None and length > 0:
-            end = loc + length
-            size = self.size
-            if end > size:
-                end = size
-            bs = self._bs
-            index = loc // bs
-            if loc < end and (end - 1) // bs == index:
-                block = self._mapped.get(index)
-                if block is None and index not in self._mapped and not self.closed:
-                    block = self._map(index)
-                if block is not None:
-                    base = index * bs
-                    start, stop = loc - base, end - base
-                    first, last = start // PAGE_SIZE, (stop - 1) // PAGE_SIZE
-                    try:
-                        if last - first <= 1 and last < block.full_pages:
-                            # MappedBlock.read inlined for 1-2 whole pages (random 4 KiB reads)
-                            view, sums, lo = block.view, block.sums, first * PAGE_SIZE
-                            mid = lo + PAGE_SIZE
-                            if page_hash(view[lo:mid]) != sums[first] or (
-                                    last != first
-                                    and page_hash(view[mid:mid + PAGE_SIZE]) != sums[last]):
-                                raise CorruptBlock(f"{block.path}: checksum mismatch in pages "
-                                                   f"{first}-{last}")
-                            data = block.mm[start:stop]
-                        else:
-                            data = block.read(start, stop)
-                    except CorruptBlock:
-                        self._unmap(index)
-                        self._mapped[index] = None  # the normal path repairs it from now on
-                    else:
-                        self.loc = end
-                        self._fast_bytes += end - loc
-                        reads = self._fast_reads = self._fast_reads + 1
-                        if not reads & 4095:
-                            self.fold_tally()
-                            self._drop_evicted_maps()
-                        return data
-        return super().read(length)
-
-    def _map(self, index: int) -> MappedBlock | None:
-        """Map block ``index`` if a tier holds it; None (and the normal path) otherwise."""
-        meta, bs = self.meta, self.fs.options.block_size
-        key = block_key(meta.url, meta.version, index, bs)
-        length = block_length(meta.size, index, bs)
-        for tier in self.fs.client.tiers():
-            try:
-                block = MappedBlock(tier.block_path(key), length)
-            except FileNotFoundError:
-                continue
-            except (CorruptBlock, ValueError, OSError):
-                return None  # let the normal path detect, count and repair it
-            if len(self._mapped) >= self.MAX_MAPPED:
-                self._unmap(next(iter(self._mapped)))
-            self._mapped[index] = block
-            self.fs.client.accessed(key, tier.name)  # reads are counted as they happen
-            return block
-        return None
-
-    def fold_tally(self) -> None:
-        """Add the reads tallied here to the client's counters (every 4,096 reads, on close,
-        and when the client asks on stats/flush; a read racing with it in another thread
-        may be counted late)."""
-        reads, self._fast_reads = self._fast_reads, 0
-        nbytes, self._fast_bytes = self._fast_bytes, 0
-        if reads:
-            self._client.counted_hits(reads, nbytes)
-
-    def _drop_evicted_maps(self) -> None:
-        """Unmap blocks the daemon evicted: their pages would stay allocated in the DRAM
-        tier's tmpfs for as long as this file is open, outside the tier's capacity."""
-        for index, block in list(self._mapped.items()):
-            if block is not None and not block.still_cached():
-                self._unmap(index)
-
-    def _unmap(self, index: int) -> None:
-        block = self._mapped.pop(index, None)
-        if block is not None:
-            block.close()
-
-    def close(self):
-        self.fold_tally()
-        for index in list(self._mapped):
-            self._unmap(index)
-        super().close()
 
 
 class _InvalidatingWriter:

@@ -7,7 +7,8 @@ DataLoader worker does not ask the source again, and an ``immutable`` dataset st
 readable once warmed even if the source goes away).
 
 Policies: ``immutable`` never asks the source again once a path is known; ``ttl`` asks
-again after ``ttl`` seconds; ``always`` asks on every open/read.
+again after ``ttl`` seconds; ``always`` asks on every open/read. Asking means asking the
+store: the target filesystem's own caches (s3fs's listings) are bypassed each time.
 
 Record files are pickles in a 0700 directory that also holds the daemon's secret: anyone
 able to write them already controls the daemon.
@@ -147,6 +148,14 @@ class MetadataCache:
                 # has yet to write (written behind its reads) must not bring it back
                 self._write_record(rec, pickle.dumps((_DROPPED, time.time())))
 
+    def _ask_source(self, call, path: str, **kwargs):
+        """``call(path)`` answered by the store: the target's own caches of ``path`` and of
+        its parents are dropped first (s3fs answers ``info`` from a listing of the parent
+        it keeps forever, and fsspec shares one s3fs instance between every cachemw
+        instance over it), so revalidation under ``ttl`` and ``always`` sees the store."""
+        self.target.invalidate_cache(path)
+        return call(path, **kwargs)
+
     # -- info ------------------------------------------------------------------------
 
     def info(self, path: str) -> dict:
@@ -160,7 +169,7 @@ class MetadataCache:
         self.source_calls += 1
         asked = time.time()  # before the call: a drop during it must win (_dropped_since)
         try:
-            info = self.target.info(path)
+            info = self._ask_source(self.target.info, path)
         except FileNotFoundError:
             self.forget(path)
             raise
@@ -206,14 +215,16 @@ class MetadataCache:
         if shared is None:
             self.source_calls += 1
             asked = time.time()  # before the call, as in info()
-            listing = self.target.ls(path, detail=True)
+            listing = self._ask_source(self.target.ls, path, detail=True)
             shared = (listing, asked)
             self._store_shared("ls", path, listing, shared[1])
         listing, fetched = shared
         self._listings[path] = shared
         for entry in listing:  # prime per-file info: listing a dataset costs one call
             name = entry.get("name")
-            if name and entry.get("type") == "file" and name != path:
+            # not from a symlink's entry: fsspec's local listing gives the link's own
+            # mtime and inode there, not its target's (the version a read would see)
+            if name and entry.get("type") == "file" and name != path and not entry.get("islink"):
                 self._infos.setdefault(name, (entry, fetched))
         return listing
 

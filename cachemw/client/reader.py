@@ -7,6 +7,10 @@ bytes (fetched from the node that owns it), or read the source yourself. Every o
 but a fill or a hit (daemon unreachable, tiers full, filler stuck, owner down, block
 evicted under us) reads the source directly and is counted, so losing the cache costs
 speed and never a read.
+
+Every source read names the version of the file it is for (the one in the block's key, the
+one an open file pinned): the source tier returns that version's bytes or raises
+ChangedSourceError (see tiers/source.py), so a read never joins blocks of two versions.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class BlockReader:
         self._source_json = source.fs.to_json()
         self.direct = DirectReads(client)
         self.fills = FillWriter(client, write_behind)
+        self._warned_unsized = False
 
     def _pieces(self, meta: FileMeta, start: int, end: int) -> list[_Piece]:
         bs = self.block_size
@@ -186,7 +191,8 @@ class BlockReader:
         self.fills.kick()  # the earlier fills get written while we wait on the source
         started = time.perf_counter()
         try:
-            block = self.source.read_block(meta.path, piece.index, self.block_size, meta.size)
+            block = self.source.read_block(meta.path, piece.index, self.block_size, meta.size,
+                                           meta.version)
         except BaseException:
             client.abort(piece.key, "source-error")
             raise
@@ -202,8 +208,25 @@ class BlockReader:
 
     def _direct(self, piece: _Piece) -> bytes:
         base = piece.index * self.block_size
-        data = self.source.read_range(piece.meta.path, base + piece.lo, base + piece.hi)
+        meta = piece.meta
+        data = self.source.read_range(meta.path, base + piece.lo, base + piece.hi, meta.version)
         self.client.count("bytes_from_source", len(data))
+        return data
+
+    def read_unsized(self, meta: FileMeta) -> bytes:
+        """The whole of a file whose size the source states as 0, read to its end from the
+        source (still version-checked) and not cached: a ``/proc`` file's stat says 0 and
+        its content is whatever the kernel has now. Counted as ``bypassed`` when it held
+        bytes; a really empty file reads as ``b""`` and is no bypass of anything."""
+        data = self.source.read_all(meta.path, meta.version)
+        if data:
+            self.client.count("bypassed")
+            self.client.count("bytes_from_source", len(data))
+        if data and not self._warned_unsized:
+            self._warned_unsized = True
+            log.info("%s: its size is stated as 0 but it holds %d bytes (a special file): "
+                     "files like it are read from the source, uncached (counted as bypassed)",
+                     meta.url, len(data))
         return data
 
     def _tier(self, name: str | None):

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import fsspec
 
-from ..keys import url_tag, version_token
-from ..tiers.source import SourceTier
+from ..keys import url_tag
+from ..tiers.source import ChangedSourceError, SourceTier
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +69,13 @@ def _serve_one(node, key, length, url, source):
             return data
     target_json, path, index, block_size, file_size, version = source
     try:
-        src = source_for(target_json)
-        if version_token(src.fs.info(path)) != version:  # the requester saw another file
-            if kind == "fill":
-                node.abort(key, "changed", requester)
-            return None
-        block = src.read_block(path, index, block_size, file_size)
+        # pinned to the requester's version by the source tier itself (no stat beforehand:
+        # the file could change between that and the read)
+        block = source_for(target_json).read_block(path, index, block_size, file_size, version)
+    except ChangedSourceError:  # the requester saw another version: it reads its source
+        if kind == "fill":
+            node.abort(key, "changed", requester)
+        return None
     except BaseException:
         if kind == "fill":
             node.abort(key, "source-error", requester)

@@ -11,6 +11,7 @@ import logging
 
 from ..keys import url_tag
 from ..placement import Prefetch
+from ..tiers.source import ChangedSourceError
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +49,17 @@ def run_prefetch(node, budget: int) -> None:
 
 
 def _fetch_one(node, move, url, source, fill, source_for) -> None:
-    target_json, path, index, block_size, file_size, _version = source
+    target_json, path, index, block_size, file_size, version = source
     block, stored, staged = None, 0, False
     try:
-        block = source_for(target_json).read_block(path, index, block_size, file_size)
+        # the announced version or nothing: a block is kept under its version's key
+        block = source_for(target_json).read_block(path, index, block_size, file_size, version)
         stored = node._tiers[move.tier].tier.stage(move.key, block, fill.lease,
                                                    tag=url_tag(url) if url else b"")
         staged = True
+    except ChangedSourceError as exc:  # announced, then changed: its reader will see it too
+        node.count("prefetch_changed")
+        log.debug("prefetch of %s block %d skipped: %s", url, index, exc)
     except Exception as exc:
         log.warning("prefetch of %s block %d failed: %s", url, index, exc)
     finally:  # whatever happened, the lease ends here: no reader waits on it for nothing

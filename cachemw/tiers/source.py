@@ -2,10 +2,56 @@
 
 It is the bottom of the hierarchy and the fallback for every failure above it, so it is
 addressed by path and byte range rather than by block key.
+
+Every read from it names the version it is for (the token of the block key it fills, or
+of the file an open handle pinned) and returns bytes of that version or raises
+``ChangedSourceError``: a block cached under a version's key holds that version's bytes,
+and a read that mixes cached blocks with fetched ones never mixes versions. The check is
+here, once, for every caller: a client's fills and direct reads, an owner node's fills for
+its peers, the daemon's prefetches. How a read is pinned depends on the store:
+
+- local files (fsspec's own ``LocalFileSystem``): open, ``fstat`` the descriptor and
+  compare its token with the version, ``pread``, ``fstat`` again (an in-place rewrite
+  during the read moves mtime and ctime): a replaced file is caught by its inode, a
+  rewritten one by its times. Costs two ``fstat`` calls on a miss; hits are untouched.
+- S3 (s3fs): one GET pinned to the version: ``VersionId`` when the token has one (a
+  version-aware bucket: the bytes stay readable after an overwrite), and ``IfMatch`` on the
+  ETag; the ETag the response carries is compared too, for stores that ignore ``IfMatch``.
+- HTTP (fsspec's ``HTTPFileSystem``): a GET with ``If-Match`` on a strong ETag (412 if the
+  resource has another one), and the ETag of the response compared, for servers that
+  ignore ``If-Match`` (and weak ETags, which ``If-Match`` cannot compare).
+- anything else (and the above without an ETag): read, then ask the
+  store for the file's info past the target's own caches (``invalidate_cache(path)``
+  first) and compare tokens. A change before or during the read is then always seen; a
+  change after it costs a spurious retry, never wrong bytes.
 """
 from __future__ import annotations
 
-from ..keys import block_length
+import errno
+import os
+import stat
+
+from fsspec.asyn import sync
+from fsspec.implementations.local import LocalFileSystem
+
+from ..keys import block_length, stat_token, version_fields, version_token
+
+_READ_CHUNK = 1 << 20  # reads to the end of a file whose size is unknown, this much a call
+
+
+class ChangedSourceError(OSError):
+    """The source file no longer matches the version the cache recorded for it.
+
+    Built as a plain ``OSError(errno.ESTALE, message)`` (see ``_changed``), so it pickles
+    and unpickles as one (a DataLoader worker's error crosses a process boundary)."""
+
+
+def _changed(path: str, expected: str, found: str | None = None,
+             detail: str = "") -> ChangedSourceError:
+    what = f"it is now {found}" if found else detail or "it was changed or replaced"
+    return ChangedSourceError(errno.ESTALE, f"{path}: the source no longer has the version "
+                              f"being read ({expected}): {what}; reopen the file (or read "
+                              f"it again) to get the new version")
 
 
 class SourceTier:
@@ -13,27 +59,171 @@ class SourceTier:
 
     def __init__(self, fs) -> None:
         self.fs = fs
+        self._read = _reads_for(fs)
 
-    def read_block(self, path: str, index: int, block_size: int, file_size: int) -> bytes:
-        """Bytes of block ``index`` of ``path``, exactly as long as the file's size says."""
+    def read_block(self, path: str, index: int, block_size: int, file_size: int,
+                   version: str) -> bytes:
+        """Bytes of block ``index`` of ``path`` at ``version``, exactly as long as the file's
+        size says; ChangedSourceError if the source has another version."""
         length = block_length(file_size, index, block_size)
         start = index * block_size
         if length == 0:
             return b""
-        if start == 0 and length == file_size:
-            data = self.fs.cat_file(path)
-        else:
-            data = self.fs.cat_file(path, start=start, end=start + length)
+        data = self._read(self.fs, path, start, start + length, version)
         if len(data) != length:
-            raise ChangedSourceError(
-                f"{path}: expected {length} bytes at offset {start}, the source returned "
-                f"{len(data)}: the file changed while being read"
-            )
+            raise _changed(path, version, detail=f"{length} bytes expected at offset "
+                           f"{start}, the source returned {len(data)}")
         return data
 
-    def read_range(self, path: str, start: int, end: int) -> bytes:
-        return self.fs.cat_file(path, start=start, end=end)
+    def read_range(self, path: str, start: int, end: int, version: str) -> bytes:
+        """Bytes ``[start, end)`` of ``path`` at ``version`` (``end`` within its size)."""
+        if end <= start:
+            return b""
+        return self._read(self.fs, path, start, end, version)
+
+    def read_all(self, path: str, version: str) -> bytes:
+        """The whole file, read to its end: for files whose size the source states as 0
+        (``/proc`` files, and empty files), which may hold bytes all the same."""
+        return self._read(self.fs, path, 0, None, version)
 
 
-class ChangedSourceError(OSError):
-    """The source file no longer matches the version the cache recorded for it."""
+def _reads_for(fs):
+    """The version-pinned read for ``fs``. Descriptor reads are taken only by fsspec's own
+    local filesystem and subclasses that keep its read methods: a subclass that changes
+    how a file is read (adds latency, logs calls) is read through its own ``cat_file``."""
+    cls = type(fs)
+    if (isinstance(fs, LocalFileSystem) and cls.cat_file is LocalFileSystem.cat_file
+            and cls._open is LocalFileSystem._open):
+        return _read_local
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if "s3" in protocols and hasattr(fs, "_call_s3"):
+        return _read_s3
+    if ("http" in protocols or "https" in protocols) and hasattr(fs, "set_session"):
+        return _read_http
+    return _read_checked
+
+
+def _read_local(fs, path: str, start: int, end: int | None, version: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        before = os.fstat(fd)
+        if stat_token(before) != version:
+            raise _changed(path, version, stat_token(before))
+        if end is None:
+            if not stat.S_ISREG(before.st_mode):  # a FIFO or device may never end
+                raise OSError(errno.EINVAL, f"{path}: not a regular file (a device, FIFO "
+                              f"or socket); read it directly, not through cachemw")
+            chunks = []
+            while True:
+                chunk = os.pread(fd, _READ_CHUNK, start)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                start += len(chunk)
+            data = b"".join(chunks)
+        else:
+            data = os.pread(fd, end - start, start)
+            while len(data) < end - start:  # a short read: very large ones, signals
+                more = os.pread(fd, end - start - len(data), start + len(data))
+                if not more:
+                    break  # the file is shorter than its version says: read_block tells
+                data += more
+        after = os.fstat(fd)
+        if stat_token(after) != version:
+            raise _changed(path, version, stat_token(after))
+        return data
+    finally:
+        os.close(fd)
+
+
+async def _s3_get(fs, bucket: str, key: str, kwargs: dict) -> tuple[str, bytes]:
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kwargs)
+    try:
+        return resp.get("ETag", ""), await resp["Body"].read()
+    finally:
+        resp["Body"].close()
+
+
+def _read_s3(fs, path: str, start: int, end: int | None, version: str) -> bytes:
+    fields = version_fields(version)
+    etag = fields.get("ETag")
+    if not etag:  # a store that gives no ETag: check the info afterwards
+        return _read_checked(fs, path, start, end, version)
+    bucket, key, path_version = fs.split_path(path)
+    kwargs = {"IfMatch": etag}
+    version_id = fields.get("VersionId") or path_version
+    if version_id:
+        kwargs["VersionId"] = version_id
+    if end is not None:
+        kwargs["Range"] = f"bytes={start}-{end - 1}"
+    elif start:
+        kwargs["Range"] = f"bytes={start}-"
+    try:
+        got, data = sync(fs.loop, _s3_get, fs, bucket, key, kwargs)
+    except OSError as exc:
+        if _s3_code(exc) in ("PreconditionFailed", "412", "NoSuchVersion"):
+            raise _changed(path, version, detail="its ETag or version moved") from exc
+        raise
+    if got and got.strip('"') != etag.strip('"'):
+        raise _changed(path, version, detail=f"the store sent ETag {got}")
+    return data
+
+
+def _s3_code(exc: BaseException) -> str | None:
+    """The S3 error code behind an error s3fs translated into an OSError."""
+    while exc is not None:
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            return response.get("Error", {}).get("Code")
+        exc = exc.__cause__
+    return None
+
+
+async def _http_get(fs, url: str, headers: dict) -> tuple[int, str | None, bytes]:
+    session = await fs.set_session()
+    kwargs = {**fs.kwargs, "headers": headers}
+    async with session.get(fs.encode_url(url), **kwargs) as r:
+        return r.status, r.headers.get("ETag"), await r.read()
+
+
+def _read_http(fs, path: str, start: int, end: int | None, version: str) -> bytes:
+    """One GET on fsspec's own session (its client options and request options): the
+    response's status and ETag are checked here, which fsspec's ``cat_file`` does not
+    show, so a server that ignores ``If-Match`` (or ``Range``) is still caught."""
+    etag = version_fields(version).get("ETag")
+    if not etag:  # no validator to pin the GET to: check the info afterwards
+        return _read_checked(fs, path, start, end, version)
+    headers = dict(fs.kwargs.get("headers") or {})
+    if not etag.startswith("W/"):  # If-Match compares strong ETags only
+        headers["If-Match"] = etag
+    if end is not None or start:
+        headers["Range"] = f"bytes={start}-" + ("" if end is None else str(end - 1))
+    status, got, data = sync(fs.loop, _http_get, fs, path, headers)
+    if status == 404:
+        raise FileNotFoundError(errno.ENOENT, f"{path}: not found (HTTP 404)", path)
+    if status == 412 or (status < 300 and got is not None and got != etag):
+        raise _changed(path, version,
+                       detail=f"the server has ETag {got}" if got else "its ETag moved")
+    if status == 200 and "Range" in headers:  # the server ignored Range: all of it came
+        data = data[start:end]
+    elif status not in (200, 206):
+        raise OSError(errno.EIO, f"{path}: HTTP {status} from the server")
+    if got is None:  # an ETag on HEAD but none on GET: ask again after the read
+        _check_after(fs, path, version)
+    return data
+
+
+def _read_checked(fs, path: str, start: int, end: int | None, version: str) -> bytes:
+    if end is None and start == 0:
+        data = fs.cat_file(path)
+    else:
+        data = fs.cat_file(path, start=start, end=end)
+    _check_after(fs, path, version)
+    return data
+
+
+def _check_after(fs, path: str, version: str) -> None:
+    fs.invalidate_cache(path)  # the store's answer, not a listing the target kept
+    found = version_token(fs.info(path))
+    if found != version:
+        raise _changed(path, version, found)

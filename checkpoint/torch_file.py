@@ -1,0 +1,108 @@
+"""A checkpoint as one ``torch.save`` file, for tools that expect a file (Lightning's ``.ckpt``).
+
+The file is exactly what ``torch.save`` writes, so ``torch.load`` and everything built on it
+read it. What cachemw adds around it:
+
+- Commit: the file is written under a temp name beside ``path``, fsynced, then renamed, so
+  ``path`` holds the previous checkpoint or the whole new one, never a part; a save that fails
+  removes its temp file and leaves ``path`` as it was.
+- Checksums: torch's format is a zip archive whose every record (the pickle, each tensor
+  storage) carries the CRC32 of its bytes, computed by ``torch.save`` from memory as it writes.
+  ``torch.load`` does not check them; ``load_file`` checks every record before loading and
+  raises ``ChecksumError`` naming the bad one. ``save_file`` records them even where torch's
+  process-wide ``set_crc32_options(False)`` turned them off.
+- Any fsspec URL (``cachemw::s3://...``), as the rest of the checkpointer.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import zipfile
+from typing import IO, Any, Iterator
+
+import torch
+
+from .errors import ChecksumError
+from .storage_io import split_file
+
+log = logging.getLogger(__name__)
+ZIP_MAGIC = b"PK\x03\x04"
+READ_BYTES = 4 << 20
+
+_crc_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _crc32_recorded() -> Iterator[None]:
+    """torch.save stores no CRC32s under ``set_crc32_options(False)``: turn them on meanwhile.
+
+    The option is process-wide: our saves hold the lock while it may be flipped, so one save
+    never turns it back off under another.
+    """
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    if get is None:  # torch < 2.5: always recorded
+        yield
+        return
+    with _crc_lock:
+        previous = get()
+        if not previous:
+            torch.serialization.set_crc32_options(True)
+        try:
+            yield
+        finally:
+            if not previous:
+                torch.serialization.set_crc32_options(False)
+
+
+def save_file(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj, path)``, committed atomically and durably, with CRC32s recorded."""
+    location, name = split_file(path)
+    location.makedirs()
+    with _crc32_recorded(), location.open_atomic(name) as f:
+        torch.save(obj, f)
+
+
+def verify(f: IO[bytes], url: str) -> bool:
+    """Check every record of the torch file open as ``f`` against its CRC32; True if checked.
+
+    Raises ``ChecksumError`` for a record whose bytes do not match, and for a zip archive that
+    is not whole (a truncated copy). A file in torch's pre-1.6 format (not a zip) or one saved
+    with CRC32s turned off cannot be checked: False, and a warning.
+    """
+    f.seek(0)
+    if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+        log.warning("%s is not in torch's zip format: loaded without checking it", url)
+        return False
+    f.seek(0)
+    try:
+        archive = zipfile.ZipFile(f)
+    except zipfile.BadZipFile as exc:
+        raise ChecksumError(f"{url} is not a whole torch checkpoint file (truncated or damaged): {exc}") from None
+    with archive:
+        records = archive.infolist()
+        if all(r.CRC == 0 for r in records):
+            log.warning("%s was saved without CRC32s (torch.serialization.set_crc32_options(False)): "
+                        "loaded without checking it", url)
+            return False
+        for record in records:
+            try:
+                with archive.open(record) as data:
+                    while data.read(READ_BYTES):
+                        pass
+            except (zipfile.BadZipFile, EOFError) as exc:
+                raise ChecksumError(
+                    f"checksum mismatch in record {record.filename!r} ({record.file_size} bytes from offset "
+                    f"{record.header_offset}) of checkpoint {url}: {exc}") from None
+    return True
+
+
+def load_file(path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None) -> Any:
+    """``torch.load(path, ...)`` after ``verify``; both read one open file, so one version of it."""
+    location, name = split_file(path)
+    url = os.fspath(path)
+    with location.open(name, "rb") as f:
+        verify(f, url)
+        f.seek(0)
+        return torch.load(f, map_location=map_location, weights_only=weights_only)

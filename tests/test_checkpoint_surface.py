@@ -1,0 +1,291 @@
+"""The public surface of cachemw.checkpoint as the README writes it: the names importable from
+the package (Lightning only when its plug-in is asked for), quiet single-process save/load, the
+README's examples run as written, and Lightning's usual calls on checkpoints its plug-in wrote."""
+from __future__ import annotations
+
+import io as io_module
+import os
+import re
+import struct
+import subprocess
+import sys
+import textwrap
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+import torch  # noqa: E402
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+try:
+    import lightning.pytorch as pl
+except ImportError:
+    try:
+        import pytorch_lightning as pl
+    except ImportError:
+        pl = None
+
+pytestmark = pytest.mark.torch
+
+LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def run_python(code: str, tmp_path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter that shows every warning and every log record."""
+    script = tmp_path / "snippet.py"
+    script.write_text(textwrap.dedent(code))
+    env = dict(os.environ, PYTHONWARNINGS="always")
+    return subprocess.run([sys.executable, "-W", "always", str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(120)
+def test_public_names_import_from_the_package_and_lightning_only_on_demand(tmp_path):
+    proc = run_python(f"""
+        import sys
+        from cachemw.checkpoint import Checkpointer, save, load
+        from cachemw.checkpoint import torch_like
+        assert save is torch_like.save and load is torch_like.load
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in {LIGHTNING_PACKAGES!r})
+        assert not heavy, f"importing cachemw.checkpoint imported {{heavy[:5]}}"
+        from cachemw.checkpoint import CachemwCheckpointIO
+        from pytorch_lightning.plugins.io import CheckpointIO
+        assert isinstance(CachemwCheckpointIO, type) and issubclass(CachemwCheckpointIO, CheckpointIO)
+        import cachemw.checkpoint as ck
+        assert "CachemwCheckpointIO" in dir(ck) and "CachemwCheckpointIO" in ck.__all__
+        print("imports ok")
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "imports ok" in proc.stdout
+
+
+def test_unknown_attribute_of_the_package_is_an_attribute_error():
+    import cachemw.checkpoint as ck
+
+    with pytest.raises(AttributeError, match="no_such_name"):
+        ck.no_such_name  # noqa: B018
+
+
+def test_single_process_save_and_load_emit_no_warning(tmp_path):
+    from cachemw.checkpoint import load, save
+
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        save({"w": torch.arange(6.0), "meta": {"epoch": 2}}, tmp_path / "c")
+        back = load(tmp_path / "c")
+        other = UserWarning("not DCP's: still shown")
+        warnings.warn(other)
+    assert [str(w.message) for w in seen] == [str(other)]  # only ours: the filter is scoped to the calls
+    assert torch.equal(back["w"], torch.arange(6.0)) and back["meta"] == {"epoch": 2}
+    assert warnings.filters == before
+
+
+def test_dcp_warning_is_silenced_only_during_our_calls(tmp_path):
+    from cachemw.checkpoint import save
+
+    save({"w": torch.ones(2)}, tmp_path / "ours")
+    with pytest.warns(UserWarning, match="torch.distributed is disabled"):
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+
+
+def test_silencing_survives_catch_warnings_interleaved_from_another_thread():
+    """The Checkpointer's worker thread silences DCP while the main thread may enter and leave
+    ``catch_warnings`` (pytest does, around each test): the entry never outlives the call."""
+    from cachemw.checkpoint.quiet import MESSAGE, single_process_dcp
+
+    def ours(filters):
+        return [f for f in filters if f[1] is not None and f[1].pattern == MESSAGE]
+
+    before = list(warnings.filters)
+    worker_call = single_process_dcp()
+    worker_call.__enter__()                # worker: a DCP call starts
+    main = warnings.catch_warnings()
+    main.__enter__()                       # main thread: copies the filters, entry included
+    assert ours(warnings.filters)
+    worker_call.__exit__(None, None, None)  # worker: the call ends while main is inside
+    assert not ours(warnings.filters)
+    main.__exit__(None, None, None)        # main: restores the list it saved
+    assert not ours(warnings.filters) and warnings.filters == before
+
+
+@pytest.mark.timeout(120)
+def test_single_process_save_load_and_checkpointer_print_nothing(tmp_path):
+    """In a fresh process showing every warning and log record: stderr stays empty."""
+    proc = run_python("""
+        import logging
+        import torch
+        logging.basicConfig(level=logging.DEBUG)
+        from cachemw.checkpoint import Checkpointer, load, save
+        save({"w": torch.ones(3)}, "c")
+        assert torch.equal(load("c")["w"], torch.ones(3))
+        with Checkpointer("root", keep_last=1) as ck:
+            ck.save(1, {"w": torch.ones(3)})
+            ck.wait()
+            state = {"w": torch.zeros(3)}
+            assert ck.load(state) == 1 and torch.equal(state["w"], torch.ones(3))
+        print("done")
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "done"
+    assert proc.stderr == ""
+
+
+def _readme_training_state():
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, opt
+
+
+def _train_step(model, opt):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _run_readme_checkpointer_example(url: str) -> None:
+    from cachemw.checkpoint import Checkpointer
+
+    model, opt = _readme_training_state()
+    # -- as in the README ------------------------------------------------------------------
+    ck = Checkpointer(url, keep_last=3)
+    for epoch, step in enumerate(range(0, 50, 10)):
+        _train_step(model, opt)
+        handle = ck.save(step, {"model": model, "optim": opt, "epoch": epoch})  # returns after the snapshot
+    ck.wait()                     # every pending save durable
+    # -- a fresh process would rebuild its state and load -----------------------------------
+    model2, opt2 = _readme_training_state()
+    state = {"model": model2, "optim": opt2, "epoch": 0}
+    step = ck.load(state)         # newest committed step, loaded in place
+    assert handle.durable and step == 40 and state["epoch"] == 4
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    assert opt2.state_dict()["state"][0]["momentum_buffer"].equal(opt.state_dict()["state"][0]["momentum_buffer"])
+    assert ck.steps() == [20, 30, 40]  # keep_last=3
+    ck.close()
+
+
+def test_readme_checkpointer_example_on_a_path_runs_quietly(tmp_path):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _run_readme_checkpointer_example(str(tmp_path / "run-1" / "ckpt"))
+    assert [str(w.message) for w in seen] == []
+
+
+def readme_checkpointing_blocks() -> list[str]:
+    """The ```python blocks of the README's Checkpointing section, verbatim."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n## Checkpointing\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+@pytest.fixture
+def aws_env(s3_server, monkeypatch):
+    """``s3://bucket/...`` reaches the S3 server on localhost (moto) through the standard AWS
+    environment variables, as it would reach a real store: the README's URLs work unchanged."""
+    s3fs = pytest.importorskip("s3fs")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server["endpoint"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    client = s3_server["boto3"]()
+    try:
+        client.create_bucket(Bucket="bucket")
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield client
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+class ReadmeModel(pl.LightningModule if pl is not None else object):
+    def __init__(self, hidden: int = 4):
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Linear(hidden, 1))
+
+    def training_step(self, batch, _):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(32, 8))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_readme_checkpointing_examples_run_as_written(aws_env, tmp_path, monkeypatch):
+    """Each block of the README's Checkpointing section, executed verbatim (its s3:// URLs on
+    the local S3 server), with the names it leaves to the reader defined beforehand."""
+    monkeypatch.chdir(tmp_path)  # Lightning's default root dir
+    checkpointer, save_load, lightning = readme_checkpointing_blocks()
+
+    model, opt = _readme_training_state()
+    _train_step(model, opt)
+    fresh, fresh_opt = _readme_training_state()
+    ns = {"model": model, "opt": opt, "epoch": 3, "step": 120,
+          "state": {"model": fresh, "optim": fresh_opt, "epoch": 0}}
+    exec(checkpointer, ns)
+    assert ns["step"] == 120 and ns["state"]["epoch"] == 3 and ns["handle"].durable
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    assert "momentum_buffer" in fresh_opt.state_dict()["state"][0]
+
+    ns = {"model": model, "step": 120}
+    exec(save_load, ns)
+    assert ns["obj"]["step"] == 120
+    assert all(torch.equal(v, ns["obj"]["model"][k]) for k, v in model.state_dict().items())
+    keys = [o["Key"] for o in aws_env.list_objects_v2(Bucket="bucket", Prefix="run-1/")["Contents"]]
+    assert "run-1/final/cachemw-manifest.json" in keys
+    assert any(k.startswith("run-1/ckpt/step_") and k.endswith("/cachemw-manifest.json") for k in keys)
+
+    if pl is None:
+        pytest.skip("Lightning is not installed")
+    from cachemw.checkpoint import CachemwCheckpointIO
+
+    first = pl.Trainer(max_epochs=1, plugins=[CachemwCheckpointIO()], enable_progress_bar=False, logger=False,
+                       default_root_dir=tmp_path / "first")
+    first.fit(ReadmeModel(hidden=3))
+    ns = {"Trainer": pl.Trainer, "Model": ReadmeModel, "model": ReadmeModel(hidden=3), "torch": torch,
+          "path": first.checkpoint_callback.best_model_path}
+    exec(lightning, ns)
+    assert ns["trainer"].current_epoch == 2 and ns["trainer"].global_step == 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_lightning_plugin_checkpoint_on_s3_reads_with_the_usual_calls(aws_env):
+    if pl is None:
+        pytest.skip("Lightning is not installed")
+    import fsspec
+
+    from cachemw.checkpoint import CachemwCheckpointIO, ChecksumError
+
+    io, url = CachemwCheckpointIO(), "s3://bucket/run-2/checkpoints/epoch=0-step=4.ckpt"
+    model = ReadmeModel(hidden=3)
+    io.save_checkpoint({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
+                        "pytorch-lightning_version": pl.__version__}, url)
+    keys = [o["Key"] for o in aws_env.list_objects_v2(Bucket="bucket", Prefix="run-2/")["Contents"]]
+    assert keys == ["run-2/checkpoints/epoch=0-step=4.ckpt"]  # no temp object left
+    loaded = ReadmeModel.load_from_checkpoint(url)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    with fsspec.open(url, "rb") as f:
+        assert torch.load(f)["hyper_parameters"]["hidden"] == 3
+    assert torch.equal(io.load_checkpoint(url)["state_dict"]["layer.0.weight"], model.layer[0].weight)
+
+    body = bytearray(aws_env.get_object(Bucket="bucket", Key=keys[0])["Body"].read())
+    with zipfile.ZipFile(io_module.BytesIO(bytes(body))) as archive:
+        record = next(r for r in archive.infolist() if r.filename.endswith("/data/0"))
+    name_len, extra_len = struct.unpack("<HH", body[record.header_offset + 26:record.header_offset + 30])
+    body[record.header_offset + 30 + name_len + extra_len] ^= 0x01  # the first byte of a tensor
+    with fsspec.open("s3://bucket/run-2/checkpoints/bad.ckpt", "wb") as f:
+        f.write(bytes(body))
+    with pytest.raises(ChecksumError, match=record.filename):
+        io.load_checkpoint("s3://bucket/run-2/checkpoints/bad.ckpt")
+    io.remove_checkpoint(url)
+    assert "Contents" not in aws_env.list_objects_v2(Bucket="bucket", Prefix="run-2/checkpoints/epoch")
