@@ -49,7 +49,12 @@ class Engine:
         self._lru: List["OrderedDict[Hashable, int]"] = [OrderedDict() for _ in tiers]
         self._used = [0] * len(tiers)
         self._where: Dict[Hashable, int] = {}
-        self._order: List[Hashable] = []  # the announced order, by position
+        # the announced order by the policy's position of each read: positions start at the
+        # policy's cursor when an order comes after reads it was not told of (a restart's
+        # blocks loaded below count as reads), so the order is kept by position, not index
+        self._order: Dict[int, Hashable] = {}
+        self._order_start = 0  # positions below it are read and forgotten
+        self._order_end = 0
         self._sizes: Dict[Hashable, int] = {}
         self._scan = 0
         for key, (tier, size) in (placement or {}).items():
@@ -86,6 +91,7 @@ class Engine:
                 "with announced=True or policy='clairvoyant'"
             )
         keys = []
+        start = max(self.policy.announced_until, self.policy.cursor)  # as the policy places it
         for i, item in enumerate(order):
             if not isinstance(item, tuple) or len(item) != 2:
                 raise ValueError(f"order[{i}] must be a (key, size) tuple, got {item!r}")
@@ -93,7 +99,8 @@ class Engine:
             check_positive_int(f"order[{i}] size", size)
             keys.append(key)
             self._sizes[key] = size
-        self._order.extend(keys)
+        self._order.update(zip(range(start, start + len(keys)), keys))
+        self._order_end = start + len(keys)
         self.policy.announce(keys)
 
     def access(self, key: Hashable, size: int) -> Plan:
@@ -149,8 +156,14 @@ class Engine:
         moves: List[Move] = []
         cursor = policy.cursor
         pos = max(self._scan, cursor)
-        while pos < len(self._order) and budget_bytes > 0:
-            key = self._order[pos]
+        while self._order_start < cursor:  # read (or skipped) already: forget them
+            self._order.pop(self._order_start, None)
+            self._order_start += 1
+        while pos < self._order_end and budget_bytes > 0:
+            key = self._order.get(pos)
+            if key is None:  # a position the policy counted before any order came
+                pos += 1
+                continue
             size = self._sizes[key]
             if key not in policy:
                 home = self._home(size)

@@ -98,6 +98,19 @@ def test_an_announced_order_is_prefetched_ahead_of_the_reader(make_tree, runtime
     assert fs.stats()["bypassed"] == 0 and fs.stats()["fallbacks"] == 0
 
 
+@pytest.mark.timeout(60)
+def test_an_order_announced_after_a_read_is_prefetched(make_tree, runtime_dir, spawn_daemon):
+    """A read before the first announcement (the daemon then switches to clairvoyant with
+    that block in place) must not shift the announced order: all of it is prefetched."""
+    spawn_daemon(runtime_dir, dram_capacity="16MiB")
+    paths = sorted(make_tree([FILE] * 41))
+    fs = cache_fs(runtime_dir)
+    fs.cat_file(paths[0])
+    assert fs.announce(paths[1:]) == 40
+    wait_for(lambda: daemon_stats(runtime_dir)["counters"].get("prefetched", 0) == 40, 30,
+             what="the 40 files announced after a read to be prefetched")
+
+
 @pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.timeout(180)

@@ -74,6 +74,19 @@ def test_prefetch_follows_the_announced_order():
     assert e.access("a", 1).of_type(Admit) == ()
 
 
+def test_an_order_announced_after_reads_is_prefetched_from_its_first_read():
+    # reads the policy counted before any order came (blocks loaded at a restart, or a
+    # switch to clairvoyant after a miss) must not shift the order: the first announced
+    # read is prefetched first, needed at once
+    e = Engine(tiers(4, 1), "clairvoyant", announced=True, placement={"x": ("dram", 1)})
+    e.announce([("a", 1), ("b", 1), ("c", 1)])
+    assert e.prefetch(10).of_type(Prefetch) == (
+        Prefetch("a", 1, "dram", 0), Prefetch("b", 1, "dram", 1), Prefetch("c", 1, "dram", 2))
+    e.access("a", 1)
+    e.announce([("d", 1)])  # appended after the rest, read fourth from here on
+    assert e.prefetch(10).of_type(Prefetch) == (Prefetch("d", 1, "dram", 2),)
+
+
 def test_prefetch_is_empty_without_an_order_and_announce_needs_clairvoyant():
     e = Engine(tiers())
     assert e.policy.name == "history" and not e.prefetch(100)
