@@ -27,7 +27,8 @@ from multiprocessing.connection import Connection, answer_challenge
 
 from .config import DaemonConfig
 from .fills import drain_all
-from .launch import FAILURE_MEMORY, START_WAIT, DaemonStartError, spawn_detached
+from .launch import (FAILURE_MEMORY, START_WAIT, DaemonStartError, await_address,
+                     spawn_detached)
 from .protocol import (CLIENT_COUNTERS, DaemonAddress, UnsafeDirectory, check_private_dir,
                        lock_holder, lookup, process_state)
 from .tiers.directory import DirectoryTier
@@ -152,16 +153,18 @@ class DaemonClient:
             with self._lock:
                 try:
                     address = self._find()
-                except (DaemonStartError, OSError) as exc:
+                except (DaemonStartError, OSError, ValueError) as exc:
                     self._cannot_start(exc)
                     return None
                 if address is None:
-                    self._unreachable("no daemon runs (start one with `cachemw start`)")
+                    self._unreachable(
+                        "the daemon is still starting" if lock_holder(self.runtime_dir)
+                        is not None else "no daemon runs (start one with `cachemw start`)")
                     return None
                 self._set_tiers(address)
             state = process_state(address.pid)
             if state in ("T", "t"):  # stopped (SIGSTOP, a debugger): do not wait on it
-                self._unreachable(f"the daemon (pid {address.pid}) is stopped", timed_out=True)
+                self._unreachable(f"the daemon (pid {address.pid}) is stopped")
                 return None
             try:
                 conn = self._open(address)
@@ -198,8 +201,6 @@ class DaemonClient:
             return address  # its tier files still serve hits
         if address is not None and address.pid == holder.get("pid"):
             return address
-        from .launch import await_address
-
         return await_address(self.runtime_dir, min(START_WAIT, self.timeout)) or address
 
     def _autostart(self) -> DaemonAddress | None:

@@ -72,7 +72,7 @@ def _options_key(options: dict | None) -> str:
 
 
 def recent_failure(runtime_dir: str, options: dict | None) -> str | None:
-    """The message of a failed start with these options less than FAILURE_MEMORY s ago."""
+    """The message of a failed start with these settings less than FAILURE_MEMORY s ago."""
     path = os.path.join(runtime_dir, FAILED)
     try:
         st = os.lstat(path)
@@ -183,7 +183,9 @@ def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: 
     could not start (or did not within FAILURE_MEMORY s with the same options), and
     UnsafeDirectory if the runtime dir is not safely ours."""
     ensure_private_dir(runtime_dir)
-    failure = recent_failure(runtime_dir, options)
+    config = DaemonConfig.build(runtime_dir=runtime_dir, **(options or {}))
+    settings = config.to_dict()  # what it would run with, CACHEMW_* included
+    failure = recent_failure(runtime_dir, settings)
     if failure is not None:
         raise DaemonStartError(failure)
     lock = DaemonLock(runtime_dir)
@@ -192,7 +194,7 @@ def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: 
     try:
         dead = last_holder(runtime_dir)
         _unlink_stale(runtime_dir)  # clients must not take a dead one's secret for the new one
-        new_dram = DaemonConfig.build(runtime_dir=runtime_dir, **(options or {})).tiers[0].path
+        new_dram = os.path.abspath(config.tiers[0].path)
         if dead.get("kind") == "autostarted" and dead.get("dram") not in (None, new_dram):
             free_dram(dead["dram"])  # the next daemon will not re-index it
         lock.describe(starting=os.getpid())
@@ -225,7 +227,7 @@ def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: 
         return lookup(runtime_dir)
     error = answer[len("error "):] if answer.startswith("error ") else (
         answer or _log_tail(runtime_dir) or "the daemon exited at start")
-    _record_failure(runtime_dir, options, error)
+    _record_failure(runtime_dir, settings, error)
     raise DaemonStartError(error)
 
 
