@@ -8,6 +8,7 @@ import os
 import sys
 
 from .config import default_runtime_dir, format_size, parse_size
+from .protocol import lock_holder, lookup
 
 
 def _size(value: str) -> int:
@@ -117,7 +118,14 @@ def cmd_stats(args) -> int:
     logging.getLogger("cachemw.client").setLevel(logging.ERROR)
     stats = _local_stats(args)
     if stats is None:
-        print(f"no cachemw daemon answers in {_runtime_dir(args)}", file=sys.stderr)
+        rt = _runtime_dir(args)
+        address = lookup(rt)
+        if address is not None and lock_holder(rt) is None:
+            print(f"no cachemw daemon answers in {rt}: the daemon (pid {address.pid}) died; "
+                  f"the next process that reads through the cache starts another, "
+                  f"`cachemw stop` clears what it left", file=sys.stderr)
+        else:
+            print(f"no cachemw daemon answers in {rt}", file=sys.stderr)
         return 1
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
     return 0

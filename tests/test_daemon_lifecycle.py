@@ -126,6 +126,8 @@ def test_cachemw_stop_reclaims_what_a_killed_daemon_left(runtime_dir, dataset, r
     os.kill(address.pid, signal.SIGKILL)
     wait_for(lambda: gone(address.pid), 10, what="the daemon to die")
     assert os.path.exists(os.path.join(runtime_dir, SOCKET))  # what it left
+    r = cli("stats", runtime_dir=runtime_dir)
+    assert r.returncode == 1 and f"pid {address.pid}) died" in r.stderr, r.stderr
     r = cli("stop", runtime_dir=runtime_dir)
     assert r.returncode == 0, r.stderr
     assert "dead" in r.stdout, r.stdout
@@ -203,6 +205,31 @@ def test_a_hung_daemon_holds_a_reader_for_daemon_timeout(runtime_dir, spawn_daem
     for p in paths[5:]:
         assert fs.cat_file(p) == files[p]
     assert fs.stats()["fallbacks"] == before
+
+
+@pytest.mark.timeout(60)
+def test_a_daemon_at_work_is_not_taken_for_a_hung_one(make_cache_fs, tmp_path, gate, caplog):
+    """A lease that waits on another process's fill for longer than daemon_timeout is not
+    a silence: the daemon says "busy" meanwhile, and the reader gets the block cached."""
+    import threading
+
+    caplog.set_level(logging.WARNING, logger="cachemw")
+    a = make_cache_fs(block_size=BS, daemon_timeout=0.5)
+    b = make_cache_fs(block_size=BS, daemon_timeout=0.5)
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(BS)
+    with open(path, "wb") as f:
+        f.write(data)
+    assert a.cat_file(path) == data  # A's fill is held at the gate: its lease stays open
+    opener = threading.Timer(2.0, gate.set)  # four times B's daemon_timeout
+    opener.start()
+    try:
+        assert b.cat_file(path) == data  # B's lease waits for A's fill
+    finally:
+        opener.cancel()
+        gate.set()
+    assert b.stats()["fallbacks"] == 0 and b.stats()["hits"] == 1, b.stats()
+    assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
 
 
 def test_daemon_timeout_option_and_env():
