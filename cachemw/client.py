@@ -196,7 +196,8 @@ class DaemonClient:
         address = lookup(self.runtime_dir)
         holder = lock_holder(self.runtime_dir)
         if holder is None:  # no daemon lives; a published address is a dead one's
-            if self.autostart and (address is None or address.kind != "ray"):
+            # (not for the exit flush's last report: no daemon is started just for that)
+            if self.autostart and not _exiting and (address is None or address.kind != "ray"):
                 return self._autostart()
             return address  # its tier files still serve hits
         if address is not None and address.pid == holder.get("pid"):
