@@ -16,7 +16,7 @@ import sys
 import fsspec
 import pytest
 
-from cachemw.protocol import REGISTRY, SOCKET, lookup
+from cachemw.protocol import REGISTRY, SOCKET, lookup, process_state
 from conftest import daemon_stats, gone, published, service_procs, wait_for
 
 BS = 65536
@@ -184,6 +184,7 @@ def test_a_hung_daemon_holds_a_reader_for_daemon_timeout(runtime_dir, spawn_daem
     published(fs)
     os.kill(daemon.pid, signal.SIGSTOP)
     try:
+        wait_for(lambda: process_state(daemon.pid) == "T", 10, what="the daemon to stop")
         # misses: the daemon does not answer within 1 s; read from the source, counted
         for p in paths[5:]:
             assert fs.cat_file(p) == files[p]
