@@ -32,6 +32,7 @@ RAY_STATE = "ray.json"
 
 
 PEER_OPTIONS = ("peer_timeout", "refresh_interval", "replicate_after", "cluster_secret")
+PEER_DEFAULTS = {"peer_timeout": 10.0, "refresh_interval": 2.0, "replicate_after": 2}
 
 
 class DaemonActor:
@@ -72,12 +73,14 @@ class DaemonActor:
             self.blocks = BlockServer(self.service.node, ray.util.get_node_ip_address(),
                                       bytes.fromhex(secret))
         self.peers = PeerSet(self.node_id, spawn=lambda n: place(n, self.options),
-                             timeout=options.get("peer_timeout", 10.0),
-                             refresh_interval=options.get("refresh_interval", 2.0),
+                             timeout=options.get("peer_timeout", PEER_DEFAULTS["peer_timeout"]),
+                             refresh_interval=options.get("refresh_interval",
+                                                          PEER_DEFAULTS["refresh_interval"]),
                              secret=secret, blocks=self.blocks.address if self.blocks else None)
         node = self.service.node
         node.remote = RemoteReads(node, self.peers,
-                                  replicate_after=options.get("replicate_after", 2))
+                                  replicate_after=options.get(
+                                      "replicate_after", PEER_DEFAULTS["replicate_after"]))
         self.peers.start()
 
     def address(self) -> dict:
@@ -95,8 +98,7 @@ class DaemonActor:
                "nvme_dir": tiers["nvme"].path if "nvme" in tiers else None,
                "nvme_capacity": tiers["nvme"].capacity if "nvme" in tiers else None,
                "placement": self.config.placement}
-        out.update({k: self.options[k] for k in ("peer_timeout", "refresh_interval",
-                                                 "replicate_after") if k in self.options})
+        out.update({k: self.options.get(k, default) for k, default in PEER_DEFAULTS.items()})
         return dict(out, node_id=self.node_id)
 
     def stats(self) -> dict:

@@ -105,7 +105,7 @@ def _private_file(path: str, flags: int = os.O_RDONLY):
     does not exist (or is not such a file)."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError, OSError):
+    except OSError:  # absent, or a symlink (ELOOP)
         return None
     st = os.fstat(fd)
     if st.st_uid != os.getuid() or st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode):
