@@ -53,7 +53,7 @@ class DirectoryTier:
         """Is the directory the one prepared, private, with its sub-directories? (It may be
         removed under a running daemon, or recreated by someone else's makedirs 0755.)"""
         try:
-            st = os.lstat(self.path)
+            st = os.stat(self.path)  # as _prepare saw it (a tier dir may be a link the user set)
         except OSError:
             return False
         if (st.st_dev, st.st_ino) != getattr(self, "_identity", None) or st.st_mode & 0o077:
