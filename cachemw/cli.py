@@ -7,7 +7,8 @@ import logging
 import os
 import sys
 
-from .config import default_runtime_dir, parse_size
+from .config import default_runtime_dir, format_size, parse_size
+from .protocol import lock_holder, lookup
 
 
 def _size(value: str) -> int:
@@ -21,12 +22,11 @@ def _runtime_dir(args) -> str:
     return args.runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+_human = format_size
+
+
+def _why_not(tier: dict) -> str:
+    return f"NO ({tier['unusable']})" if tier.get("unusable") else "NO (out of space)"
 
 
 def format_stats(stats: dict) -> str:
@@ -37,7 +37,7 @@ def format_stats(stats: dict) -> str:
     for name, t in stats["tiers"].items():
         lines.append(f"  {name:<6} {_human(t['used_bytes']):>11} {_human(t['capacity_bytes']):>11} "
                      f"{t['blocks']:>8} {t['hits']:>9} {t['evictions']:>9} {t['demotions']:>8}  "
-                     f"{'yes' if t['admitting'] else 'NO (out of space)'}")
+                     f"{'yes' if t['admitting'] else _why_not(t)}")
     total = c["hits"] + c["misses"] + c["fallbacks"] + c["bypassed"]
     ratio = c["hits"] / total if total else 0.0
     lines += [
@@ -69,8 +69,11 @@ def cmd_start(args) -> int:
 def cmd_stop(args) -> int:
     from . import daemon
 
-    n = daemon.stop(args.address, runtime_dir=_runtime_dir(args))
+    notes: list[str] = []
+    n = daemon.stop(args.address, runtime_dir=_runtime_dir(args), notes=notes)
     print(f"stopped {n} daemon(s)")
+    for line in notes:
+        print(line)
     return 0
 
 
@@ -115,7 +118,14 @@ def cmd_stats(args) -> int:
     logging.getLogger("cachemw.client").setLevel(logging.ERROR)
     stats = _local_stats(args)
     if stats is None:
-        print(f"no cachemw daemon answers in {_runtime_dir(args)}", file=sys.stderr)
+        rt = _runtime_dir(args)
+        address = lookup(rt)
+        if address is not None and lock_holder(rt) is None:
+            print(f"no cachemw daemon answers in {rt}: the daemon (pid {address.pid}) died; "
+                  f"the next process that reads through the cache starts another, "
+                  f"`cachemw stop` clears what it left", file=sys.stderr)
+        else:
+            print(f"no cachemw daemon answers in {rt}", file=sys.stderr)
         return 1
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
     return 0
