@@ -21,7 +21,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .client.fs import CacheFileSystem
 from .config import parse_size
-from .node.service import stop_local
+from .launch import stop_local
 from .report import format_stats
 
 

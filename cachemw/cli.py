@@ -10,8 +10,9 @@ import sys
 from . import bench
 from .client.link import DaemonClient
 from .cluster import actor as daemon
-from .config import default_runtime_dir, parse_size
-from .report import format_stats, human_bytes
+from .config import default_runtime_dir, format_size, parse_size
+from .protocol import lock_holder, lookup
+from .report import format_stats
 
 
 def _size(value: str) -> int:
@@ -32,14 +33,17 @@ def cmd_start(args) -> int:
         "peer_timeout": args.peer_timeout}.items() if v is not None}
     addresses = daemon.start(args.address, runtime_dir=_runtime_dir(args), **options)
     for a in addresses:
-        tiers = ", ".join(f"{t['name']}={t['path']} ({human_bytes(t['capacity'])})" for t in a["tiers"])
+        tiers = ", ".join(f"{t['name']}={t['path']} ({format_size(t['capacity'])})" for t in a["tiers"])
         print(f"daemon on node {a['node_id']}: {a['socket']}  tiers: {tiers}")
     return 0
 
 
 def cmd_stop(args) -> int:
-    n = daemon.stop(args.address, runtime_dir=_runtime_dir(args))
+    notes: list[str] = []
+    n = daemon.stop(args.address, runtime_dir=_runtime_dir(args), notes=notes)
     print(f"stopped {n} daemon(s)")
+    for line in notes:
+        print(line)
     return 0
 
 
@@ -57,7 +61,7 @@ def cmd_status(args) -> int:
         if "error" in s:
             print(f"node {n['node_id']}: daemon NOT ANSWERING ({s['error']})")
         else:
-            tiers = ", ".join(f"{k} {human_bytes(t['used_bytes'])}/{human_bytes(t['capacity_bytes'])}"
+            tiers = ", ".join(f"{k} {format_size(t['used_bytes'])}/{format_size(t['capacity_bytes'])}"
                               for k, t in s["tiers"].items())
             print(f"node {n['node_id']}: daemon pid {s['pid']}, {tiers}")
     if not nodes:
@@ -80,7 +84,14 @@ def cmd_stats(args) -> int:
     logging.getLogger("cachemw.client.link").setLevel(logging.ERROR)
     stats = _local_stats(args)
     if stats is None:
-        print(f"no cachemw daemon answers in {_runtime_dir(args)}", file=sys.stderr)
+        rt = _runtime_dir(args)
+        address = lookup(rt)
+        if address is not None and lock_holder(rt) is None:
+            print(f"no cachemw daemon answers in {rt}: the daemon (pid {address.pid}) died; "
+                  f"the next process that reads through the cache starts another, "
+                  f"`cachemw stop` clears what it left", file=sys.stderr)
+        else:
+            print(f"no cachemw daemon answers in {rt}", file=sys.stderr)
         return 1
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
     return 0
@@ -96,7 +107,7 @@ def cmd_warm(args) -> int:
         files = fs.find(path) if fs.isdir(path) else [path]
         for f in tqdm(files, desc=f"warming {url}", unit="file", disable=args.quiet):
             total += len(fs.cat_file(f))
-    print(f"warmed {human_bytes(total)}")
+    print(f"warmed {format_size(total)}")
     return 0
 
 

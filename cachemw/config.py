@@ -6,6 +6,7 @@ here, in one function per component, so the rest of the code never looks at os.e
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tempfile
@@ -38,6 +39,49 @@ def parse_size(value: int | str, *, name: str = "size") -> int:
     return int(float(number) * (1024 ** _SIZE_UNITS[unit.lower()]))
 
 
+# sun_path of a Unix socket address holds 108 bytes, the terminating NUL included
+SOCKET_PATH_MAX = 108
+SOCKET_NAME = "daemon.sock"  # the daemon's socket in its runtime dir (protocol.SOCKET)
+
+
+def check_runtime_dir(path, name: str = "runtime_dir") -> str:
+    """A runtime dir must be an absolute path short enough for the daemon's socket in it.
+
+    Relative paths are refused: every process of a node (DataLoader workers started in
+    another working directory, the CLI) must find the same daemon.
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{name}: an absolute directory path is required, got {path!r}")
+    if "\0" in path or not os.path.isabs(path):
+        raise ValueError(f"{name}: must be an absolute path, got {path!r} (it would "
+                         f"depend on each process's working directory)")
+    sock = os.path.join(path, SOCKET_NAME)
+    if len(os.fsencode(sock)) >= SOCKET_PATH_MAX:
+        raise ValueError(f"{name}: the daemon's socket {sock} would be "
+                         f"{len(os.fsencode(sock))} bytes, over the {SOCKET_PATH_MAX}-byte "
+                         f"limit of a Unix socket path (NUL included); choose a shorter "
+                         f"runtime dir")
+    return path
+
+
+def check_seconds(value, name: str, *, zero_ok: bool = False) -> float:
+    """A finite number of seconds, > 0 (or >= 0 with ``zero_ok``)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value < 0 or (value == 0 and not zero_ok)):
+        raise ValueError(f"{name}: must be a finite number of seconds "
+                         f"{'>= 0' if zero_ok else '> 0'}, got {value!r}")
+    return float(value)
+
+
+def format_size(n: float) -> str:
+    """``67108864`` -> ``"64.0 MiB"`` (binary units, as parse_size reads them)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def default_runtime_dir() -> str:
     """Per-user directory for the daemon's socket and registry (mode 0700).
 
@@ -62,7 +106,11 @@ class TierConfig:
             raise ValueError(f"tier name: {self.name!r} is not a valid name")
         if not self.path:
             raise ValueError(f"{self.name}_dir: a directory is required")
-        object.__setattr__(self, "capacity", parse_size(self.capacity, name=f"{self.name}_capacity"))
+        capacity = parse_size(self.capacity, name=f"{self.name}_capacity")
+        if capacity <= 0:
+            raise ValueError(f"{self.name}_capacity: must be > 0, got {self.capacity!r} (omit "
+                             f"it for the default)")
+        object.__setattr__(self, "capacity", capacity)
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError(
                 f"{self.name} watermarks: need 0 < low <= high <= 1, got "
@@ -89,6 +137,7 @@ class DaemonConfig:
     placement: str | None = None  # policy name; None: clairvoyant once announced, else history
 
     def __post_init__(self) -> None:
+        check_runtime_dir(self.runtime_dir)
         if self.placement is not None and self.placement not in PLACEMENT_POLICIES:
             raise ValueError(f"placement: must be one of {PLACEMENT_POLICIES}, "
                              f"got {self.placement!r}")
@@ -123,24 +172,41 @@ class DaemonConfig:
         if unknown:
             raise ValueError(f"unknown daemon option(s): {', '.join(sorted(unknown))}")
         env = os.environ if env is None else env
-        runtime_dir = runtime_dir or env.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
-        dram_dir = dram_dir or env.get("CACHEMW_DRAM_DIR") or os.path.join(runtime_dir, "dram")
-        dram_capacity = dram_capacity or env.get("CACHEMW_DRAM_CAPACITY") or _default_dram_capacity()
-        nvme_dir = nvme_dir or env.get("CACHEMW_NVME_DIR")
-        nvme_capacity = nvme_capacity or env.get("CACHEMW_NVME_CAPACITY")
-        tiers = [TierConfig("dram", dram_dir, dram_capacity)]
+
+        def pick(value, var: str, option: str):
+            """A keyword wins over CACHEMW_*; an empty variable counts as unset. Returns
+            (value, what to name in an error about it)."""
+            if value is not None:
+                return value, option
+            value = env.get(var) or None
+            return value, (f"{var} ({option})" if value is not None else option)
+
+        runtime_dir, rt_name = pick(runtime_dir, "CACHEMW_RUNTIME_DIR", "runtime_dir")
+        runtime_dir = check_runtime_dir(default_runtime_dir() if runtime_dir is None
+                                        else runtime_dir, rt_name)
+        dram_dir, _ = pick(dram_dir, "CACHEMW_DRAM_DIR", "dram_dir")
+        dram_dir = dram_dir or os.path.join(runtime_dir, "dram")
+        dram_capacity, dram_name = pick(dram_capacity, "CACHEMW_DRAM_CAPACITY", "dram_capacity")
+        nvme_dir, _ = pick(nvme_dir, "CACHEMW_NVME_DIR", "nvme_dir")
+        nvme_capacity, nvme_name = pick(nvme_capacity, "CACHEMW_NVME_CAPACITY", "nvme_capacity")
+        placement, placement_name = pick(placement, "CACHEMW_PLACEMENT", "placement")
+        if placement is not None and placement not in PLACEMENT_POLICIES:
+            raise ValueError(f"{placement_name}: must be one of {PLACEMENT_POLICIES}, "
+                             f"got {placement!r}")
+        tiers = [_tier("dram", dram_dir, _default_dram_capacity() if dram_capacity is None
+                       else dram_capacity, dram_name)]
         if nvme_dir:
-            if not nvme_capacity:
+            if nvme_capacity is None:
                 raise ValueError("nvme_capacity: required when nvme_dir is given")
-            tiers.append(TierConfig("nvme", nvme_dir, nvme_capacity))
-        elif nvme_capacity:
-            raise ValueError("nvme_dir: required when nvme_capacity is given")
+            tiers.append(_tier("nvme", nvme_dir, nvme_capacity, nvme_name))
+        elif nvme_capacity is not None:
+            raise ValueError(f"nvme_dir: required when {nvme_name} is given")
         return cls(
             tiers=tuple(tiers),
             runtime_dir=runtime_dir,
             node_id=node_id or env.get("CACHEMW_NODE_ID") or "local",
             log_level=env.get("CACHEMW_LOG_LEVEL", "INFO"),
-            placement=placement or env.get("CACHEMW_PLACEMENT") or None,
+            placement=placement,
         )
 
     def to_dict(self) -> dict:
@@ -151,6 +217,18 @@ class DaemonConfig:
         d = dict(d)
         d["tiers"] = tuple(TierConfig(**t) for t in d["tiers"])
         return cls(**d)
+
+
+def _tier(name: str, path: str, capacity, what: str) -> TierConfig:
+    """A TierConfig whose errors name the variable or option the capacity came from."""
+    try:
+        return TierConfig(name, path, capacity)
+    except ValueError as exc:
+        text = str(exc)
+        prefix = f"{name}_capacity:"
+        if what != f"{name}_capacity" and text.startswith(prefix):
+            text = f"{what}:{text[len(prefix):]}"
+        raise ValueError(text) from None
 
 
 def _default_dram_capacity() -> int:
@@ -175,12 +253,17 @@ class CacheOptions:
     # bytes of fetched blocks a process may hold while a writer thread puts them into the
     # tiers (see fills.py); 0 writes every fill on the reader's path
     write_behind: int = 32 << 20
+    # how long the daemon may stay silent (hung, stopped) before a reader falls back to the
+    # source; a daemon busy on a request says so meanwhile (client.py)
+    daemon_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         if self.validate not in VALIDATE_MODES:
             raise ValueError(f"validate: must be one of {VALIDATE_MODES}, got {self.validate!r}")
-        if not isinstance(self.ttl, (int, float)) or self.ttl < 0:
-            raise ValueError(f"ttl: must be a number of seconds >= 0, got {self.ttl!r}")
+        object.__setattr__(self, "ttl", check_seconds(self.ttl, "ttl", zero_ok=True))
+        object.__setattr__(self, "daemon_timeout",
+                           check_seconds(self.daemon_timeout, "daemon_timeout"))
+        check_runtime_dir(self.runtime_dir)
         bs = parse_size(self.block_size, name="block_size")
         if bs < 4096:
             raise ValueError(f"block_size: must be at least 4096 bytes, got {bs}")
@@ -201,22 +284,34 @@ class CacheOptions:
             "validate": env.get("CACHEMW_VALIDATE"),
             "ttl": _float_or_none(env.get("CACHEMW_TTL"), "CACHEMW_TTL"),
             "block_size": env.get("CACHEMW_BLOCK_SIZE"),
-            "runtime_dir": env.get("CACHEMW_RUNTIME_DIR"),
+            "runtime_dir": env.get("CACHEMW_RUNTIME_DIR") or None,
             "autostart": _bool_or_none(env.get("CACHEMW_AUTOSTART"), "CACHEMW_AUTOSTART"),
             "write_behind": env.get("CACHEMW_WRITE_BEHIND"),
+            "daemon_timeout": _float_or_none(env.get("CACHEMW_DAEMON_TIMEOUT"),
+                                             "CACHEMW_DAEMON_TIMEOUT"),
         }
         merged = {k: v for k, v in from_env.items() if v is not None}
-        merged.update({k: v for k, v in kwargs.items() if v is not None})
-        return cls(**merged)
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        merged.update(given)
+        try:
+            return cls(**merged)
+        except ValueError as exc:  # name the variable when the bad value came from one
+            bad = str(exc).split(":", 1)[0]
+            if bad in from_env and bad not in given and from_env[bad] is not None:
+                raise ValueError(f"CACHEMW_{bad.upper()} ({exc})") from None
+            raise
 
 
 def _float_or_none(value: str | None, name: str) -> float | None:
     if value is None or value == "":
         return None
     try:
-        return float(value)
+        number = float(value)
     except ValueError:
         raise ValueError(f"{name}: expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    return number
 
 
 def _bool_or_none(value: str | None, name: str) -> bool | None:

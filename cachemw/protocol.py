@@ -2,9 +2,16 @@
 
 The daemon publishes ``<runtime_dir>/daemon.json`` (socket path, a per-daemon secret, its
 tier directories) in a 0700 directory, and holds an exclusive lock on
-``<runtime_dir>/daemon.lock`` for as long as it lives, so a crashed daemon is detected
-without pid games. The socket is a ``multiprocessing.connection`` Unix socket: mode 0600
-in that private directory, plus an HMAC challenge with the secret on every connection.
+``<runtime_dir>/daemon.lock`` for as long as it lives: the lock, not the socket file, says
+whether a daemon lives (the kernel drops it when the process dies, however it dies), and
+the lock file names its holder (pid, kind, DRAM tier) so a dead one's leftovers can be
+found. The socket is a ``multiprocessing.connection`` Unix socket: mode 0600 in that
+private directory, plus an HMAC challenge with the secret on every connection.
+
+The runtime dir is trusted only if it is a real directory (not a symlink) of this user
+that no one else can write to: on a shared node another user can create
+``/dev/shm/cachemw-$UID`` first, and a registry planted there would point readers at a
+daemon and tier files of theirs.
 
 Messages are tuples ``(op, *args)``; those in REPLY_OPS are answered (``invalidate`` too,
 so a write returns only once the old blocks are gone), the rest (``filled``, ``abort``,
@@ -15,6 +22,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
+import time
+import weakref
 from dataclasses import asdict, dataclass
 
 # Counters clients add to through access reports; the daemon adds the rest.
@@ -49,15 +59,59 @@ class DaemonAddress:
         return bytes.fromhex(self.secret)
 
 
+class UnsafeDirectory(PermissionError):
+    """A directory another user could control: refused, never chmod-ed or written to."""
+
+
+def check_private_dir(path: str) -> os.stat_result:
+    """Raise UnsafeDirectory unless ``path`` is a real directory (not a symlink) owned by
+    this user that no other user can write to. A directory of ours that others may only
+    read or list is accepted: nothing can have been put into it (ensure_private_dir then
+    closes it)."""
+    st = os.lstat(path)
+    why = None
+    if stat.S_ISLNK(st.st_mode):
+        why = f"a symlink (to {os.readlink(path)!r})"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "not a directory"
+    elif st.st_uid != os.getuid():
+        why = f"owned by uid {st.st_uid}, not by us (uid {os.getuid()})"
+    elif st.st_mode & 0o022:
+        why = f"writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    if why is not None:
+        raise UnsafeDirectory(f"{path}: {why}; refusing to use it (another user may have "
+                              f"made it: remove it, or set another runtime_dir)")
+    return st
+
+
 def ensure_private_dir(path: str) -> str:
-    """Create ``path`` as a 0700 directory owned by us; refuse one someone else owns."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"{path}: owned by uid {st.st_uid}, refusing to use it")
+    """Create ``path`` as a 0700 directory of ours; an existing one must pass
+    check_private_dir (group/other read bits of our own directory are taken away)."""
+    parent = os.path.dirname(path.rstrip("/"))
+    if parent and not os.path.isdir(parent):
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = check_private_dir(path)
     if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+        os.chmod(path, 0o700, follow_symlinks=False)
     return path
+
+
+def _private_file(path: str, flags: int = os.O_RDONLY):
+    """Open a file of ours that only we can read, never through a symlink; None if it
+    does not exist (or is not such a file)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # absent, or a symlink (ELOOP)
+        return None
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd
 
 
 def publish(runtime_dir: str, address: DaemonAddress) -> None:
@@ -80,40 +134,156 @@ def unpublish(runtime_dir: str, pid: int) -> None:
 
 
 def lookup(runtime_dir: str) -> DaemonAddress | None:
+    """The address the daemon of ``runtime_dir`` published; None if there is none, or if
+    the directory or the registry is not safely ours (see check_private_dir)."""
     try:
-        with open(os.path.join(runtime_dir, REGISTRY)) as f:
+        check_private_dir(runtime_dir)
+    except OSError:
+        return None
+    fd = _private_file(os.path.join(runtime_dir, REGISTRY))
+    if fd is None:
+        return None
+    try:
+        with os.fdopen(fd) as f:
             d = json.load(f)
         d["tiers"] = tuple(d["tiers"])
         return DaemonAddress(**d)
-    except (FileNotFoundError, NotADirectoryError):
+    except (OSError, ValueError, TypeError, KeyError):  # a torn or foreign file: absent
         return None
-    except (ValueError, TypeError, KeyError):  # a torn or foreign file: treat as absent
-        return None
+
+
+_held_locks: "weakref.WeakSet[DaemonLock]" = weakref.WeakSet()
+
+
+def _forget_locks_in_child() -> None:
+    # A forked child (a DataLoader worker) must not keep a daemon's lock alive after the
+    # daemon (or the process that is handing the lock to a new daemon) is gone.
+    for lock in list(_held_locks):
+        lock.forget()
+
+
+os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
 class DaemonLock:
-    """The lock a live daemon holds on its runtime dir; released by the kernel when it dies."""
+    """The lock a live daemon holds on its runtime dir; released by the kernel when it dies.
+
+    The file names the holder (``{"pid", "kind", "dram"}``, JSON) so that `cachemw stop`
+    can find a daemon whose socket or registry is gone, and what a dead one left behind.
+    A process that starts a daemon takes the lock first and hands it to the new process
+    (``fd`` is inherited), so exactly one of several processes that find the daemon dead
+    starts the next one.
+    """
 
     def __init__(self, runtime_dir: str) -> None:
         self.path = os.path.join(runtime_dir, LOCK)
         self._fd: int | None = None
 
-    def acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    @property
+    def fd(self) -> int | None:
+        return self._fd
+
+    def acquire(self, wait: float = 0.0) -> bool:
+        """Take the lock, trying for up to ``wait`` seconds (a probe holds it for
+        microseconds, a daemon shutting down for a moment)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
             os.close(fd)
-            return False
-        os.set_inheritable(fd, False)
+            raise UnsafeDirectory(f"{self.path}: not a lock file of ours, refusing it")
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    return False
+                time.sleep(0.02)
         self._fd = fd
+        _held_locks.add(self)
         return True
 
+    def adopt(self, fd: int) -> None:
+        """Take over a lock already held through ``fd`` (handed over by our starter)."""
+        os.set_inheritable(fd, False)
+        self._fd = fd
+        _held_locks.add(self)
+
+    def describe(self, **holder) -> None:
+        """Write who holds the lock (pid, kind, DRAM tier) into the lock file."""
+        data = json.dumps(holder).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+
     def release(self) -> None:
+        """Unlock and close (the daemon's exit: the lock is free for the next one)."""
         if self._fd is not None:
+            os.ftruncate(self._fd, 0)  # no holder any more
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+            _held_locks.discard(self)
+
+    def forget(self) -> None:
+        """Close our descriptor without unlocking: the lock stays with whoever shares it (the
+        daemon it was handed to); a forked child's copy must not keep it alive."""
+        fd, self._fd = self._fd, None
+        _held_locks.discard(self)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def lock_holder(runtime_dir: str) -> dict | None:
+    """Who holds the daemon lock of ``runtime_dir``: None if no one does (no daemon lives),
+    else what the holder wrote (``{}`` while it has not yet said)."""
+    path = os.path.join(runtime_dir, LOCK)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except ValueError:
+                return {}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def last_holder(runtime_dir: str) -> dict:
+    """What the lock file says of its last holder (for leftovers of a dead daemon)."""
+    fd = _private_file(os.path.join(runtime_dir, LOCK))
+    if fd is None:
+        return {}
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    finally:
+        os.close(fd)
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (``R``, ``S``, ``D``, ``T`` stopped, ``Z``...);
+    None if there is no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return data[data.rfind(b")") + 2:][:1].decode() or None
 
 
 def pid_alive(pid: int) -> bool:

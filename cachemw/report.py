@@ -1,13 +1,11 @@
 """How a node's statistics read to a person: the table `cachemw stats` and the main job print."""
 from __future__ import annotations
 
+from .config import format_size
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+
+def _why_not(tier: dict) -> str:
+    return f"NO ({tier['unusable']})" if tier.get("unusable") else "NO (out of space)"
 
 
 def format_stats(stats: dict) -> str:
@@ -16,16 +14,16 @@ def format_stats(stats: dict) -> str:
              f"  {'tier':<6} {'used':>11} {'capacity':>11} {'blocks':>8} {'hits':>9} "
              f"{'evictions':>9} {'demoted':>8}  admitting"]
     for name, t in stats["tiers"].items():
-        lines.append(f"  {name:<6} {human_bytes(t['used_bytes']):>11} {human_bytes(t['capacity_bytes']):>11} "
+        lines.append(f"  {name:<6} {format_size(t['used_bytes']):>11} {format_size(t['capacity_bytes']):>11} "
                      f"{t['blocks']:>8} {t['hits']:>9} {t['evictions']:>9} {t['demotions']:>8}  "
-                     f"{'yes' if t['admitting'] else 'NO (out of space)'}")
+                     f"{'yes' if t['admitting'] else _why_not(t)}")
     total = c["hits"] + c["misses"] + c["fallbacks"] + c["bypassed"]
     ratio = c["hits"] / total if total else 0.0
     lines += [
         f"  reads: {c['hits']} hits, {c['misses']} misses, hit ratio {ratio:.1%}; from other "
         f"nodes: {c.get('remote_hits', 0)} hits, {c.get('remote_reads', 0)} fetched by the owner, "
         f"{c.get('direct_failures', 0)} owner transfers failed",
-        f"  from source: {human_bytes(c['bytes_from_source'])}; fallbacks (daemon unreachable): "
+        f"  from source: {format_size(c['bytes_from_source'])}; fallbacks (daemon unreachable): "
         f"{c['fallbacks']}; bypassed (not admitted): {c['bypassed']}",
         f"  corrupt blocks repaired: {c['corrupt_repaired']}; fill errors: {c['fill_errors']}; "
         f"blocks re-indexed at start: {c['reindexed']}",

@@ -19,7 +19,7 @@ os.environ.setdefault("CACHEMW_DRAM_CAPACITY", "2GiB")
 @pytest.fixture(scope="session", autouse=True)
 def _session_runtime():
     yield os.environ["CACHEMW_RUNTIME_DIR"]
-    from cachemw.node.service import stop_local
+    from cachemw.launch import stop_local
 
     stop_local(os.environ["CACHEMW_RUNTIME_DIR"])
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
@@ -319,3 +319,51 @@ def s3_server():
         }
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# Daemon lifecycle helpers: autostarted daemons (`python -m cachemw.node.service`) found by their
+# command line, so a test that kills, stops or hangs one leaves none behind.
+
+def service_procs(runtime_dir: str) -> list:
+    """The live (not zombie) daemon processes serving ``runtime_dir``."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = p.info["cmdline"] or ()
+            if (p.info["status"] != psutil.STATUS_ZOMBIE and "cachemw.node.service" in cmd
+                    and runtime_dir in cmd):
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def gone(pid: int) -> bool:
+    """Has process ``pid`` exited (a zombie not yet reaped by its parent counts as gone)?"""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def reap_daemons():
+    """``reap_daemons(runtime_dir)`` registers a runtime dir; at teardown every daemon
+    process still serving it is continued (if stopped) and killed."""
+    import signal
+
+    dirs = []
+    yield dirs.append
+    for d in dirs:
+        for p in service_procs(d):
+            try:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait(10)
+            except Exception:
+                pass

@@ -47,7 +47,8 @@ class CacheFileSystem(_Base):
                  fs: AbstractFileSystem | None = None, *, validate: str | None = None,
                  ttl: float | None = None, block_size: int | str | None = None,
                  autostart: bool | None = None, runtime_dir: str | None = None,
-                 write_behind: int | str | None = None, daemon_options: dict | None = None, fo: str | None = None, **kwargs) -> None:
+                 write_behind: int | str | None = None, daemon_options: dict | None = None,
+                 daemon_timeout: float | None = None, fo: str | None = None, **kwargs) -> None:
         unknown = set(kwargs) - _FSSPEC_BASE_OPTIONS
         if unknown:
             raise ValueError(f"unknown cachemw option(s): {', '.join(sorted(unknown))}")
@@ -56,7 +57,8 @@ class CacheFileSystem(_Base):
             raise ValueError("target_protocol: give either fs or target_protocol, not both")
         self.options = CacheOptions.build(validate=validate, ttl=ttl, block_size=block_size,
                                           autostart=autostart, runtime_dir=runtime_dir,
-                                          write_behind=write_behind)
+                                          write_behind=write_behind,
+                                          daemon_timeout=daemon_timeout)
         if fs is None:
             fs = fsspec.filesystem(target_protocol or "file", **(target_options or {}))
         if daemon_options:  # a bad daemon option fails here, not as fallbacks on every read
@@ -64,6 +66,7 @@ class CacheFileSystem(_Base):
         self.target = fs
         self.client = DaemonClient(self.options.runtime_dir, autostart=self.options.autostart,
                                    report_interval=self.options.report_interval,
+                                   timeout=self.options.daemon_timeout,
                                    daemon_config=daemon_options)
         self.reader = BlockReader(SourceTier(fs), self.client, self.options.block_size,
                                   self.options.write_behind)

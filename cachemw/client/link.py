@@ -2,9 +2,14 @@
 
 Never imports Ray (a forked DataLoader worker cannot use its parent's Ray connection).
 Fork-safe: a child process opens its own connection instead of sharing its parent's.
-Never hangs: every wait on the daemon is bounded; an unreachable daemon turns misses into
-direct reads from the source, counted as ``fallbacks`` and logged once, not per read, and
-the link is retried every few seconds.
+Never hangs: every wait on the daemon is bounded (a daemon silent for ``daemon_timeout``
+seconds is taken as hung; one at work on a request says "busy" meanwhile); an unreachable
+daemon turns misses into direct reads from the source, counted as ``fallbacks`` and logged
+once, not per read, and the link is retried every few seconds.
+
+A dead daemon (its lock free: see protocol.py) is replaced at once by the first process
+that needs it, if autostart is on (launch.py); a daemon that cannot start says why, once
+per process, and reads go on from the source.
 """
 from __future__ import annotations
 
@@ -17,15 +22,22 @@ import socket
 import threading
 import time
 import weakref
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge
 
+from ..config import DaemonConfig
 from .fills import drain_all
-from ..protocol import CLIENT_COUNTERS, DaemonAddress, lookup
+from ..protocol import (CLIENT_COUNTERS, DaemonAddress, UnsafeDirectory, check_private_dir,
+                        lock_holder, lookup, process_state)
 from ..tiers.directory import DirectoryTier
+from ..launch import (FAILURE_MEMORY, START_WAIT, DaemonStartError, await_address,
+                     spawn_detached)
 
 log = logging.getLogger(__name__)
 
 RETRY_SECONDS = 2.0
+MAX_RETRY_SECONDS = 30.0  # the back-off after repeated timeouts (a hung daemon)
+BUSY_CAP_SECONDS = 300.0  # a backstop: the daemon bounds its own waits well below this
 
 _clients: "weakref.WeakSet[DaemonClient]" = weakref.WeakSet()
 _exit_hook_pid = 0
@@ -53,7 +65,11 @@ def _ensure_exit_hook() -> None:
         multiprocessing.util.Finalize(None, _flush_all, exitpriority=10)
 
 
+_said: set[str] = set()  # start-up failures already logged by this process
+
+
 def _reset_all_in_child() -> None:
+    _said.clear()
     for client in list(_clients):
         client._reset_after_fork()
 
@@ -70,13 +86,20 @@ class DaemonUnavailable(ConnectionError):
 
 
 class DaemonClient:
-    def __init__(self, runtime_dir: str, *, autostart: bool = True, timeout: float = 60.0,
+    """``timeout``: how long the daemon may stay silent (the ``daemon_timeout`` option).
+    With ``autostart``, the settings of the daemon it would start (``daemon_config``
+    and CACHEMW_*) are checked here: a bad one is a ValueError now, not a daemon that
+    fails in the background."""
+
+    def __init__(self, runtime_dir: str, *, autostart: bool = True, timeout: float = 5.0,
                  report_interval: float = 0.5, daemon_config: dict | None = None) -> None:
         self.runtime_dir = runtime_dir
         self.autostart = autostart
         self.timeout = timeout
         self.report_interval = report_interval
         self.daemon_config = daemon_config or {}
+        if autostart:
+            DaemonConfig.build(runtime_dir=runtime_dir, **self.daemon_config)
         self._lock = threading.RLock()
         self._reset_after_fork()
         _clients.add(self)
@@ -92,6 +115,7 @@ class DaemonClient:
         self._address: DaemonAddress | None = None
         self._tiers: list[DirectoryTier] = []
         self._next_try = 0.0
+        self._timeouts = 0  # consecutive timeouts: the back-off grows while a daemon hangs
         self._warned = False
         self.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
         self._unsent = dict.fromkeys(CLIENT_COUNTERS, 0)
@@ -125,38 +149,85 @@ class DaemonClient:
         now = time.monotonic()
         if now < self._next_try:
             return None
-        with self._lock:
-            address = lookup(self.runtime_dir)
-            if address is None and self.autostart:
-                address = self._autostart()
-            if address is None:
-                self._unreachable("no daemon runs (start one with `cachemw start`)")
+        for attempt in (1, 2):
+            with self._lock:
+                try:
+                    address = self._find()
+                except (DaemonStartError, OSError, ValueError) as exc:
+                    self._cannot_start(exc)
+                    return None
+                if address is None:
+                    self._unreachable(
+                        "the daemon is still starting" if lock_holder(self.runtime_dir)
+                        is not None else "no daemon runs (start one with `cachemw start`)")
+                    return None
+                self._set_tiers(address)
+            state = process_state(address.pid)
+            if state in ("T", "t"):  # stopped (SIGSTOP, a debugger): do not wait on it
+                self._unreachable(f"the daemon (pid {address.pid}) is stopped")
                 return None
-            self._set_tiers(address)
-        try:
-            conn = self._open(address)
-        except (OSError, EOFError, DaemonUnavailable) as exc:
-            self._unreachable(f"{address.socket}: {exc}")
-            return None
+            try:
+                conn = self._open(address)
+                break
+            except (OSError, EOFError, AuthenticationError, DaemonUnavailable) as exc:
+                # refused with its lock free: it died; the second attempt replaces it
+                if attempt == 1 and self.autostart and lock_holder(self.runtime_dir) is None:
+                    continue
+                self._unreachable(f"{address.socket}: {exc}",
+                                  timed_out=isinstance(exc, DaemonUnavailable))
+                return None
         with self._lock:
             self._local.conn = conn
             # sends on this connection come from its thread and from the fill writer
             self._local.send_lock = threading.Lock()
             self._conns.add(conn)
+            self._timeouts = 0
             if self._warned:
                 log.warning("cachemw daemon reachable again at %s", address.socket)
                 self._warned = False
         return conn
 
-    def _autostart(self) -> DaemonAddress | None:
-        """No daemon runs: start one, as a process of its own (never threads in the trainer,
-        which would fight it for the GIL). Started by a main process, it ends with that
-        process; started by a DataLoader worker (a dataset of plain cachemw:: URLs), it
-        outlives the worker and exits once idle."""
-        from ..node.service import spawn_detached
+    def _find(self) -> DaemonAddress | None:
+        """The live daemon's address: the published one if its publisher holds the lock;
+        a new daemon's if none lives and autostart is on (a dead Ray-managed daemon is
+        Ray's to restart). Waits a few seconds at most for one that is starting."""
+        if os.path.lexists(self.runtime_dir):
+            check_private_dir(self.runtime_dir)  # UnsafeDirectory: someone else's
+        address = lookup(self.runtime_dir)
+        holder = lock_holder(self.runtime_dir)
+        if holder is None:  # no daemon lives; a published address is a dead one's
+            # (not for the exit flush's last report: no daemon is started just for that)
+            if self.autostart and not _exiting and (address is None or address.kind != "ray"):
+                return self._autostart()
+            return address  # its tier files still serve hits
+        if address is not None and address.pid == holder.get("pid"):
+            return address
+        return await_address(self.runtime_dir, min(START_WAIT, self.timeout)) or address
 
+    def _autostart(self) -> DaemonAddress | None:
+        """No daemon lives: start one, as a process of its own (never threads in the
+        trainer, which would fight it for the GIL). Started by a main process, it ends with
+        that process; started by a DataLoader worker (a dataset of plain cachemw:: URLs), it
+        outlives the worker and exits once idle."""
         parent = os.getpid() if is_main_process() else None
-        return spawn_detached(self.runtime_dir, self.daemon_config, parent_pid=parent)
+        return spawn_detached(self.runtime_dir, self.daemon_config, parent_pid=parent,
+                              wait=START_WAIT)
+
+    def _cannot_start(self, exc: Exception) -> None:
+        """No daemon can be had (it cannot start, or the runtime dir is not safely ours):
+        said once per process, not per worker per read; not retried for a while."""
+        if isinstance(exc, UnsafeDirectory):
+            why = f"cachemw runtime dir refused: {exc}"
+        elif isinstance(exc, DaemonStartError):
+            why = f"cachemw daemon cannot start: {exc}"
+        else:
+            why = f"cachemw daemon cannot start in {self.runtime_dir}: {exc}"
+        with self._lock:
+            self._next_try = time.monotonic() + FAILURE_MEMORY
+            self._warned = True
+            if why not in _said:
+                _said.add(why)
+                log.error("%s; misses read the source directly, counted as fallbacks", why)
 
     def _set_tiers(self, address: DaemonAddress) -> None:
         if address != self._address:
@@ -174,10 +245,12 @@ class DaemonClient:
             raise
         conn = Connection(sock.detach())
         try:
-            if not conn.poll(5.0):
-                raise DaemonUnavailable("daemon did not answer the handshake")
+            if not conn.poll(self.timeout):
+                raise DaemonUnavailable(f"daemon did not answer the handshake within "
+                                        f"{self.timeout} s")
             answer_challenge(conn, address.authkey)
-            conn.send(("hello", os.getpid()))
+            # the daemon says "busy" every third of our timeout while it works on a request
+            conn.send(("hello", os.getpid(), self.timeout / 3))
             self._recv(conn)
         except BaseException:
             conn.close()
@@ -185,15 +258,22 @@ class DaemonClient:
         return conn
 
     def _recv(self, conn: Connection):
-        if not conn.poll(self.timeout):
-            raise DaemonUnavailable(f"daemon did not answer within {self.timeout} s")
-        reply = conn.recv()
-        if reply[0] == "error":
-            raise DaemonUnavailable(f"daemon error: {reply[1]}")
-        return reply
+        """The reply to the request just sent; DaemonUnavailable if the daemon is silent
+        (no reply, no "busy") for ``timeout`` seconds."""
+        cap = time.monotonic() + BUSY_CAP_SECONDS
+        while True:
+            if not conn.poll(self.timeout):
+                raise DaemonUnavailable(f"daemon silent for {self.timeout} s")
+            reply = conn.recv()
+            if reply[0] == "busy":  # at work on it
+                if time.monotonic() > cap:
+                    raise DaemonUnavailable(f"no reply within {BUSY_CAP_SECONDS} s")
+                continue
+            if reply[0] == "error":
+                raise DaemonUnavailable(f"daemon error: {reply[1]}")
+            return reply
 
-    def _unreachable(self, why: str) -> None:
-        """Drop this thread's connection, back off, and say so once (not per read)."""
+    def _drop_connection(self):
         conn = getattr(self._local, "conn", None)
         self._local.conn = None
         if conn is not None:  # set with its send lock (_connect)
@@ -202,40 +282,72 @@ class DaemonClient:
                     conn.close()
                 except OSError:
                     pass
-        with self._lock:
-            self._next_try = time.monotonic() + RETRY_SECONDS
-            if conn is not None:
+            with self._lock:
                 self._conns.discard(conn)
+
+    def _unreachable(self, why: str, *, timed_out: bool = False) -> None:
+        """Drop this thread's connection, back off, and say so once (not per read)."""
+        self._drop_connection()
+        with self._lock:
+            # a refused or missing daemon is retried soon; a silent one costs a timeout
+            # per try, so the pause doubles while it stays silent
+            self._timeouts = self._timeouts + 1 if timed_out else 0
+            pause = min(RETRY_SECONDS * 2 ** max(0, self._timeouts - 1), MAX_RETRY_SECONDS)
+            self._next_try = time.monotonic() + pause
             if not self._warned:
                 (log.debug if _exiting else log.warning)(
                     "cachemw daemon unreachable (%s); misses read the source directly, "
                     "counted as fallbacks", why)
                 self._warned = True
 
+    def _lost(self, exc: Exception) -> bool:
+        """The connection failed under a message: True if the daemon died and this process
+        may start the next one (the caller tries again at once), else it is unreachable."""
+        hung = isinstance(exc, DaemonUnavailable)
+        if not hung and self.autostart and not _exiting and \
+                lock_holder(self.runtime_dir) is None:
+            self._drop_connection()
+            log.info("cachemw daemon gone (%s): starting another", exc)
+            self._next_try = 0.0
+            return True
+        self._unreachable(str(exc) or type(exc).__name__, timed_out=hung)
+        return False
+
     def _call(self, *msg):
         """Send a request and return the reply; None if the daemon is unreachable."""
-        conn = self._connect()
-        if conn is None:
-            return None
-        try:
-            with self._local.send_lock:
-                conn.send(msg)
-            return self._recv(conn)
-        except (OSError, EOFError, DaemonUnavailable) as exc:
-            self._unreachable(str(exc) or type(exc).__name__)
-            return None
+        for attempt in (1, 2):
+            conn = self._connect()
+            if conn is None:
+                return None
+            try:
+                with self._local.send_lock:
+                    conn.send(msg)
+                return self._recv(conn)
+            except (OSError, EOFError, DaemonUnavailable) as exc:
+                if attempt == 1 and self._lost(exc):
+                    continue
+                if attempt == 2:
+                    self._unreachable(str(exc) or type(exc).__name__,
+                                      timed_out=isinstance(exc, DaemonUnavailable))
+                return None
+        return None
 
     def _send(self, *msg) -> bool:
-        conn = self._connect()
-        if conn is None:
-            return False
-        try:
-            with self._local.send_lock:
-                conn.send(msg)
-            return True
-        except (OSError, EOFError) as exc:
-            self._unreachable(str(exc) or type(exc).__name__)
-            return False
+        for attempt in (1, 2):
+            conn = self._connect()
+            if conn is None:
+                return False
+            try:
+                with self._local.send_lock:
+                    conn.send(msg)
+                return True
+            except (OSError, EOFError) as exc:
+                if attempt == 1 and self._lost(exc):
+                    continue
+                if attempt == 2:
+                    self._unreachable(str(exc) or type(exc).__name__)
+                return False
+        return False
 
     def link(self) -> tuple | None:
         """This thread's connection, for another thread to end a lease taken on it

@@ -20,9 +20,10 @@ import tempfile
 import time
 from dataclasses import asdict
 
-from ..config import DaemonConfig, default_runtime_dir
+from ..config import DaemonConfig, default_runtime_dir, format_size, parse_size
+from ..launch import remove_checkpoint_copies, stop_local
 from ..node.service import NodeService
-from ..protocol import ensure_private_dir, lookup
+from ..protocol import ensure_private_dir, lock_holder, lookup
 from .blockserver import BlockServer
 from .names import NAMESPACE, actor_name
 from .owner import RemoteReads, serve_blocks
@@ -34,6 +35,7 @@ RAY_STATE = "ray.json"
 
 
 PEER_OPTIONS = ("peer_timeout", "refresh_interval", "replicate_after", "cluster_secret")
+PEER_DEFAULTS = {"peer_timeout": 10.0, "refresh_interval": 2.0, "replicate_after": 2}
 
 
 class DaemonActor:
@@ -50,26 +52,52 @@ class DaemonActor:
         logging.basicConfig(level=logging.INFO)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.options = dict(options)
+        self.error = None
+        self.service = self.peers = self.blocks = None
         opts = {k: (v.format(node_id=self.node_id) if isinstance(v, str) else v)
                 for k, v in options.items() if k not in PEER_OPTIONS}
-        self.service = NodeService(DaemonConfig.build(node_id=self.node_id, **opts), kind="ray")
+        try:  # a daemon that cannot start says why (start() reports it in one line)
+            self.config = DaemonConfig.build(node_id=self.node_id, **opts)
+            self.service = NodeService(self.config, kind="ray")
+        except Exception as exc:
+            self.error = str(exc) if isinstance(exc, (OSError, ValueError, RuntimeError)) \
+                else f"{type(exc).__name__}: {exc}"
+            logging.getLogger("cachemw.daemon").error("cachemw daemon cannot start: %s",
+                                                      self.error)
+            return
         secret = options.get("cluster_secret")
         self.blocks = None
         if secret:  # the data plane for remote hits (Ray remains the control plane)
             self.blocks = BlockServer(self.service.node, ray.util.get_node_ip_address(),
                                       bytes.fromhex(secret))
         self.peers = PeerSet(self.node_id, spawn=lambda n: place(n, self.options),
-                             timeout=options.get("peer_timeout", 10.0),
-                             refresh_interval=options.get("refresh_interval", 2.0),
+                             timeout=options.get("peer_timeout", PEER_DEFAULTS["peer_timeout"]),
+                             refresh_interval=options.get("refresh_interval",
+                                                          PEER_DEFAULTS["refresh_interval"]),
                              secret=secret, blocks=self.blocks.address if self.blocks else None)
         node = self.service.node
         node.remote = RemoteReads(node, self.peers,
-                                  replicate_after=options.get("replicate_after", 2))
+                                  replicate_after=options.get(
+                                      "replicate_after", PEER_DEFAULTS["replicate_after"]))
         self.peers.start()
 
     def address(self) -> dict:
+        if self.error is not None:
+            return {"node_id": self.node_id, "error": self.error}
         return dict(asdict(self.service.address),
                     blocks=list(self.blocks.address) if self.blocks else None)
+
+    def settings(self) -> dict:
+        """What this daemon runs with, in start()'s terms (to compare with a new start)."""
+        if self.error is not None:
+            return {}
+        tiers = {t.name: t for t in self.config.tiers}
+        out = {"dram_dir": tiers["dram"].path, "dram_capacity": tiers["dram"].capacity,
+               "nvme_dir": tiers["nvme"].path if "nvme" in tiers else None,
+               "nvme_capacity": tiers["nvme"].capacity if "nvme" in tiers else None,
+               "placement": self.config.placement}
+        out.update({k: self.options.get(k, default) for k, default in PEER_DEFAULTS.items()})
+        return dict(out, node_id=self.node_id)
 
     def stats(self) -> dict:
         stats = self.service.node.stats()
@@ -84,10 +112,12 @@ class DaemonActor:
         return self.node_id
 
     def stop(self) -> None:
-        self.peers.close()
+        if self.peers is not None:
+            self.peers.close()
         if self.blocks is not None:
             self.blocks.close()
-        self.service.close()
+        if self.service is not None:
+            self.service.close()
 
 
 def place(node_id: str, options: dict):
@@ -134,13 +164,17 @@ def _start_local_ray(runtime_dir: str) -> dict:
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
     if ray_bin is None:
         raise RuntimeError("the `ray` command is not installed next to this Python")
-    # unpredictable and 0700: a fixed name in /tmp could be taken first by another user
-    temp_dir = tempfile.mkdtemp(prefix=f"cachemw-ray-{os.getuid()}-", dir="/tmp")
+    # unpredictable and 0700: a fixed name in /tmp could be taken first by another user.
+    # Ray makes its temp dir (its sockets in it) 0777, so it goes one level down in ours.
+    private = tempfile.mkdtemp(prefix=f"cachemw-ray-{os.getuid()}-", dir="/tmp")
+    temp_dir = os.path.join(private, "ray")
     cmd = [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
+        _stop_local_ray(temp_dir)
         raise RuntimeError(f"`ray start` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    os.chmod(temp_dir, 0o700)
     state = {"address": f"127.0.0.1:{port}", "token_path": token_path, "temp_dir": temp_dir,
              "started_by_cachemw": True}
     fd = os.open(_ray_state_path(runtime_dir), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -153,17 +187,25 @@ def _stop_local_ray(temp_dir: str) -> None:
     """Stop the processes of the Ray cluster cachemw started, and only those.
 
     `ray stop` would stop every Ray cluster of this user on the machine; ours are the
-    processes whose command line names our private temp dir.
+    processes whose command line names our private temp dir, and all their descendants
+    (the raylet's agents and workers rename themselves: ``ray::DashboardAgent``...).
     """
     import psutil
 
-    procs = []
+    roots = []
     for p in psutil.process_iter(["cmdline"]):
         try:
             if any(temp_dir in arg for arg in (p.info["cmdline"] or ())):
-                procs.append(p)
+                roots.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+    found = {p.pid: p for p in roots}
+    for p in roots:
+        try:
+            found.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            continue
+    procs = list(found.values())
     for p in procs:
         try:
             p.terminate()
@@ -176,7 +218,10 @@ def _stop_local_ray(temp_dir: str) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=5)
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    parent = os.path.dirname(temp_dir)
+    private = os.path.basename(temp_dir) == "ray" and os.path.basename(parent).startswith(
+        f"cachemw-ray-{os.getuid()}-")
+    shutil.rmtree(parent if private else temp_dir, ignore_errors=True)
 
 
 def _free_port() -> int:
@@ -204,7 +249,7 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
             if not start_if_needed:
                 raise ConnectionError("no cachemw-managed Ray cluster runs; give --address or "
                                       "run `cachemw start`")
-            state = _start_local_ray(runtime_dir)
+            state = dict(_start_local_ray(runtime_dir), started_now=True)
         address = state["address"]
         os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN_PATH"] = state["token_path"]
@@ -241,19 +286,72 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
     if timeout_option is not None and (isinstance(timeout_option, bool) or not isinstance(
             timeout_option, (int, float)) or not 0 < timeout_option < float("inf")):
         raise ValueError(f"peer_timeout: must be a number of seconds > 0, got {timeout_option!r}")
-    connect(address, runtime_dir, start_if_needed=address is None)
+    holder = lock_holder(runtime_dir)
+    if holder is not None and holder.get("kind") != "ray":
+        raise RuntimeError(f"an autostarted cachemw daemon (pid {holder.get('pid')}) serves "
+                           f"{runtime_dir}; stop it first (`cachemw stop`)")
+    asked = dict(options)
+    state = connect(address, runtime_dir, start_if_needed=address is None)
     ray = _ray()
-    # one secret for the cluster's block servers; a re-run keeps the running daemons' one
-    options.setdefault("cluster_secret", secrets.token_hex(32))
-    handles = {}
-    for node in ray.nodes():
-        if node.get("Alive"):
-            handles[node["NodeID"]] = place(node["NodeID"], dict(options, runtime_dir=runtime_dir))
-    refs = {node_id: h.address.remote() for node_id, h in handles.items()}
-    out = []
-    for node_id, ref in refs.items():
-        out.append(ray.get(ref, timeout=timeout))
+    try:
+        running = set(_daemon_handles())
+        # one secret for the cluster's block servers; a re-run keeps the running daemons' one
+        options.setdefault("cluster_secret", secrets.token_hex(32))
+        handles = {}
+        for node in ray.nodes():
+            if node.get("Alive"):
+                handles[node["NodeID"]] = place(node["NodeID"],
+                                                dict(options, runtime_dir=runtime_dir))
+        refs = {node_id: h.address.remote() for node_id, h in handles.items()}
+        out = [ray.get(ref, timeout=timeout) for ref in refs.values()]
+        failed = [a for a in out if "error" in a]
+        if failed:
+            for a in failed:
+                ray.kill(handles[a["node_id"]], no_restart=True)
+            raise RuntimeError("; ".join(f"the daemon on node {a['node_id'][:12]} cannot "
+                                         f"start: {a['error']}" for a in failed))
+        differences = []
+        for node_id in running & set(handles):
+            have = ray.get(handles[node_id].settings.remote(), timeout=timeout)
+            differences += [f"node {node_id[:12]}: {d}" for d in _differences(asked, have)]
+        if differences:
+            raise RuntimeError("cachemw daemons already run with other settings ("
+                               + "; ".join(differences) + "); to change them, stop them "
+                               "first (`cachemw stop`), then start again")
+    except BaseException:
+        if state.get("started_now"):  # nothing of a failed start is left running
+            ray.shutdown()
+            _stop_local_ray(state["temp_dir"])
+            _forget_ray_state(runtime_dir)
+        raise
     return out
+
+
+def _differences(asked: dict, have: dict) -> list[str]:
+    """The settings a running daemon (``have``: DaemonActor.settings) has other than those
+    asked for; an option not asked for is whatever runs."""
+    out = []
+    for key, value in asked.items():
+        if key not in have or value is None:
+            continue
+        current = have[key]
+        if key.endswith("_dir"):
+            value = os.path.abspath(str(value).format(node_id=have["node_id"]))
+            current = os.path.abspath(current) if current else current
+        elif key.endswith("_capacity"):
+            value = parse_size(value, name=key)
+        if value != current:
+            show = format_size if key.endswith("_capacity") else repr
+            out.append(f"{key} {show(current) if current is not None else 'unset'} "
+                       f"(asked: {show(value)})")
+    return out
+
+
+def _forget_ray_state(runtime_dir: str) -> None:
+    try:
+        os.unlink(_ray_state_path(runtime_dir))
+    except FileNotFoundError:
+        pass
 
 
 def _daemon_handles():
@@ -282,17 +380,32 @@ def status(address: str | None = None, *, runtime_dir: str | None = None, timeou
     return out
 
 
-def stop(address: str | None = None, *, runtime_dir: str | None = None, timeout: float = 30) -> int:
-    """Stop every daemon, and the local Ray cluster if cachemw started it. Returns the count."""
+def stop(address: str | None = None, *, runtime_dir: str | None = None, timeout: float = 30,
+         notes: list | None = None) -> int:
+    """Stop every daemon: the Ray-managed ones (and the local Ray cluster if cachemw
+    started it), and this node's autostarted one, found by its lock (see launch.stop_local);
+    clear what a dead one left and the node-DRAM checkpoint copies made through them.
+    Returns the count of daemons stopped; ``notes`` gets a line per thing reclaimed."""
     runtime_dir = runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
+    n = _stop_ray_daemons(address, runtime_dir, timeout)
+    n += stop_local(runtime_dir, notes=notes)
+    if remove_checkpoint_copies(runtime_dir) and notes is not None:
+        notes.append(f"removed the node-DRAM checkpoint copies in {runtime_dir}/checkpoints "
+                     f"(the durable ones are at each checkpointer's root)")
+    return n
+
+
+def _stop_ray_daemons(address: str | None, runtime_dir: str, timeout: float) -> int:
     local = _read_ray_state(runtime_dir) if address is None else None
+    if address is None and local is None and "ray" not in sys.modules:
+        return 0  # no Ray cluster of ours, none given: nothing to stop through Ray
     try:
         state = connect(address, runtime_dir)
     except Exception as exc:  # cluster unreachable: still clean up what cachemw started
         log.warning("could not reach the Ray cluster: %s", exc)
         if local is not None and local.get("started_by_cachemw"):
             _stop_local_ray(local["temp_dir"])
-            os.unlink(_ray_state_path(runtime_dir))
+            _forget_ray_state(runtime_dir)
         return 0
     ray = _ray()
     handles = _daemon_handles()
@@ -311,10 +424,7 @@ def stop(address: str | None = None, *, runtime_dir: str | None = None, timeout:
     ray.shutdown()
     if address is None and state.get("started_by_cachemw"):
         _stop_local_ray(state["temp_dir"])
-        try:
-            os.unlink(_ray_state_path(runtime_dir))
-        except FileNotFoundError:
-            pass
+        _forget_ray_state(runtime_dir)
     deadline = time.monotonic() + 10
     while lookup(runtime_dir) is not None and time.monotonic() < deadline:
         time.sleep(0.1)

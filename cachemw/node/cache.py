@@ -66,6 +66,7 @@ class _TierState:
     evictions: int = 0
     demotions: int = 0
     full_until: float = 0.0  # set when a fill hit ENOSPC: no admission until then
+    broken: str | None = None  # its directory is gone and cannot be made again: why
 
 
 class NodeCache(MoveRunner):
@@ -163,6 +164,9 @@ class NodeCache(MoveRunner):
                     elif self._tiers[tier].full_until > time.monotonic():
                         self.placer.drop(key)
                         refused = ("nofill", "full")
+                    elif self._tiers[tier].broken is not None:
+                        self.placer.drop(key)
+                        refused = ("nofill", "unusable")
                     if refused is not None:
                         break
                     inflight = self._inflight[key] = _Inflight(
@@ -479,7 +483,8 @@ class NodeCache(MoveRunner):
                     "path": ts.tier.path, "used_bytes": ts.used, "capacity_bytes": ts.config.capacity,
                     "blocks": ts.blocks, "hits": ts.hits, "hit_bytes": ts.hit_bytes,
                     "evictions": ts.evictions, "demotions": ts.demotions,
-                    "admitting": ts.full_until <= time.monotonic(),
+                    "admitting": ts.full_until <= time.monotonic() and ts.broken is None,
+                    "unusable": ts.broken,
                 }
             return {"node_id": self.config.node_id, "pid": os.getpid(), "tiers": tiers,
                     "counters": dict(self.counters), "inflight": len(self._inflight)}

@@ -1,6 +1,7 @@
 """Carrying out the placement engine's moves on a node's tiers: evictions, demotions to a
 slower tier, promotions, and the prefetch pass, on the node cache's maintenance thread
-(never on a client's connection thread: moves copy data).
+(never on a client's connection thread: moves copy data); that thread also checks, every
+second, that the tier directories are still there and private.
 
 A mixin of NodeCache (node.py): it works on the node's index, tiers and locks.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 
 from .. import blockfile
 from ..placement import Admit, Demote, Evict, Promote
@@ -23,6 +25,7 @@ class MoveRunner:
             if self._closed.is_set():
                 return
             try:
+                self.check_tiers()
                 with self._lock:
                     moves, self._pending = self._pending, []
                 self._run(moves)
@@ -30,6 +33,45 @@ class MoveRunner:
                     self._prefetch()
             except Exception:  # never let the maintenance thread die silently
                 log.exception("placement pass failed")
+
+    def check_tiers(self) -> None:
+        """A tier directory removed, replaced or opened up under the running daemon (a
+        cleaner of /dev/shm, an epilogue, a makedirs with the default mode): make it again,
+        0700, forget the blocks that went with it, and admit fills again. One that cannot
+        be made again admits nothing, and stats say so, until it can."""
+        meta = os.path.join(self._tiers[self._order[-1]].tier.path, "meta")
+        try:  # the metadata records' directory, in the last tier: made again by its
+            st = os.lstat(meta)  # writers with makedirs (default mode) if it went
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077:
+                os.chmod(meta, 0o700, follow_symlinks=False)
+        except OSError:
+            pass
+        for name in self._order:
+            ts = self._tiers[name]
+            if ts.tier.intact():
+                continue
+            try:
+                ts.tier.repair()
+            except OSError as exc:
+                if ts.broken is None:
+                    log.warning("%s tier directory %s is gone and cannot be made again (%s): "
+                                "not admitting into it", name, ts.tier.path, exc)
+                ts.broken = str(exc)
+                continue
+            with self._lock:
+                keys = [k for k, e in self._index.items() if e.tier == name]
+            lost = [k for k in keys if not os.path.exists(ts.tier.block_path(k))]
+            with self._lock:
+                for key in lost:
+                    entry = self._index.get(key)
+                    if entry is not None and entry.tier == name:
+                        self._remove_locked(key)
+                ts.broken = None
+            for key in lost:
+                self.placer.drop(key)
+            log.warning("%s tier directory %s was removed or changed under the daemon: made "
+                        "again (0700); %d cached blocks went with it", name, ts.tier.path,
+                        len(lost))
 
     def _run(self, moves: list) -> None:
         """Carry out the engine's moves in order; a move that cannot be done is reported

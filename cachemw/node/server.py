@@ -3,6 +3,12 @@
 One thread accepts, one thread serves each client connection (clients are the few
 processes of one node: trainer ranks, DataLoader workers, the CLI). Every connection must
 answer an HMAC challenge with the daemon's secret before anything else is read.
+
+A request may rightly take a while (a lease waits for another process's fill, a batch goes
+to owner nodes), and a client must still tell a daemon at work from a hung one (stopped,
+swapped out) within its ``daemon_timeout``: while a request is being served, a ticker
+thread sends ``("busy",)`` on its connection every interval the client asked for in its
+``hello``, so only silence counts.
 """
 from __future__ import annotations
 
@@ -31,6 +37,9 @@ class SocketServer:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._last_activity = time.monotonic()
+        # connection -> [send lock, keepalive interval, last send, request being served]
+        self._links: dict[Connection, list] = {}
+        self._ticker: threading.Thread | None = None
         os.register_at_fork(after_in_child=self._after_fork_in_child)
 
     def idle_seconds(self) -> float:
@@ -59,6 +68,27 @@ class SocketServer:
         self._sock = sock
         self._thread = threading.Thread(target=self._accept_loop, name="cachemw-accept", daemon=True)
         self._thread.start()
+        self._ticker = threading.Thread(target=self._keepalive_loop, name="cachemw-keepalive",
+                                        daemon=True)
+        self._ticker.start()
+
+    def _keepalive_loop(self) -> None:
+        """Say "busy" on every connection whose request has gone unanswered for its
+        client's keepalive interval (see the module docstring)."""
+        while not self._closing.wait(0.05):
+            now = time.monotonic()
+            with self._lock:
+                due = [(conn, link) for conn, link in self._links.items()
+                       if link[3] and link[1] and now - link[2] >= link[1]]
+            for conn, link in due:
+                with link[0]:
+                    if not link[3]:  # answered meanwhile
+                        continue
+                    try:
+                        conn.send(("busy",))
+                    except (OSError, ValueError):
+                        continue
+                    link[2] = time.monotonic()
 
     def _after_fork_in_child(self) -> None:
         # A forked DataLoader worker must not keep our listening socket alive after we die.
@@ -114,11 +144,13 @@ class SocketServer:
             return
         with self._lock:
             self._conns.add(conn)
+            self._links[conn] = [threading.Lock(), 0.0, 0.0, False]
         try:
             self._loop(conn)
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._links.pop(conn, None)
                 self._last_activity = time.monotonic()
             self.node.release(conn)
             try:
@@ -128,12 +160,15 @@ class SocketServer:
 
     def _loop(self, conn: Connection) -> None:
         node = self.node
+        link = self._links[conn]
         while True:
             try:
                 msg = conn.recv()
             except Exception:  # EOF, reset, or closed under us by close(): the client is gone
                 return
             op, args = msg[0], msg[1:]
+            if op in REPLY_OPS:
+                link[2], link[3] = time.monotonic(), True  # the ticker may say "busy" now
             try:
                 if op == "lease":
                     reply = node.lease(args[0], args[1], args[2], conn)
@@ -156,7 +191,9 @@ class SocketServer:
                     continue
                 elif op == "invalidate":
                     reply = ("ok", node.invalidate(args[0]))
-                elif op == "hello":
+                elif op == "hello":  # ("hello", pid[, keepalive interval in seconds])
+                    if len(args) > 1 and isinstance(args[1], (int, float)) and args[1] > 0:
+                        link[1] = max(0.05, float(args[1]))
                     reply = ("ok", node.config.node_id, os.getpid())
                 elif op == "ring":  # who owns what, and where to fetch it directly
                     reply = ("ok", node.remote.directory() if node.remote is not None else None)
@@ -165,7 +202,9 @@ class SocketServer:
                 elif op == "ping":
                     reply = ("pong",)
                 elif op == "shutdown":
-                    conn.send(("ok",))
+                    with link[0]:
+                        link[3] = False
+                        conn.send(("ok",))
                     if self.on_shutdown is not None:
                         threading.Thread(target=self.on_shutdown, daemon=True).start()
                     continue
@@ -177,6 +216,8 @@ class SocketServer:
                     continue
                 reply = ("error", f"{type(exc).__name__}: {exc}")
             try:
-                conn.send(reply)
+                with link[0]:  # never interleaved with a "busy" from the ticker
+                    link[3] = False
+                    conn.send(reply)
             except (OSError, ValueError):
                 return

@@ -10,17 +10,18 @@ and publishes its address for clients.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
-import shutil
+import signal
 import threading
 
 from ..config import DaemonConfig
+from ..launch import clear_failure, free_dram, process_start
+from ..protocol import (REGISTRY, SOCKET, DaemonAddress, DaemonLock, ensure_private_dir,
+                        lock_holder, process_state, publish, unpublish)
 from .cache import NodeCache
-from ..protocol import (SOCKET, DaemonAddress, DaemonLock, ensure_private_dir, pid_alive, publish,
-                       unpublish)
 from .server import SocketServer
-from ..tiers.directory import DirectoryTier
 
 log = logging.getLogger(__name__)
 
@@ -30,16 +31,31 @@ class DaemonAlreadyRunning(RuntimeError):
 
 
 class NodeService:
-    def __init__(self, config: DaemonConfig, *, kind: str = "autostarted") -> None:
+    """``lock``: the runtime dir's daemon lock, already held (handed over by the process
+    that spawned us); without it, it is taken here."""
+
+    def __init__(self, config: DaemonConfig, *, kind: str = "autostarted",
+                 lock: DaemonLock | None = None) -> None:
         self.config = config
         self.kind = kind
         ensure_private_dir(config.runtime_dir)
-        self._lock = DaemonLock(config.runtime_dir)
-        if not self._lock.acquire():
-            raise DaemonAlreadyRunning(f"a cachemw daemon already runs for {config.runtime_dir}")
-        os.register_at_fork(after_in_child=self._forget_lock_in_child)
+        self._lock = lock if lock is not None else DaemonLock(config.runtime_dir)
+        if self._lock.fd is None and not self._lock.acquire(wait=3.0):
+            holder = lock_holder(config.runtime_dir) or {}
+            raise DaemonAlreadyRunning(
+                f"a cachemw {holder.get('kind', '')} daemon (pid {holder.get('pid', '?')}) "
+                f"already serves {config.runtime_dir}; stop it first (`cachemw stop`)"
+                .replace("  ", " "))
+        self.free_dram_at_exit = False  # an autostarted daemon's main sets it
         self.stopped = threading.Event()
         try:
+            dram = next(t.path for t in config.tiers if t.name == "dram")
+            self._lock.describe(pid=os.getpid(), start=process_start(os.getpid()), kind=kind,
+                                dram=os.path.abspath(dram))
+            try:  # we hold the lock: a registry here is a dead daemon's
+                os.unlink(os.path.join(config.runtime_dir, REGISTRY))
+            except FileNotFoundError:
+                pass
             self.node = NodeCache(config)
             secret = os.urandom(32)
             sock = os.path.join(config.runtime_dir, SOCKET)
@@ -53,68 +69,36 @@ class NodeService:
                 tiers=tuple(self.node.tier_dirs()), meta_dir=meta_dir, kind=kind,
             )
             publish(config.runtime_dir, self.address)
+            clear_failure(config.runtime_dir)
         except BaseException:
             self._lock.release()
             raise
         log.info("cachemw %s daemon for node %s serving %s", kind, config.node_id, sock)
 
-    def _forget_lock_in_child(self) -> None:
-        # The child's copy of the lock fd must not keep the lock alive after we exit.
-        fd = self._lock._fd
-        self._lock._fd = None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
     def close(self) -> None:
+        """Stop serving; an autostarted daemon frees its DRAM tier before it lets go of the
+        lock (a successor re-indexes the tier as soon as it has the lock)."""
         if self.stopped.is_set():
             return
         self.stopped.set()
         unpublish(self.config.runtime_dir, os.getpid())
         self.server.close()
         self.node.close()
+        if self.free_dram_at_exit:  # /dev/shm is the node's RAM, shared with other jobs
+            for tier in self.config.tiers:
+                if tier.name == "dram":
+                    freed = free_dram(tier.path)
+                    log.info("freed %d bytes of the DRAM tier %s", freed, tier.path)
         self._lock.release()
         log.info("cachemw daemon for node %s stopped", self.config.node_id)
 
 
-def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: float = 600,
-                   parent_pid: int | None = None, wait: float = 20.0):
-    """Start a daemon process in its own session and return its address once published
-    (None if none appeared in ``wait`` seconds). It exits when ``parent_pid`` exits, if
-    given, or else after ``idle_exit`` seconds with no client."""
-    import json
-    import subprocess
-    import sys
-    import time
-
-    from ..protocol import lookup
-
-    ensure_private_dir(runtime_dir)
-    log_path = os.path.join(runtime_dir, "daemon.log")
-    with open(log_path, "ab") as log_file:
-        os.chmod(log_path, 0o600)
-        subprocess.Popen(
-            [sys.executable, "-m", "cachemw.node.service", "--runtime-dir", runtime_dir,
-             "--idle-exit", str(idle_exit), "--options", json.dumps(options or {}),
-             *(["--parent-pid", str(parent_pid)] if parent_pid else [])],
-            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
-        )
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        address = lookup(runtime_dir)
-        if address is not None:
-            return address
-        time.sleep(0.05)
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     """A daemon process: serves until --parent-pid exits, or, without one, until no client
-    has been connected for --idle-exit seconds."""
+    has been connected for --idle-exit seconds, or until SIGTERM/SIGINT/SIGHUP, each a
+    clean exit (an autostarted daemon frees its DRAM tier). Its start's outcome goes to
+    --ready-fd ("ok" or "error <message>") for the process that spawned it."""
     import argparse
-    import json
 
     p = argparse.ArgumentParser(prog="python -m cachemw.node.service")
     p.add_argument("--runtime-dir", required=True)
@@ -125,49 +109,57 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-dram", action="store_true",
                    help="leave the DRAM tier's blocks in place at exit (by default an "
                         "autostarted daemon frees the node's shared memory when it ends)")
+    p.add_argument("--lock-fd", type=int, default=None,
+                   help="the daemon lock, already taken by the process that spawned us")
+    p.add_argument("--ready-fd", type=int, default=None,
+                   help="where to say 'ok' or 'error <message>' once started")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = DaemonConfig.build(runtime_dir=args.runtime_dir, **json.loads(args.options))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    lock = None
+    if args.lock_fd is not None:
+        lock = DaemonLock(args.runtime_dir)
+        lock.adopt(args.lock_fd)
     try:
-        service = NodeService(config, kind="autostarted")
-    except DaemonAlreadyRunning:
+        config = DaemonConfig.build(runtime_dir=args.runtime_dir, **json.loads(args.options))
+        service = NodeService(config, kind="autostarted", lock=lock)
+    except DaemonAlreadyRunning as exc:
+        log.info("%s", exc)
+        _tell(args.ready_fd, "ok")
         return 0
+    except Exception as exc:
+        message = str(exc) if isinstance(exc, (OSError, ValueError)) else (
+            f"{type(exc).__name__}: {exc}")
+        log.error("cachemw daemon cannot start: %s", message)
+        _tell(args.ready_fd, f"error {message}")
+        return 1
+    service.free_dram_at_exit = not args.keep_dram
+    _tell(args.ready_fd, "ok")
     while not service.stopped.wait(0.5):
-        if args.parent_pid is not None:
-            if not pid_alive(args.parent_pid):
+        if stop.is_set():
+            log.info("asked to stop (signal): exiting")
+            service.close()
+        elif args.parent_pid is not None:
+            if process_state(args.parent_pid) in (None, "Z"):  # exited (maybe unreaped)
                 log.info("process %d that started us is gone: exiting", args.parent_pid)
                 service.close()
         elif service.server.idle_seconds() > args.idle_exit:
             log.info("no client for %.0f s: exiting", args.idle_exit)
             service.close()
-    if not args.keep_dram:  # /dev/shm is the node's RAM, shared with other jobs
-        for tier in config.tiers:
-            if tier.name == "dram":
-                freed = DirectoryTier(tier.name, tier.path).clear()
-                shutil.rmtree(os.path.join(tier.path, "meta"), ignore_errors=True)  # ours
-                log.info("freed %d bytes of the DRAM tier %s", freed, tier.path)
     return 0
 
 
-def stop_local(runtime_dir: str, timeout: float = 10.0) -> bool:
-    """Ask the daemon of ``runtime_dir`` to stop (whatever started it); True if one did."""
-    import time
-
-    from ..client.link import DaemonClient
-    from ..protocol import lookup
-
-    address = lookup(runtime_dir)
-    if address is None:
-        return False
-    client = DaemonClient(runtime_dir, autostart=False, timeout=timeout)
+def _tell(fd: int | None, message: str) -> None:
+    if fd is None:
+        return
     try:
-        client._call("shutdown")
+        os.write(fd, message.encode())
+    except OSError:  # the starter stopped waiting
+        pass
     finally:
-        client.close()
-    deadline = time.monotonic() + timeout
-    while lookup(runtime_dir) is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return lookup(runtime_dir) is None
+        os.close(fd)
 
 
 if __name__ == "__main__":

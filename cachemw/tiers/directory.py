@@ -14,6 +14,7 @@ lease is never taken for another lease's fill.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from typing import Iterator
@@ -33,13 +34,35 @@ class DirectoryTier:
             self._prepare()
 
     def _prepare(self) -> None:
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        st = os.stat(self.path)
-        if st.st_uid != os.getuid():
-            raise PermissionError(f"{self.name} tier {self.path}: owned by uid {st.st_uid}, not us")
-        os.chmod(self.path, 0o700)
-        for sub in _FANOUT:
-            os.makedirs(os.path.join(self.path, sub), mode=0o700, exist_ok=True)
+        """Create the tier directory and its sub-directories, 0700; an OSError names the
+        tier and its directory (the daemon's start-up error its starter shows)."""
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            st = os.stat(self.path)
+            if st.st_uid != os.getuid():
+                raise PermissionError(errno.EPERM, f"owned by uid {st.st_uid}, not by us")
+            os.chmod(self.path, 0o700)
+            for sub in _FANOUT:
+                os.makedirs(os.path.join(self.path, sub), mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise type(exc)(exc.errno, f"{self.name}_dir {self.path} is unusable: "
+                                       f"{exc.strerror or exc}") from None
+        self._identity = (st.st_dev, st.st_ino)
+
+    def intact(self) -> bool:
+        """Is the directory the one prepared, private, with its sub-directories? (It may be
+        removed under a running daemon, or recreated by someone else's makedirs 0755.)"""
+        try:
+            st = os.stat(self.path)  # as _prepare saw it (a tier dir may be a link the user set)
+        except OSError:
+            return False
+        if (st.st_dev, st.st_ino) != getattr(self, "_identity", None) or st.st_mode & 0o077:
+            return False
+        return all(os.path.isdir(f"{self.path}/{sub}") for sub in (_FANOUT[0], _FANOUT[-1]))
+
+    def repair(self) -> None:
+        """Make the directory whole and private again (raises OSError if it cannot be)."""
+        self._prepare()
 
     def block_path(self, key: str) -> str:
         return f"{self.path}/{key[:2]}/{key}"

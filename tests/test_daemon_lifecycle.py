@@ -1,0 +1,271 @@
+"""The autostarted daemon's life: a daemon killed (SIGKILL) is replaced by the next process
+that needs one, which takes over its leftovers; SIGTERM ends it as cleanly as a normal
+exit; `cachemw stop` finds a daemon by its lock and pid (not its socket) and reclaims what a
+dead one left; a hung (SIGSTOPped) daemon holds a reader up for ``daemon_timeout`` seconds,
+not a minute. Real daemon processes (`python -m cachemw.node.service`), real signals, the real
+CLI as a subprocess."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import fsspec
+import pytest
+
+from cachemw.protocol import REGISTRY, SOCKET, lookup, process_state
+from conftest import daemon_stats, gone, published, service_procs, wait_for
+
+BS = 65536
+CLI = [sys.executable, "-m", "cachemw.cli"]
+
+
+def nblocks(files, paths):
+    return sum(max(1, -(-len(files[p]) // BS)) for p in paths)
+
+
+def new_fs(runtime_dir, **options):
+    return fsspec.filesystem("cachemw", target_protocol="file", block_size=BS,
+                             runtime_dir=runtime_dir, skip_instance_cache=True, **options)
+
+
+def cli(*args, runtime_dir, timeout=60):
+    env = dict(os.environ, CACHEMW_RUNTIME_DIR=runtime_dir)
+    return subprocess.run(CLI + list(args), env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd="/")
+
+
+def dram_blocks(dram: str) -> list[str]:
+    """Block files (and leftovers of fills) in a DRAM tier directory, metadata aside."""
+    out = []
+    for sub in os.listdir(dram) if os.path.isdir(dram) else ():
+        if len(sub) == 2 and os.path.isdir(os.path.join(dram, sub)):
+            out += os.listdir(os.path.join(dram, sub))
+    return out
+
+
+def autostarted(runtime_dir, dataset, reap_daemons, n=8):
+    """A daemon autostarted by this process, holding the blocks of ``n`` files in DRAM."""
+    reap_daemons(runtime_dir)
+    _, files = dataset
+    paths = sorted(files)[:n]
+    fs = new_fs(runtime_dir)
+    for p in paths:
+        assert fs.cat_file(p) == files[p]
+    published(fs)
+    address = lookup(runtime_dir)
+    assert address is not None and address.kind == "autostarted"
+    dram = address.tiers[0]["path"]
+    assert len(dram_blocks(dram)) == nblocks(files, paths)
+    return fs, address, dram
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_daemon_is_replaced_by_the_next_reader(runtime_dir, dataset, reap_daemons,
+                                                         caplog):
+    caplog.set_level(logging.INFO, logger="cachemw")
+    _, files = dataset
+    paths = sorted(files)
+    fs, first, dram = autostarted(runtime_dir, dataset, reap_daemons, n=10)
+    os.kill(first.pid, signal.SIGKILL)
+    wait_for(lambda: gone(first.pid), 10, what="the daemon to die")
+
+    # the same process reads on: it starts a new daemon and goes on through the cache
+    for p in paths:
+        assert fs.cat_file(p) == files[p]
+    second = lookup(runtime_dir)
+    assert second is not None and second.pid != first.pid and not gone(second.pid)
+    assert fs.stats()["fallbacks"] == 0
+    stats = daemon_stats(runtime_dir)
+    assert stats["pid"] == second.pid
+    assert stats["counters"]["reindexed"] == nblocks(files, paths[:10])  # the dead one's blocks
+    assert stats["tiers"]["dram"]["blocks"] == nblocks(files, paths)
+    assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
+    r = cli("stats", "--json", runtime_dir=runtime_dir)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["pid"] == second.pid
+
+    # killed again: four new processes at once; one of them starts the one replacement,
+    # and all read through it (hits: the blocks stayed in DRAM)
+    os.kill(second.pid, signal.SIGKILL)
+    wait_for(lambda: gone(second.pid), 10, what="the daemon to die")
+    code = (
+        "import fsspec, json, sys\n"
+        f"fs = fsspec.filesystem('cachemw', target_protocol='file', block_size={BS},"
+        f" runtime_dir={runtime_dir!r})\n"
+        f"for p in {paths!r}: fs.cat_file(p)\n"
+        "print(json.dumps(fs.stats()), flush=True)\n"
+        "sys.stdin.readline()\n"  # stay until all have read: the daemon ends with its starter
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    try:
+        outs = [json.loads(p.stdout.readline()) for p in procs]
+        daemons = service_procs(runtime_dir)
+        assert len(daemons) == 1, daemons
+        assert lookup(runtime_dir).pid == daemons[0].pid
+    finally:
+        errs = []
+        for p in procs:
+            _, err = p.communicate("done\n", timeout=60)
+            errs.append(err)
+    for out, err, p in zip(outs, errs, procs):
+        assert p.returncode == 0, err
+        assert out["fallbacks"] == 0 and out["bytes_from_source"] == 0, (out, err)
+        assert out["hits"] == nblocks(files, paths)
+        assert "unreachable" not in err and "refused" not in err, err
+
+
+@pytest.mark.timeout(90)
+def test_cachemw_stop_reclaims_what_a_killed_daemon_left(runtime_dir, dataset, reap_daemons):
+    fs, address, dram = autostarted(runtime_dir, dataset, reap_daemons)
+    os.kill(address.pid, signal.SIGKILL)
+    wait_for(lambda: gone(address.pid), 10, what="the daemon to die")
+    assert os.path.exists(os.path.join(runtime_dir, SOCKET))  # what it left
+    r = cli("stats", runtime_dir=runtime_dir)
+    assert r.returncode == 1 and f"pid {address.pid}) died" in r.stderr, r.stderr
+    r = cli("stop", runtime_dir=runtime_dir)
+    assert r.returncode == 0, r.stderr
+    assert "dead" in r.stdout, r.stdout
+    assert not os.path.exists(os.path.join(runtime_dir, SOCKET))
+    assert not os.path.exists(os.path.join(runtime_dir, REGISTRY))
+    assert dram_blocks(dram) == []  # an autostarted daemon's DRAM tier is freed
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_cleans_up_like_a_normal_exit(runtime_dir, dataset, reap_daemons):
+    fs, address, dram = autostarted(runtime_dir, dataset, reap_daemons)
+    os.kill(address.pid, signal.SIGTERM)  # as Slurm and Kubernetes stop things
+    wait_for(lambda: gone(address.pid), 20, what="the daemon to exit")
+    assert not os.path.exists(os.path.join(runtime_dir, SOCKET))
+    assert not os.path.exists(os.path.join(runtime_dir, REGISTRY))
+    assert dram_blocks(dram) == []
+
+
+@pytest.mark.timeout(90)
+def test_stop_finds_a_daemon_whose_socket_was_deleted(runtime_dir, dataset, reap_daemons):
+    fs, address, dram = autostarted(runtime_dir, dataset, reap_daemons)
+    os.unlink(os.path.join(runtime_dir, SOCKET))
+    r = cli("stop", runtime_dir=runtime_dir)
+    assert r.returncode == 0, r.stderr
+    assert "stopped 1 daemon" in r.stdout, r.stdout
+    wait_for(lambda: gone(address.pid), 20, what="the daemon to exit")
+    assert dram_blocks(dram) == []
+    assert not os.path.exists(os.path.join(runtime_dir, REGISTRY))
+
+
+@pytest.mark.timeout(90)
+def test_stop_with_runtime_dir_stops_a_live_autostarted_daemon(runtime_dir, dataset,
+                                                               reap_daemons, tmp_path):
+    fs, address, dram = autostarted(runtime_dir, dataset, reap_daemons)
+    r = cli("--runtime-dir", runtime_dir, "stop", runtime_dir=str(tmp_path / "elsewhere"))
+    assert r.returncode == 0, r.stderr
+    assert "stopped 1 daemon" in r.stdout, r.stdout
+    wait_for(lambda: gone(address.pid), 20, what="the daemon to exit")
+    assert dram_blocks(dram) == []
+    assert service_procs(runtime_dir) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_daemon_holds_a_reader_for_daemon_timeout(runtime_dir, spawn_daemon, dataset,
+                                                        caplog):
+    caplog.set_level(logging.WARNING, logger="cachemw")
+    _, files = dataset
+    paths = sorted(files)
+    daemon = spawn_daemon(runtime_dir)
+    fs = new_fs(runtime_dir, autostart=False, daemon_timeout=1)
+    assert fs.client.timeout == 1
+    for p in paths[:5]:
+        assert fs.cat_file(p) == files[p]
+    published(fs)
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: process_state(daemon.pid) == "T", 10, what="the daemon to stop")
+        # misses: the daemon does not answer within 1 s; read from the source, counted
+        for p in paths[5:]:
+            assert fs.cat_file(p) == files[p]
+        assert fs.stats()["fallbacks"] == nblocks(files, paths[5:])
+        # a process that starts now is not held up by the handshake either
+        late = new_fs(runtime_dir, autostart=False, daemon_timeout=1)
+        for p in paths[5:8]:
+            assert late.cat_file(p) == files[p]
+        assert late.stats()["fallbacks"] == nblocks(files, paths[5:8])
+        # hits are still read from the tier files
+        assert late.cat_file(paths[0]) == files[paths[0]]
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(warnings) == 2, [r.getMessage() for r in warnings]  # once per client
+    # the daemon is back: reads go through it again
+    wait_for(fs.client.connected, 30, interval=0.2, what="the client to reconnect")
+    before = fs.stats()["fallbacks"]
+    for p in paths[5:]:
+        assert fs.cat_file(p) == files[p]
+    assert fs.stats()["fallbacks"] == before
+
+
+@pytest.mark.timeout(60)
+def test_a_daemon_at_work_is_not_taken_for_a_hung_one(make_cache_fs, tmp_path, gate, caplog):
+    """A lease that waits on another process's fill for longer than daemon_timeout is not
+    a silence: the daemon says "busy" meanwhile, and the reader gets the block cached."""
+    import threading
+
+    caplog.set_level(logging.WARNING, logger="cachemw")
+    a = make_cache_fs(block_size=BS, daemon_timeout=0.5)
+    b = make_cache_fs(block_size=BS, daemon_timeout=0.5)
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(BS)
+    with open(path, "wb") as f:
+        f.write(data)
+    assert a.cat_file(path) == data  # A's fill is held at the gate: its lease stays open
+    opener = threading.Timer(2.0, gate.set)  # four times B's daemon_timeout
+    opener.start()
+    try:
+        assert b.cat_file(path) == data  # B's lease waits for A's fill
+    finally:
+        opener.cancel()
+        gate.set()
+    assert b.stats()["fallbacks"] == 0 and b.stats()["hits"] == 1, b.stats()
+    assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
+
+
+def test_daemon_timeout_option_and_env():
+    from cachemw.config import CacheOptions
+
+    assert CacheOptions.build(env={}).daemon_timeout == 5.0
+    assert CacheOptions.build(env={"CACHEMW_DAEMON_TIMEOUT": "2.5"}).daemon_timeout == 2.5
+    assert CacheOptions.build(env={"CACHEMW_DAEMON_TIMEOUT": "2.5"},
+                              daemon_timeout=7).daemon_timeout == 7
+    for bad in (0, -1, float("nan"), float("inf"), "5", True):
+        with pytest.raises(ValueError, match="daemon_timeout"):
+            CacheOptions.build(env={}, daemon_timeout=bad)
+    with pytest.raises(ValueError, match="CACHEMW_DAEMON_TIMEOUT"):
+        CacheOptions.build(env={"CACHEMW_DAEMON_TIMEOUT": "soon"})
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_stop_removes_the_daemons_checkpoint_copies(runtime_dir, dataset, reap_daemons,
+                                                    tmp_path):
+    torch = pytest.importorskip("torch")
+    from cachemw.checkpoint import Checkpointer
+
+    fs, address, dram = autostarted(runtime_dir, dataset, reap_daemons)
+    root = tmp_path / "ckpt"
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    with Checkpointer(str(root)) as ck:
+        assert ck.fast is not None and ck.fast.location.url.startswith(runtime_dir)
+        ck.save(1, state).wait(60)
+    copies = os.path.join(runtime_dir, "checkpoints")
+    assert os.listdir(copies)
+    r = cli("stop", runtime_dir=runtime_dir)
+    assert r.returncode == 0, r.stderr
+    assert "stopped 1 daemon" in r.stdout, r.stdout
+    assert not os.path.exists(copies)
+    with Checkpointer(str(root), fast_root=None) as ck:  # the durable copy is untouched
+        out = {"w": torch.zeros(4096)}
+        assert ck.load(out) == 1 and torch.equal(out["w"], state["w"])
