@@ -48,7 +48,7 @@ def test_a_late_hit_report_after_eviction_does_not_block_recaching(tmp_path):
     assert _fill(nc, KEYS[3], conn)[0] == "fill"  # evicts KEYS[0] (LRU)
     assert KEYS[0] not in nc._index
     nc.report({"hits": 1}, [(KEYS[0], "dram")])  # the hit on KEYS[0], reported late
-    nc._run(nc._pending)
+    nc.run_moves(nc._pending)
     assert KEYS[0] not in _engine_keys(nc)
     assert _fill(nc, KEYS[0], conn)[0] == "fill"  # it can be cached again
     assert _engine_keys(nc) == set(nc._index)

@@ -1,4 +1,4 @@
-"""Fills are staged and published by the daemon (tiers/directory.py, node._land): a block
+"""Fills are staged and published by the daemon (tiers/directory.py, NodeCache.land): a block
 fetched before a write through the cache never appears under its key after the write,
 however late its filler writes it; the daemon's index and the tier files agree whatever
 order the note, a waiter and a disconnect come in; a cancelled fill leaves nothing behind
@@ -210,18 +210,11 @@ def test_a_reader_publishing_a_prefetch_gives_its_room_back_once(tmp_path, monke
     without releasing the reserved room a second time."""
     import types
 
-    from cachemw import blockfile, prefetch
-    from cachemw.keys import url_tag
-    from cachemw.node.cache import _Inflight
+    from cachemw.node import prefetch
 
     node = _node(tmp_path)
     ts = node._tiers["dram"]
-    nbytes = BS + blockfile.tail_size(BS)
-    fill = _Inflight(node, "dram", nbytes, url_tag(URL), next(node._lease_numbers))
-    with node._lock:  # as run_prefetch plans it
-        node._inflight[KEY] = fill
-        ts.reserved += nbytes
-    move = types.SimpleNamespace(key=KEY, tier="dram", size=nbytes)
+    node.announce([(KEY, BS, URL, ("{}", "/data/f.bin", 0, BS, BS, "v"))])
     real_stage = DirectoryTier.stage
     answers = []
 
@@ -234,8 +227,8 @@ def test_a_reader_publishing_a_prefetch_gives_its_room_back_once(tmp_path, monke
 
     monkeypatch.setattr(DirectoryTier, "stage", stage)
     src = types.SimpleNamespace(read_block=lambda *a: os.urandom(BS))
-    prefetch._fetch_one(node, move, URL, ("{}", "/data/f.bin", 0, BS, BS, "v"), fill,
-                        lambda _t: src)
+    monkeypatch.setattr(prefetch, "source_for", lambda _target: src)
+    prefetch.run_prefetch(node, 1 << 20)
     assert answers == [("present", "dram")]
     assert KEY in node._index and ts.reserved == 0
     assert node.counters["prefetched"] == 1
@@ -300,11 +293,10 @@ def test_an_unexpected_error_staging_a_daemon_fill_still_ends_its_lease(tmp_path
                                                                         where):
     """An owner's fill for another node, or a prefetch: a bug or a failing tier while
     staging ends the lease (a later miss is leased again, not left waiting on it)."""
-    import types
 
-    from cachemw import blockfile, owner, prefetch
-    from cachemw.keys import url_tag, version_token
-    from cachemw.node.cache import _Inflight
+    from cachemw.cluster import owner
+    from cachemw.keys import version_token
+    from cachemw.node import prefetch
 
     node = _node(tmp_path)
     path = str(tmp_path / "src.bin")
@@ -317,20 +309,14 @@ def test_an_unexpected_error_staging_a_daemon_fill_still_ends_its_lease(tmp_path
         raise RuntimeError("a bug in a tier")
 
     monkeypatch.setattr(DirectoryTier, "stage", broken)
+    source = (fs.to_json(), path, 0, BS, BS, version_token(fs.info(path)))
     if where == "owner":
-        source = (fs.to_json(), path, 0, BS, BS, version_token(fs.info(path)))
         out = owner.serve_blocks(node, [(key, BS, url, source)])
         assert out == [None]  # logged; the requester reads its own source
     else:
-        nbytes = BS + blockfile.tail_size(BS)
-        fill = _Inflight(node, "dram", nbytes, url_tag(url), next(node._lease_numbers))
-        with node._lock:
-            node._inflight[key] = fill
-            node._tiers["dram"].reserved += nbytes
-        move = types.SimpleNamespace(key=key, tier="dram", size=nbytes)
-        src = types.SimpleNamespace(read_block=lambda *a: os.urandom(BS))
-        prefetch._fetch_one(node, move, url, ("{}", path, 0, BS, BS, "v"), fill, lambda _t: src)
-        assert fill.done.is_set()
+        node.announce([(key, BS, url, source)])
+        prefetch.run_prefetch(node, 1 << 20)
+        assert node.counters.get("prefetched", 0) == 0
     assert not node._inflight and node._tiers["dram"].reserved == 0
     monkeypatch.undo()
     assert node.lease(key, BS, url, object())[0] == "fill"

@@ -104,7 +104,7 @@ def test_cli_errors(tmp_path):
 
 
 def test_bad_peer_timeout_fails_before_anything_starts(tmp_path):
-    from cachemw import daemon
+    from cachemw.cluster import actor as daemon
 
     for bad in (0, -1.0, "10", True, float("nan")):
         with pytest.raises(ValueError, match="peer_timeout"):

@@ -27,7 +27,7 @@ def cluster(tmp_path):
     try:
         yield c, nodes
     finally:
-        from cachemw import daemon
+        from cachemw.cluster import actor as daemon
 
         try:
             daemon.stop(c.address, runtime_dir=str(tmp_path / "unused"), timeout=10)
@@ -38,7 +38,7 @@ def cluster(tmp_path):
 
 
 def _start(tmp_path, cluster_address, capacity="64MiB"):
-    from cachemw import daemon
+    from cachemw.cluster import actor as daemon
 
     template = str(tmp_path / "{node_id:.16}")  # short: a Unix socket path has 107 bytes
     daemon.start(cluster_address, runtime_dir=template, dram_capacity=capacity,
@@ -55,7 +55,7 @@ def _fs(template, node_id):
 
 
 def _node_stats(timeout=30):
-    from cachemw import daemon
+    from cachemw.cluster import actor as daemon
 
     return {n["node_id"]: n["stats"]
             for n in daemon.status(runtime_dir="/nonexistent", timeout=timeout)}

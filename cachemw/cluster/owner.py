@@ -13,27 +13,13 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import fsspec
 
 from ..keys import url_tag
-from ..tiers.source import ChangedSourceError, SourceTier
+from ..tiers.source import ChangedSourceError, source_for
 
 log = logging.getLogger(__name__)
 
 OWNER_LEASE_WAIT = 3.0  # well under a peer's timeout: a slow fill must not evict us from rings
-_sources: dict[str, SourceTier] = {}
-_sources_lock = threading.Lock()
-
-
-def source_for(target_json: str) -> SourceTier:
-    """The source filesystem a client described (fsspec's own JSON form), built once."""
-    with _sources_lock:
-        src = _sources.get(target_json)
-        if src is None:
-            src = _sources[target_json] = SourceTier(fsspec.AbstractFileSystem.from_json(target_json))
-        return src
-
-
 def serve_blocks(node, requests: list[tuple]) -> list[bytes | None]:
     """Owner side: each request is (key, length, url, (target_json, path, index, bs, size,
     version)); a block the owner cannot serve in time, or whose source has another version

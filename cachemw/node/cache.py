@@ -27,7 +27,7 @@ from ..config import DaemonConfig, TierConfig
 from .. import blockfile
 from ..keys import url_tag
 from .mover import MoveRunner
-from ..placement import Demote
+from ..placement import Demote, Prefetch
 from .placer import Placer
 from ..protocol import CLIENT_COUNTERS
 from ..tiers.directory import DirectoryTier
@@ -117,7 +117,7 @@ class NodeCache(MoveRunner):
                 continue
             self._add(key, tier, entry.stored_bytes, entry.tag or None)
             if target != tier:
-                self._run([Demote(key, entry.stored_bytes, tier, target)])
+                self.run_moves([Demote(key, entry.stored_bytes, tier, target)])
             self.counters["reindexed"] += 1
         if self.counters["reindexed"]:
             log.info("re-indexed %d cached blocks", self.counters["reindexed"])
@@ -185,7 +185,7 @@ class NodeCache(MoveRunner):
                 with self._lock:
                     self.counters["busy"] += 1
                 return ("nofill", "busy")
-        self._run(moves)  # make room first: the tier never holds more than its capacity
+        self.run_moves(moves)  # make room first: the tier never holds more than its capacity
         if refused is not None:  # the engine applied its moves even so: they ran above
             return refused
         with self._lock:
@@ -213,13 +213,13 @@ class NodeCache(MoveRunner):
                 stored = os.stat(staged).st_size
             except FileNotFoundError:
                 stored = None
-            if stored == inflight.nbytes and self._land(key, inflight, stored):
+            if stored == inflight.nbytes and self.land(key, inflight, stored):
                 return ("present", inflight.tier)
             step = min(step * 2, 0.02)
         return None
 
     def filled(self, key: str, tier: str, stored: int, conn: object, lease: int) -> bool:
-        """A client staged the fill of lease ``lease`` (see _land); True if it is now cached.
+        """A client staged the fill of lease ``lease`` (see land); True if it is now cached.
         A lease that has ended already (aborted on a disconnect, say) owns nothing: its
         staged file is deleted."""
         with self._lock:
@@ -229,9 +229,9 @@ class NodeCache(MoveRunner):
             if tier in self._tiers:
                 self._tiers[tier].tier.unstage(key, lease)
             return False
-        return self._land(key, inflight, stored)
+        return self.land(key, inflight, stored)
 
-    def _land(self, key: str, inflight: _Inflight, stored: int) -> bool:
+    def land(self, key: str, inflight: _Inflight, stored: int) -> bool:
         """End a fill lease whose block is staged: publish and index it, or, if the lease
         was cancelled meanwhile (evicted, or the file written through the cache), drop the
         staged bytes: they may be stale, and hits read blocks by key without asking us.
@@ -286,7 +286,7 @@ class NodeCache(MoveRunner):
             held = [(k, f) for k, f in self._inflight.items() if f.conn is conn]
         for key, inflight in held:
             stored = self._verified_size(inflight, key)
-            if stored is not None and self._land(key, inflight, stored):
+            if stored is not None and self.land(key, inflight, stored):
                 self.count("adopted")
             else:  # nothing (sound) staged, or cancelled: ends it, deletes what is staged
                 self.end_unfilled(key, inflight, "disconnected")
@@ -355,6 +355,32 @@ class NodeCache(MoveRunner):
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
 
+    def reserve_prefetches(self, budget: int) -> tuple[list, list]:
+        """The engine's prefetch plan for at most ``budget`` bytes, each planned block put in
+        flight as a fill (under the lock a lease decides under too: a reader that gets there
+        first waits for it instead of reading the source again). Returns the moves that make
+        room, to run first, and ``(Prefetch, (length, url, source), fill)`` per block; the
+        caller ends every fill (land or end_unfilled), whatever happens."""
+        planned, room = [], []
+        with self._lock:
+            for move in self.placer.prefetch(budget):
+                if not isinstance(move, Prefetch):
+                    room.append(move)
+                    continue
+                known = self._sources.pop(move.key, None)
+                if move.key in self._index or move.key in self._inflight:
+                    continue
+                if known is None:
+                    self.placer.drop(move.key)
+                    continue
+                url = known[1]
+                fill = _Inflight(self, move.tier, move.size, url_tag(url) if url else None,
+                                 next(self._lease_numbers))
+                self._inflight[move.key] = fill
+                self._tiers[move.tier].reserved += move.size
+                planned.append((move, known, fill))
+        return room, planned
+
     def admit_replica(self, key: str, data: bytes, url: str | None) -> bool:
         """Keep a local copy of a remote block, if the placement engine wants it here."""
         nbytes = len(data) + blockfile.tail_size(len(data))
@@ -370,7 +396,7 @@ class NodeCache(MoveRunner):
                                                        next(self._lease_numbers))
             self._tiers[tier].reserved += nbytes
         try:
-            self._run(moves)
+            self.run_moves(moves)
             stored = self._tiers[tier].tier.stage(key, data, inflight.lease, tag=tag or b"")
         except OSError:  # a full or failing tier: no replica, the read goes on
             self.end_unfilled(key, inflight, "error")
@@ -378,7 +404,7 @@ class NodeCache(MoveRunner):
         except BaseException:
             self.end_unfilled(key, inflight, "error")
             raise
-        if not self._land(key, inflight, stored):
+        if not self.land(key, inflight, stored):
             return False
         self.count("replicas")
         return True

@@ -13,6 +13,7 @@ import stat
 
 from .. import blockfile
 from ..placement import Admit, Demote, Evict, Promote
+from .prefetch import run_prefetch
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class MoveRunner:
                 self.check_tiers()
                 with self._lock:
                     moves, self._pending = self._pending, []
-                self._run(moves)
+                self.run_moves(moves)
                 if self.placer.announced:
                     self._prefetch()
             except Exception:  # never let the maintenance thread die silently
@@ -73,7 +74,7 @@ class MoveRunner:
                         "again (0700); %d cached blocks went with it", name, ts.tier.path,
                         len(lost))
 
-    def _run(self, moves: list) -> None:
+    def run_moves(self, moves: list) -> None:
         """Carry out the engine's moves in order; a move that cannot be done is reported
         back to the engine (drop), never retried blindly."""
         with self._moves_lock:
@@ -115,7 +116,7 @@ class MoveRunner:
         if entry.tier == dst:
             return True
         src, lower = self._tiers[entry.tier], self._tiers[dst]
-        lease = next(self._lease_numbers)  # staged, published below (see node._land)
+        lease = next(self._lease_numbers)  # staged, published below (see NodeCache.land)
         try:
             data = _read_whole(src.tier.block_path(key))
             if data is None:
@@ -139,8 +140,6 @@ class MoveRunner:
         return True
 
     def _prefetch(self, budget: int = 256 << 20) -> None:
-        from .prefetch import run_prefetch
-
         run_prefetch(self, budget)
 
 

@@ -30,7 +30,9 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 
+import fsspec
 from fsspec.asyn import sync
 from fsspec.implementations.local import LocalFileSystem
 
@@ -85,6 +87,20 @@ class SourceTier:
         """The whole file, read to its end: for files whose size the source states as 0
         (``/proc`` files, and empty files), which may hold bytes all the same."""
         return self._read(self.fs, path, 0, None, version)
+
+
+_sources: dict[str, SourceTier] = {}
+_sources_lock = threading.Lock()
+
+
+def source_for(target_json: str) -> SourceTier:
+    """The source a client described in fsspec's own JSON form (owner fills for other
+    nodes, prefetches of announced blocks), built once per process."""
+    with _sources_lock:
+        src = _sources.get(target_json)
+        if src is None:
+            src = _sources[target_json] = SourceTier(fsspec.AbstractFileSystem.from_json(target_json))
+        return src
 
 
 def _reads_for(fs):
