@@ -4,13 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 from . import bench
 from .client.link import DaemonClient
 from .cluster import actor as daemon
-from .config import default_runtime_dir, format_size, parse_size
+from .config import format_size, parse_size, resolve_runtime_dir
 from .protocol import lock_holder, lookup
 from .report import format_stats
 
@@ -23,7 +22,7 @@ def _size(value: str) -> int:
 
 
 def _runtime_dir(args) -> str:
-    return args.runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
+    return resolve_runtime_dir(args.runtime_dir)
 
 
 def cmd_start(args) -> int:

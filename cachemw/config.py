@@ -91,6 +91,13 @@ def default_runtime_dir() -> str:
     return os.path.join(base, f"cachemw-{os.getuid()}")
 
 
+def resolve_runtime_dir(runtime_dir: str | None = None, env=None) -> str:
+    """The runtime dir a command or component means: the one given, else
+    ``CACHEMW_RUNTIME_DIR`` (empty counts as unset), else the per-user default."""
+    env = os.environ if env is None else env
+    return runtime_dir or env.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """One directory tier: where its block files live and how much it may hold."""

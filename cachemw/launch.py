@@ -32,15 +32,16 @@ import sys
 import time
 
 from .config import DaemonConfig
+from .node_daemon import CHECKPOINTS
+from .processes import process_alive
 from .protocol import (LOCK, REGISTRY, SOCKET, DaemonAddress, DaemonLock, check_private_dir,
-                       ensure_private_dir, last_holder, lock_holder, lookup, process_state)
+                       ensure_private_dir, last_holder, lock_holder, lookup)
 from .tiers.directory import DirectoryTier
 
 log = logging.getLogger(__name__)
 
 FAILED = "daemon.failed"
 LOG = "daemon.log"
-CHECKPOINTS = "checkpoints"  # the checkpointer's node-DRAM copies (checkpoint/checkpointer.py)
 FAILURE_MEMORY = 30.0  # seconds a failed start is remembered (no respawn meanwhile)
 START_WAIT = 5.0  # how long a reader waits for a new daemon before reading on from the source
 
@@ -49,21 +50,9 @@ class DaemonStartError(RuntimeError):
     """The daemon could not start; the message is the daemon's own."""
 
 
-def process_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot): with the pid, it names one
-    process, so a recycled pid is never taken for the daemon."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rfind(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def holder_alive(holder: dict) -> bool:
     """Is the process a lock file names still that process?"""
-    pid, start = holder.get("pid"), holder.get("start")
-    return bool(pid) and process_start(pid) == start and process_state(pid) not in (None, "Z")
+    return process_alive(holder.get("pid"), holder.get("start"))
 
 
 def _options_key(options: dict | None) -> str:

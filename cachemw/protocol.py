@@ -273,25 +273,4 @@ def last_holder(runtime_dir: str) -> dict:
         return {}
     finally:
         os.close(fd)
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of process ``pid`` (``R``, ``S``, ``D``, ``T`` stopped, ``Z``...);
-    None if there is no such process (or no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    return data[data.rfind(b")") + 2:][:1].decode() or None
-
-
-def pid_alive(pid: int) -> bool:
-    """Is process ``pid`` alive on this node? (A pid owned by another user counts as alive.)"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True

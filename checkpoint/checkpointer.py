@@ -25,6 +25,8 @@ from typing import Any, Iterator
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from cachemw.node_daemon import node_daemon
+
 from . import watch as watch_channel
 from .chunk_plan import DEFAULT_CHUNK_BYTES
 from .coordination import Coordinator, report
@@ -111,17 +113,8 @@ def daemon_fast_root(root: str) -> str | None:
     daemon does not count these files against its tiers' capacities; ``fast_keep_last``
     bounds them.
     """
-    import hashlib
-    import os
-
-    from cachemw.config import default_runtime_dir
-    from cachemw.protocol import lookup
-
-    runtime_dir = os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
-    if lookup(runtime_dir) is None:
-        return None
-    digest = hashlib.blake2b(str(root).encode(), digest_size=8).hexdigest()
-    return os.path.join(runtime_dir, "checkpoints", digest)
+    daemon = node_daemon()
+    return None if daemon is None else daemon.checkpoints_dir(root)
 
 
 class Checkpointer:

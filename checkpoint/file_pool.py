@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import xxhash
 
-from cachemw.protocol import pid_alive
+from cachemw.processes import process_alive, process_start
 
 from .chunk_codec import StoredItem, _address
 from .slot_layout import FileLayout, Slot, SnapshotLayout, round_up
@@ -145,7 +145,7 @@ class FilePool:
             return True
         self.release()
         pid = os.getpid()
-        name = f"{POOL_PREFIX}{socket.gethostname()}-{pid}-{pid_start(pid) or 0}-r{self.rank}-{uuid.uuid4().hex[:8]}"
+        name = f"{POOL_PREFIX}{socket.gethostname()}-{pid}-{process_start(pid) or 0}-r{self.rank}-{uuid.uuid4().hex[:8]}"
         self.dir = os.path.join(self.fast_dir, name)
         os.makedirs(self.dir, mode=0o700)
         try:
@@ -221,28 +221,6 @@ def _map_new(path: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def pid_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22); None if unknown.
-
-    Recorded with a pid, it tells a live owner from a later process that got the same pid
-    (a container restarted with /dev/shm kept, pids counting from 1 again).
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])  # field 22 counted from the pid; the first after ")" is field 3
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def owner_alive(pid: int, started: int | None) -> bool:
-    """``pid`` runs and is the process that recorded ``started`` (when both start times are known)."""
-    if not pid_alive(pid):
-        return False
-    now = pid_start(pid) if started else None
-    return now is None or now == started
-
-
 def sweep_pools(fast_dir: str) -> list[str]:
     """Remove pool directories of dead processes of this host (a reused pid counts as dead)."""
     removed = []
@@ -263,7 +241,7 @@ def sweep_pools(fast_dir: str) -> list[str]:
             if len(parts) != 4 or not parts[1].isdigit():
                 continue
             owner, pid, started = parts[0], int(parts[1]), 0
-        if owner != host or owner_alive(pid, started):
+        if owner != host or process_alive(pid, started or None):  # 0: start unknown
             continue
         shutil.rmtree(os.path.join(fast_dir, name), ignore_errors=True)
         removed.append(name)

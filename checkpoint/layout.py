@@ -15,7 +15,7 @@ import re
 import socket
 import time
 
-from .file_pool import owner_alive, pid_start
+from cachemw.processes import process_alive, process_start
 from .storage_io import Location
 from .writer import MANIFEST_NAME
 
@@ -98,7 +98,7 @@ class CheckpointDir:
                 pass  # another rank of this node took it first, or it is gone: write fresh files
         self.location.makedirs(name)
         owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-                 "pid_start": pid_start(os.getpid())}
+                 "pid_start": process_start(os.getpid())}
         self.location.child(name).write_atomic(OWNER_NAME, json.dumps(owner).encode())
 
     def mark_latest(self, name: str) -> None:
@@ -162,7 +162,7 @@ class CheckpointDir:
             except (FileNotFoundError, json.JSONDecodeError):
                 owner = None
             if owner is not None and owner.get("host") == host:
-                dead = not owner_alive(int(owner.get("pid", 0)), owner.get("pid_start"))
+                dead = not process_alive(int(owner.get("pid", 0)), owner.get("pid_start") or None)
             else:
                 started = owner.get("started") if owner else self.location.mtime(name)
                 dead = started is not None and now - float(started) > stale_after_s

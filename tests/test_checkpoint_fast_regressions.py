@@ -180,7 +180,8 @@ def test_pools_and_partial_steps_of_a_reused_pid_are_swept(tmp_path):
     import json
     import socket
 
-    from cachemw.checkpoint.file_pool import pid_start, sweep_pools
+    from cachemw.checkpoint.file_pool import sweep_pools
+    from cachemw.processes import process_start as pid_start
     from cachemw.checkpoint.layout import OWNER_NAME, CheckpointDir
     from cachemw.checkpoint.storage_io import Location
 

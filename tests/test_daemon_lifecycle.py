@@ -16,7 +16,8 @@ import sys
 import fsspec
 import pytest
 
-from cachemw.protocol import REGISTRY, SOCKET, lookup, process_state
+from cachemw.processes import process_state
+from cachemw.protocol import REGISTRY, SOCKET, lookup
 from conftest import daemon_stats, gone, published, service_procs, wait_for
 
 BS = 65536

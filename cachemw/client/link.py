@@ -27,8 +27,9 @@ from multiprocessing.connection import Connection, answer_challenge
 
 from ..config import DaemonConfig
 from .fills import drain_all
+from ..processes import process_state
 from ..protocol import (CLIENT_COUNTERS, DaemonAddress, UnsafeDirectory, check_private_dir,
-                        lock_holder, lookup, process_state)
+                        lock_holder, lookup)
 from ..tiers.directory import DirectoryTier
 from ..launch import (FAILURE_MEMORY, START_WAIT, DaemonStartError, await_address,
                      spawn_detached)

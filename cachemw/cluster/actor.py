@@ -20,7 +20,7 @@ import tempfile
 import time
 from dataclasses import asdict
 
-from ..config import DaemonConfig, default_runtime_dir, format_size, parse_size
+from ..config import DaemonConfig, format_size, parse_size, resolve_runtime_dir
 from ..launch import remove_checkpoint_copies, stop_local
 from ..node.service import NodeService
 from ..protocol import ensure_private_dir, lock_holder, lookup
@@ -238,7 +238,7 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
 
     Ray reads its auth settings when it is imported: set them before importing it.
     """
-    runtime_dir = runtime_dir or default_runtime_dir()
+    runtime_dir = resolve_runtime_dir(runtime_dir)
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():  # a driver already connected: use its cluster
         return {"address": address or "current", "started_by_cachemw": False}
@@ -279,7 +279,7 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
     nvme_capacity) and PEER_OPTIONS; each daemon resolves defaults on its own node, and
     ``{node_id}`` in a string option becomes that node's id.
     """
-    runtime_dir = runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
+    runtime_dir = resolve_runtime_dir(runtime_dir)
     DaemonConfig.build(runtime_dir=runtime_dir,  # fail early on bad options
                        **{k: v for k, v in options.items() if k not in PEER_OPTIONS})
     timeout_option = options.get("peer_timeout")
@@ -368,7 +368,7 @@ def _daemon_handles():
 
 def status(address: str | None = None, *, runtime_dir: str | None = None, timeout: float = 30):
     """Every node's daemon: its address and stats (None for a daemon that does not answer)."""
-    connect(address, runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR"))
+    connect(address, resolve_runtime_dir(runtime_dir))
     ray = _ray()
     out = []
     for node_id, handle in _daemon_handles().items():
@@ -386,7 +386,7 @@ def stop(address: str | None = None, *, runtime_dir: str | None = None, timeout:
     started it), and this node's autostarted one, found by its lock (see launch.stop_local);
     clear what a dead one left and the node-DRAM checkpoint copies made through them.
     Returns the count of daemons stopped; ``notes`` gets a line per thing reclaimed."""
-    runtime_dir = runtime_dir or os.environ.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
+    runtime_dir = resolve_runtime_dir(runtime_dir)
     n = _stop_ray_daemons(address, runtime_dir, timeout)
     n += stop_local(runtime_dir, notes=notes)
     if remove_checkpoint_copies(runtime_dir) and notes is not None:

@@ -17,9 +17,10 @@ import signal
 import threading
 
 from ..config import DaemonConfig
-from ..launch import clear_failure, free_dram, process_start
+from ..launch import clear_failure, free_dram
+from ..processes import process_start, process_state
 from ..protocol import (REGISTRY, SOCKET, DaemonAddress, DaemonLock, ensure_private_dir,
-                        lock_holder, process_state, publish, unpublish)
+                        lock_holder, publish, unpublish)
 from .cache import NodeCache
 from .server import SocketServer
 
