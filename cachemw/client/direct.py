@@ -57,8 +57,7 @@ class DirectReads:
         now = time.monotonic()
         if now - self._fetched_at >= REFRESH:
             self._fetched_at = now
-            reply = self.client._call("ring")
-            d = None if reply is None else reply[1]
+            d = self.client.ring()
             if d != self._dir:
                 self._dir = d
                 if d and d.get("timeout"):

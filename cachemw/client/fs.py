@@ -70,7 +70,7 @@ class CacheFileSystem(_Base):
                                    daemon_config=daemon_options)
         self.reader = BlockReader(SourceTier(fs), self.client, self.options.block_size,
                                   self.options.write_behind)
-        self.meta = MetadataCache(fs, self.options.validate, self.options.ttl, self._meta_dir,
+        self.meta = MetadataCache(fs, self.options.validate, self.options.ttl, self.client.meta_dir,
                                   defer=self.reader.fills.defer)
 
         stripped: dict[str, str] = {}  # fsspec's path normalisation costs ~5 us a call
@@ -102,11 +102,6 @@ class CacheFileSystem(_Base):
         elif path.startswith("cachemw://"):
             path = path[len("cachemw://"):]
         return path
-
-    def _meta_dir(self) -> str | None:
-        self.client.tiers()
-        address = self.client._address
-        return None if address is None else address.meta_dir
 
     def unstrip_protocol(self, name: str) -> str:
         return f"cachemw::{self.target.unstrip_protocol(name)}"
@@ -346,7 +341,7 @@ class CacheFileSystem(_Base):
     def invalidate_cache(self, path=None):
         if path is None:
             self.meta = MetadataCache(self.target, self.options.validate, self.options.ttl,
-                                      self._meta_dir, defer=self.reader.fills.defer)
+                                      self.client.meta_dir, defer=self.reader.fills.defer)
         else:
             self.meta.forget_tree(self._strip_protocol(path))
 

@@ -82,6 +82,19 @@ def is_main_process() -> bool:
     return multiprocessing.parent_process() is None
 
 
+class HitTally:
+    """Hits an open file counts itself (its reads of mapped blocks), with no lock per read:
+    a lock per 4 KiB read costs more than the read. Only the file adds to ``reads`` and
+    ``nbytes``; only the client moves ``folded_*`` up to them when it folds them into its
+    counters (stats, flush, the file's close), so a read racing with a fold is counted at
+    the next one, never lost."""
+
+    __slots__ = ("reads", "nbytes", "folded_reads", "folded_bytes", "__weakref__")
+
+    def __init__(self) -> None:
+        self.reads = self.nbytes = self.folded_reads = self.folded_bytes = 0
+
+
 class DaemonUnavailable(ConnectionError):
     """The node daemon could not be reached (the caller falls back to the source)."""
 
@@ -110,9 +123,8 @@ class DaemonClient:
         self._local = threading.local()  # one connection per thread (leases are per connection)
         # weak: a thread that ends drops its connection (closed when collected)
         self._conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
-        # open files that tally their hits themselves (fold_tally), folded in on flush/stats;
-        # keyed by id: fsspec's read-mode files compare equal when they name the same file
-        self.tallies: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+        # the hit tallies of open files (HitTally), folded in on flush and stats
+        self._tallies: "weakref.WeakSet[HitTally]" = weakref.WeakSet()
         self._address: DaemonAddress | None = None
         self._tiers: list[DirectoryTier] = []
         self._next_try = 0.0
@@ -135,6 +147,17 @@ class DaemonClient:
 
     def connected(self) -> bool:
         return self._connect() is not None
+
+    def meta_dir(self) -> str | None:
+        """The node-shared metadata records' directory of the daemon (None: none known)."""
+        self.tiers()
+        return None if self._address is None else self._address.meta_dir
+
+    def ring(self) -> dict | None:
+        """Who owns which block and where to fetch it directly (None: no daemon, or one
+        not part of a cluster)."""
+        reply = self._call("ring")
+        return None if reply is None else reply[1]
 
     def _connect(self) -> Connection | None:
         """This thread's connection to the daemon, opened on first use (None: unreachable).
@@ -420,15 +443,24 @@ class DaemonClient:
         if due or time.monotonic() - self._last_flush > self.report_interval:
             self.flush()
 
-    def counted_hits(self, reads: int, nbytes: int) -> None:
-        """Hits whose recency was already recorded (an open file's reads of mapped blocks,
-        which it tallies itself and hands over in bulk: a lock per 4 KiB read costs more
-        than the read)."""
+    def hit_tally(self) -> HitTally:
+        """A tally for an open file's own hits (see HitTally), folded in on stats and flush
+        while the file lives, and by fold() when it closes."""
+        tally = HitTally()
         with self._lock:
-            self.counters["hits"] += reads
-            self.counters["hit_bytes"] += nbytes
-            self._unsent["hits"] += reads
-            self._unsent["hit_bytes"] += nbytes
+            self._tallies.add(tally)
+        return tally
+
+    def fold(self, tally: HitTally) -> None:
+        """Add what ``tally`` counted since its last fold to the counters to report."""
+        reads, nbytes = tally.reads, tally.nbytes  # the file may be adding meanwhile
+        with self._lock:
+            new_reads, new_bytes = reads - tally.folded_reads, nbytes - tally.folded_bytes
+            tally.folded_reads, tally.folded_bytes = reads, nbytes
+            self.counters["hits"] += new_reads
+            self.counters["hit_bytes"] += new_bytes
+            self._unsent["hits"] += new_reads
+            self._unsent["hit_bytes"] += new_bytes
 
     def accessed(self, key: str, tier: str) -> None:
         """Recency only (the reads themselves are counted by the caller, with count())."""
@@ -440,8 +472,10 @@ class DaemonClient:
             self.flush()
 
     def fold_tallies(self) -> None:
-        for f in list(self.tallies.values()):
-            f.fold_tally()
+        with self._lock:
+            tallies = list(self._tallies)
+        for tally in tallies:
+            self.fold(tally)
 
     def flush(self) -> None:
         """Send the counters and recency gathered since the last report (one-way)."""

@@ -40,12 +40,10 @@ class CachedFile(AbstractBufferedFile):
     def __init__(self, fs: CacheFileSystem, path: str, meta, **kwargs) -> None:
         self.meta = meta
         self._mapped: dict[int, MappedBlock | None] = {}
-        self._fast_reads = 0  # reads served from mapped blocks ...
-        self._fast_bytes = 0  # ... and their bytes, not yet added to the client's counters
+        self._tally = fs.client.hit_tally()  # reads served from mapped blocks, and bytes
         self._client = fs.client
         self._bs = fs.options.block_size
         super().__init__(fs, path, mode="rb", size=meta.size, **kwargs)
-        fs.client.tallies[id(self)] = self
 
     def _fetch_range(self, start, end):
         start, end = clip(start, end, self.meta.size)
@@ -93,10 +91,11 @@ class CachedFile(AbstractBufferedFile):
                         self._mapped[index] = None  # the normal path repairs it from now on
                     else:
                         self.loc = end
-                        self._fast_bytes += end - loc
-                        reads = self._fast_reads = self._fast_reads + 1
+                        tally = self._tally
+                        tally.nbytes += end - loc
+                        reads = tally.reads = tally.reads + 1
                         if not reads & 4095:
-                            self.fold_tally()
+                            self._client.fold(tally)
                             self._drop_evicted_maps()
                         return data
         return super().read(length)
@@ -120,15 +119,6 @@ class CachedFile(AbstractBufferedFile):
             return block
         return None
 
-    def fold_tally(self) -> None:
-        """Add the reads tallied here to the client's counters (every 4,096 reads, on close,
-        and when the client asks on stats/flush; a read racing with it in another thread
-        may be counted late)."""
-        reads, self._fast_reads = self._fast_reads, 0
-        nbytes, self._fast_bytes = self._fast_bytes, 0
-        if reads:
-            self._client.counted_hits(reads, nbytes)
-
     def _drop_evicted_maps(self) -> None:
         """Unmap blocks the daemon evicted: their pages would stay allocated in the DRAM
         tier's tmpfs for as long as this file is open, outside the tier's capacity."""
@@ -142,7 +132,7 @@ class CachedFile(AbstractBufferedFile):
             block.close()
 
     def close(self):
-        self.fold_tally()
+        self._client.fold(self._tally)
         for index in list(self._mapped):
             self._unmap(index)
         super().close()
