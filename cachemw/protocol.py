@@ -13,9 +13,7 @@ that no one else can write to: on a shared node another user can create
 ``/dev/shm/cachemw-$UID`` first, and a registry planted there would point readers at a
 daemon and tier files of theirs.
 
-Messages are tuples ``(op, *args)``; those in REPLY_OPS are answered (``invalidate`` too,
-so a write returns only once the old blocks are gone), the rest (``filled``, ``abort``,
-``report``, ``drop``) are one-way so a client never waits on them.
+What travels on the socket, op by op, is cachemw.ops.
 """
 from __future__ import annotations
 
@@ -40,8 +38,6 @@ REGISTRY = "daemon.json"
 LOCK = "daemon.lock"
 SOCKET = "daemon.sock"
 
-REPLY_OPS = frozenset({"hello", "lease", "lease_many", "invalidate", "ring", "stats", "ping",
-                       "shutdown"})
 
 
 @dataclass(frozen=True)

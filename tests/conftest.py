@@ -151,7 +151,7 @@ def published(fs) -> None:
     their keys: its fill writer has sent every note, and a round trip over the same
     connection (the daemon reads each connection in order) has gone past them."""
     assert fs.reader.fills.drain(30)
-    assert fs.client._call("ping") == ("pong",)
+    assert fs.client.ping()
 
 
 @pytest.fixture

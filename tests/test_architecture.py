@@ -90,3 +90,16 @@ def test_no_module_imports_another_of_the_package_inside_a_function():
                         for m, t in DEFERRED)]
     assert not found, "imports inside functions (move them to the top, or move the code " \
                       "to where its data lives):\n" + "\n".join(found)
+
+
+def test_the_daemon_serves_every_op_of_the_protocol_table_and_no_other(tmp_path):
+    from cachemw import ops
+    from cachemw.config import DaemonConfig
+    from cachemw.node.cache import NodeCache
+    from cachemw.node.server import SocketServer
+
+    node = NodeCache(DaemonConfig.build(runtime_dir=str(tmp_path / "rt"),
+                                        dram_dir=str(tmp_path / "dram"), dram_capacity="1MiB"))
+    server = SocketServer(node, str(tmp_path / "sock"), b"k" * 32)
+    assert set(server._dispatch) == set(ops.OPS)
+    assert ops.ANSWERED <= set(ops.OPS) and ops.BUSY not in ops.OPS

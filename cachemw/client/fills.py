@@ -32,6 +32,8 @@ import time
 import weakref
 from typing import NamedTuple
 
+from .. import ops
+
 log = logging.getLogger(__name__)
 
 _writers: "weakref.WeakSet[FillWriter]" = weakref.WeakSet()
@@ -211,7 +213,7 @@ class FillWriter:
         except BaseException as exc:  # whatever failed, the lease ends here: no one waits on it
             errno_ = getattr(exc, "errno", None)
             reason = "nospace" if errno_ in (errno.ENOSPC, errno.EDQUOT) else "error"
-            client.note_via(fill.link, "abort", fill.key, reason)
+            client.note_via(fill.link, ops.ABORT, fill.key, reason)
             client.count("fill_errors")
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt and the like, on the reader's path
@@ -220,7 +222,7 @@ class FillWriter:
                             fill.tier.name, exc)
                 self._warned = True
             return
-        if client.note_via(fill.link, "filled", fill.key, fill.tier.name, stored, fill.lease):
+        if client.note_via(fill.link, ops.FILLED, fill.key, fill.tier.name, stored, fill.lease):
             client.count("fills")  # the daemon publishes it (or drops it: see node._land)
         else:  # the daemon ended the lease with the connection (and adopted the staged
             fill.tier.unstage(fill.key, fill.lease)  # file, or not): the rest is no one's

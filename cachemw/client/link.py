@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection, answer_challenge
 
 from ..config import DaemonConfig
 from .fills import drain_all
+from .. import ops
 from ..processes import process_state
 from ..protocol import (CLIENT_COUNTERS, DaemonAddress, UnsafeDirectory, check_private_dir,
                         lock_holder, lookup)
@@ -153,10 +154,15 @@ class DaemonClient:
         self.tiers()
         return None if self._address is None else self._address.meta_dir
 
+    def ping(self) -> bool:
+        """A round trip on this thread's connection: True once the daemon has read every
+        message this thread sent before it (it reads each connection in order)."""
+        return self._call(ops.PING) == ("pong",)
+
     def ring(self) -> dict | None:
         """Who owns which block and where to fetch it directly (None: no daemon, or one
         not part of a cluster)."""
-        reply = self._call("ring")
+        reply = self._call(ops.RING)
         return None if reply is None else reply[1]
 
     def _connect(self) -> Connection | None:
@@ -274,7 +280,7 @@ class DaemonClient:
                                         f"{self.timeout} s")
             answer_challenge(conn, address.authkey)
             # the daemon says "busy" every third of our timeout while it works on a request
-            conn.send(("hello", os.getpid(), self.timeout / 3))
+            conn.send((ops.HELLO, os.getpid(), self.timeout / 3))
             self._recv(conn)
         except BaseException:
             conn.close()
@@ -289,7 +295,7 @@ class DaemonClient:
             if not conn.poll(self.timeout):
                 raise DaemonUnavailable(f"daemon silent for {self.timeout} s")
             reply = conn.recv()
-            if reply[0] == "busy":  # at work on it
+            if reply[0] == ops.BUSY:  # at work on it
                 if time.monotonic() > cap:
                     raise DaemonUnavailable(f"no reply within {BUSY_CAP_SECONDS} s")
                 continue
@@ -397,27 +403,27 @@ class DaemonClient:
 
     def lease_many(self, items: list[tuple]) -> list[tuple] | None:
         """One reply per (key, length, url, source) item; None if the daemon is unreachable."""
-        reply = self._call("lease_many", items)
+        reply = self._call(ops.LEASE_MANY, items)
         return None if reply is None else reply[1]
 
     def announce(self, items: list[tuple]) -> bool:
         """Tell the daemon the next reads, in order: (key, length, url, source) each."""
-        return self._send("announce", items)
+        return self._send(ops.ANNOUNCE, items)
 
     def abort(self, key: str, reason: str) -> None:
-        self._send("abort", key, reason)
+        self._send(ops.ABORT, key, reason)
 
     def drop(self, key: str, reason: str) -> None:
-        self._send("drop", key, reason)
+        self._send(ops.DROP, key, reason)
 
     def invalidate(self, url: str) -> bool:
         """Drop every cached block of ``url`` node-wide; False if the daemon is unreachable."""
-        return self._call("invalidate", url) is not None
+        return self._call(ops.INVALIDATE, url) is not None
 
     def daemon_stats(self) -> dict | None:
         drain_all(self)
         self.flush()
-        reply = self._call("stats")
+        reply = self._call(ops.STATS)
         return None if reply is None else reply[1]
 
     # -- counters and access reports ----------------------------------------------------
@@ -491,7 +497,7 @@ class DaemonClient:
             self._tier_hit_bytes, self._accesses = {}, []
         counters = {k: v for k, v in unsent.items() if v}
         counters["tier_hit_bytes"] = tier_bytes
-        if self._send("report", counters, accesses):
+        if self._send(ops.REPORT, counters, accesses):
             return
         with self._lock:  # daemon unreachable: keep the counters for later, drop old recency
             for k, v in unsent.items():

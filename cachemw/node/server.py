@@ -20,7 +20,7 @@ import time
 from multiprocessing.connection import Connection, deliver_challenge
 
 from .cache import NodeCache
-from ..protocol import REPLY_OPS
+from .. import ops
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ class SocketServer:
         self.path = path
         self.authkey = authkey
         self.on_shutdown = on_shutdown
+        self._dispatch = self._handlers()
         self._sock: socket.socket | None = None
         self._closing = threading.Event()
         self._conns: set[Connection] = set()
@@ -85,7 +86,7 @@ class SocketServer:
                     if not link[3]:  # answered meanwhile
                         continue
                     try:
-                        conn.send(("busy",))
+                        conn.send((ops.BUSY,))
                     except (OSError, ValueError):
                         continue
                     link[2] = time.monotonic()
@@ -158,8 +159,35 @@ class SocketServer:
             except OSError:
                 pass
 
-    def _loop(self, conn: Connection) -> None:
+    def _handlers(self) -> dict:
+        """What each op of the protocol (cachemw.ops) does here: ``handler(conn, link,
+        *args)`` returns the reply of an answered op (ignored for one-way ones)."""
         node = self.node
+
+        def hello(conn, link, pid, keepalive=None):
+            if isinstance(keepalive, (int, float)) and keepalive > 0:
+                link[1] = max(0.05, float(keepalive))
+            return ("ok", node.config.node_id, os.getpid())
+
+        return {
+            ops.HELLO: hello,
+            ops.LEASE: lambda conn, link, key, length, url: node.lease(key, length, url, conn),
+            ops.LEASE_MANY: lambda conn, link, items: ("ok", node.lease_many(items, conn)),
+            ops.FILLED: lambda conn, link, key, tier, stored, lease:
+                node.filled(key, tier, stored, conn, lease),
+            ops.ABORT: lambda conn, link, key, reason: node.abort(key, reason, conn),
+            ops.REPORT: lambda conn, link, counters, accesses: node.report(counters, accesses),
+            ops.ANNOUNCE: lambda conn, link, items: node.announce(items),
+            ops.DROP: lambda conn, link, key, reason: node.drop(key, reason),
+            ops.INVALIDATE: lambda conn, link, url: ("ok", node.invalidate(url)),
+            ops.RING: lambda conn, link: (
+                "ok", node.remote.directory() if node.remote is not None else None),
+            ops.STATS: lambda conn, link: ("ok", node.stats()),
+            ops.PING: lambda conn, link: ("pong",),
+            ops.SHUTDOWN: lambda conn, link: ("ok",),
+        }
+
+    def _loop(self, conn: Connection) -> None:
         link = self._links[conn]
         while True:
             try:
@@ -167,57 +195,24 @@ class SocketServer:
             except Exception:  # EOF, reset, or closed under us by close(): the client is gone
                 return
             op, args = msg[0], msg[1:]
-            if op in REPLY_OPS:
+            answered = op in ops.ANSWERED or op not in ops.OPS  # an unknown op: an error
+            if answered:
                 link[2], link[3] = time.monotonic(), True  # the ticker may say "busy" now
+            handler = self._dispatch.get(op)
             try:
-                if op == "lease":
-                    reply = node.lease(args[0], args[1], args[2], conn)
-                elif op == "lease_many":
-                    reply = ("ok", node.lease_many(args[0], conn))
-                elif op == "filled":
-                    node.filled(args[0], args[1], args[2], conn, args[3])
-                    continue
-                elif op == "abort":
-                    node.abort(args[0], args[1], conn)
-                    continue
-                elif op == "report":
-                    node.report(args[0], args[1])
-                    continue
-                elif op == "announce":
-                    node.announce(args[0])
-                    continue
-                elif op == "drop":
-                    node.drop(args[0], args[1])
-                    continue
-                elif op == "invalidate":
-                    reply = ("ok", node.invalidate(args[0]))
-                elif op == "hello":  # ("hello", pid[, keepalive interval in seconds])
-                    if len(args) > 1 and isinstance(args[1], (int, float)) and args[1] > 0:
-                        link[1] = max(0.05, float(args[1]))
-                    reply = ("ok", node.config.node_id, os.getpid())
-                elif op == "ring":  # who owns what, and where to fetch it directly
-                    reply = ("ok", node.remote.directory() if node.remote is not None else None)
-                elif op == "stats":
-                    reply = ("ok", node.stats())
-                elif op == "ping":
-                    reply = ("pong",)
-                elif op == "shutdown":
-                    with link[0]:
-                        link[3] = False
-                        conn.send(("ok",))
-                    if self.on_shutdown is not None:
-                        threading.Thread(target=self.on_shutdown, daemon=True).start()
-                    continue
-                else:
-                    reply = ("error", f"unknown op {op!r}")
-            except Exception as exc:
+                if handler is None:
+                    raise ValueError(f"unknown op {op!r}")
+                reply = handler(conn, link, *args)
+            except Exception as exc:  # a bad request or a bug: said, never fatal to the daemon
                 log.exception("request %r failed", op)
-                if op not in REPLY_OPS:
-                    continue
                 reply = ("error", f"{type(exc).__name__}: {exc}")
+            if not answered:
+                continue
             try:
                 with link[0]:  # never interleaved with a "busy" from the ticker
                     link[3] = False
                     conn.send(reply)
             except (OSError, ValueError):
                 return
+            if op == ops.SHUTDOWN and self.on_shutdown is not None:  # once it is answered
+                threading.Thread(target=self.on_shutdown, daemon=True).start()

@@ -1,0 +1,84 @@
+"""The node daemon's socket protocol, defined once: every op a client may send, whether
+the daemon answers it, its arguments and its reply. The server (cachemw.node.server)
+dispatches through this table and the client (cachemw.client.link) sends these names.
+
+A message is a tuple ``(op, *args)`` pickled over the daemon's authenticated Unix socket
+(cachemw.protocol: how it is found and entered). Answered ops get exactly one reply, a
+tuple, in order on their connection; while the daemon works on one it may send
+``(BUSY,)`` first, any number of times, so a client tells a slow daemon from a hung one.
+One-way ops are never answered, so a client never waits on them; an answered op that
+fails in the daemon is answered ``("error", message)``.
+
+The lease protocol (how a block missing from every tier of the node gets there once):
+
+1. ``LEASE`` / ``LEASE_MANY`` -- ask for one block or a batch (a batch's blocks owned by
+   other nodes are fetched from their owners, one Ray call per owner).
+
+   Args: key (blake2b of url, version, block index), data length, source url; for a
+   batch, ``(key, length, url, source)`` each, ``source`` being what an owner node needs
+   to fetch the block itself (the target's JSON, path, index, block size, file size,
+   version).
+
+   Returns, per block: ``("fill", tier, lease)``: this client fetches the block and
+   stages it in ``tier`` under the lease number; ``("present", tier)``: read it from
+   ``tier`` (another process filled it meanwhile: single flight); ``("data", bytes)``: an
+   owner node sent it; ``("nofill", why)`` / ``("fallback", why)``: read the source
+   directly, and count it.
+
+2. ``FILLED`` (one-way) -- the fill of a lease is staged: the daemon publishes it under the
+   block's key, unless a write through the cache cancelled the lease meanwhile (then the
+   staged file is deleted, never served).
+   ``ABORT`` (one-way) -- the fill of a lease failed (source error, full tier): the lease
+   ends with nothing cached, and a waiter gets its own lease.
+
+3. A client that disconnects with leases open (killed mid-fill) has them ended by the
+   daemon: a verified staged block is adopted, anything else is deleted.
+
+Every lease ends one of these three ways; a waiter on another process's lease waits at
+most the daemon's lease wait, then reads the source.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Op(NamedTuple):
+    answered: bool
+    args: str   # the arguments after the op name, for readers and error messages
+    reply: str  # what an answered op returns
+
+
+HELLO = "hello"
+LEASE = "lease"
+LEASE_MANY = "lease_many"
+FILLED = "filled"
+ABORT = "abort"
+REPORT = "report"
+ANNOUNCE = "announce"
+DROP = "drop"
+INVALIDATE = "invalidate"
+RING = "ring"
+STATS = "stats"
+PING = "ping"
+SHUTDOWN = "shutdown"
+BUSY = "busy"  # sent by the daemon, never by a client (see above)
+
+OPS: dict[str, Op] = {
+    HELLO: Op(True, "client pid[, keepalive seconds: how often to say BUSY]",
+              "('ok', node_id, daemon pid)"),
+    LEASE: Op(True, "key, length, url", "a lease reply (see 1.)"),
+    LEASE_MANY: Op(True, "[(key, length, url, source), ...]", "('ok', [lease reply, ...])"),
+    FILLED: Op(False, "key, tier, stored bytes, lease", "-"),
+    ABORT: Op(False, "key, reason", "-"),
+    REPORT: Op(False, "counters, [(key, tier) hit, ...]", "-"),
+    ANNOUNCE: Op(False, "[(key, length, url, source), ...] in read order", "-"),
+    DROP: Op(False, "key, reason ('corrupt', 'missing')", "-"),
+    INVALIDATE: Op(True, "source url (written through the cache)",
+                   "('ok', blocks dropped): answered once no block of it can be read"),
+    RING: Op(True, "-", "('ok', {members, vnodes, blocks, secret, timeout} or None)"),
+    STATS: Op(True, "-", "('ok', stats dict)"),
+    PING: Op(True, "-", "('pong',)"),
+    SHUTDOWN: Op(True, "-", "('ok',), then the daemon stops"),
+}
+
+ANSWERED = frozenset(name for name, op in OPS.items() if op.answered)
