@@ -133,3 +133,16 @@ def test_s3_forms(autostarted, s3_server):
         fsspec.open(f"cachemw::s3://{first}", "rb", cachemw={"valdate": "immutable", **s3},
                     s3=s3).open()
 
+
+@pytest.mark.timeout(60)
+def test_chained_urls_share_one_filesystem(autostarted, tree):
+    """fsspec hands each chained URL's path to the filesystem (``fo``): one filesystem (and
+    one daemon connection) per URL opened, unless the path is left out of its identity."""
+    root, files = tree
+    seen = set()
+    for path in sorted(files):
+        for url in (f"cachemw::file://{path}", f"cachemw://{path}::file://{root}/*.bin"):
+            with fsspec.open(url, "rb") as f:
+                assert f.read() == files[path]
+                seen.add(id(f.fs))
+    assert len(seen) == 1
