@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 try:  # fsspec >= 2025.x marks filesystems layered over another one (fills in the path)
@@ -32,12 +31,10 @@ from .keys import block_count, block_key, block_length
 from .metadata import MetadataCache
 from .reader import BlockReader
 from .tiers.source import ChangedSourceError, SourceTier
+from .urls import TargetPaths, own_options
 
 log = logging.getLogger("cachemw.fs")
 
-# Options of fsspec's own base class, passed through; anything else unknown is an error.
-_FSSPEC_BASE_OPTIONS = {"use_listings_cache", "listings_expiry_time", "max_paths",
-                        "asynchronous", "loop"}
 
 
 class CacheFileSystem(_Base):
@@ -52,7 +49,7 @@ class CacheFileSystem(_Base):
                  ttl: float | None = None, block_size: int | str | None = None,
                  autostart: bool | None = None, runtime_dir: str | None = None,
                  write_behind: int | str | None = None, daemon_options: dict | None = None, fo: str | None = None, **kwargs) -> None:
-        kwargs = _own_options(kwargs, target_options or {})
+        kwargs = own_options(kwargs, target_options or {})
         super().__init__(**kwargs)
         if fs is not None and target_protocol is not None:
             raise ValueError("target_protocol: give either fs or target_protocol, not both")
@@ -73,7 +70,7 @@ class CacheFileSystem(_Base):
                                   defer=self.reader.fills.defer)
 
         stripped: dict[str, str] = {}  # fsspec's path normalisation costs ~5 us a call
-        path_of = _PathOf(fs)
+        path_of = TargetPaths(fs)
 
         def _strip_protocol(path):  # per instance: the target decides what a path is
             if isinstance(path, (list, tuple)):
@@ -99,7 +96,7 @@ class CacheFileSystem(_Base):
         Only the chain marker goes: ``cachemw::s3://b/k`` -> ``s3://b/k``, and a bare
         ``cachemw://`` hop -> "" (fsspec then takes the path from the next hop). A
         ``cachemw://path`` URL stays whole: which store's path it names is the target's
-        to say, so the instance resolves it (see _PathOf).
+        to say, so the instance resolves it (see urls.TargetPaths).
         """
         if isinstance(path, list):
             return [cls._strip_protocol(p) for p in path]
@@ -367,66 +364,6 @@ class CacheFileSystem(_Base):
         self.reader.fills.drain()
         self.client.fold_tallies()
         return dict(self.client.counters)
-
-
-class _PathOf:
-    """What a string names on the target ``fs``, as the target's own path.
-
-    - ``cachemw::<url>``: the target's path of ``<url>``, whose protocol must be the
-      target's (a ``file://`` URL handed to a filesystem over S3 is an error, not a read of
-      some other object);
-    - ``cachemw://<rest>``: what ``<protocol>://<rest>`` names on the target
-      (``cachemw://bucket/key`` over S3). Over a local target the path is absolute, always:
-      ``cachemw:///data/x`` and ``cachemw://data/x`` (what HF datasets makes of the first)
-      are both ``/data/x``, wherever the working directory is;
-    - anything else: the target's path for it (a bare relative local path is relative to
-      the working directory, as for fsspec's local filesystem).
-    """
-
-    def __init__(self, fs: AbstractFileSystem) -> None:
-        self.fs = fs
-        protocols = fs.protocol if isinstance(fs.protocol, (list, tuple)) else (fs.protocol,)
-        self.protocols = tuple(protocols)
-        self.local = isinstance(fs, LocalFileSystem)
-
-    def __call__(self, path: str) -> str:
-        fs = self.fs
-        if path.startswith("cachemw::"):
-            url = path[len("cachemw::"):]
-            protocol, sep, _ = url.partition("://")
-            if sep and protocol.isalnum() and protocol not in self.protocols:
-                raise ValueError(f"{path!r}: a {protocol}:// URL, but this cachemw filesystem "
-                                 f"reads from {self.protocols[0]}://; open it with "
-                                 f"fsspec.open({path!r}) or give target_protocol={protocol!r}")
-            return fs._strip_protocol(url)
-        if path.startswith("cachemw://"):
-            rest = path[len("cachemw://"):]
-            if self.local:
-                return fs._strip_protocol("/" + rest.lstrip("/"))
-            return fs._strip_protocol(f"{self.protocols[0]}://{rest}")
-        return fs._strip_protocol(path)
-
-
-def _own_options(kwargs: dict, target_options: dict) -> dict:
-    """The options of fsspec's base class among ``kwargs``; unknown ones are a ValueError,
-    except copies of the target's options: HF datasets hands its flat ``storage_options``
-    to every hop of a chained URL, so the cachemw hop gets the target's options too, as
-    themselves or as ``{protocol: {...}}`` under the protocol datasets takes a
-    ``cachemw::`` hop for (``file``)."""
-    unknown = []
-    for name, value in kwargs.items():
-        if name in _FSSPEC_BASE_OPTIONS:
-            continue
-        if name in target_options and target_options[name] == value:
-            continue
-        if (name in fsspec.available_protocols() and isinstance(value, dict)
-                and all(k in target_options and target_options[k] == v
-                        for k, v in value.items())):
-            continue
-        unknown.append(name)
-    if unknown:
-        raise ValueError(f"unknown cachemw option(s): {', '.join(sorted(unknown))}")
-    return {k: v for k, v in kwargs.items() if k in _FSSPEC_BASE_OPTIONS}
 
 
 def _clip(start, end, size):
