@@ -80,8 +80,8 @@ class CacheFileSystem(_Base):
                 if hit is not None:
                     return hit
             out = path_of(fsspec.utils.stringify_path(path))
-            # only absolute paths and URLs: a relative one depends on the working directory
-            if type(path) is str and (path.startswith("/") or "://" in path):
+            # not a relative local path: it depends on the working directory of each call
+            if type(path) is str and not path_of.relative(path):
                 if len(stripped) >= 65536:
                     stripped.clear()
                 stripped[path] = out

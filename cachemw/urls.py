@@ -38,6 +38,16 @@ class TargetPaths:
         self.protocols = tuple(protocols)
         self.local = isinstance(fs, LocalFileSystem)
 
+    def relative(self, path: str) -> bool:
+        """Whether what ``path`` names depends on the working directory (a relative local
+        path, or a ``file://`` URL of one): such a resolution must not be remembered."""
+        if not self.local or path.startswith("cachemw://"):
+            return False
+        for prefix in ("cachemw::", "file://", "local://"):
+            if path.startswith(prefix):
+                path = path[len(prefix):]
+        return not path.startswith("/")
+
     def __call__(self, path: str) -> str:
         fs = self.fs
         if path.startswith("cachemw::"):

@@ -146,3 +146,20 @@ def test_chained_urls_share_one_filesystem(autostarted, tree):
                 assert f.read() == files[path]
                 seen.add(id(f.fs))
     assert len(seen) == 1
+
+
+@pytest.mark.timeout(60)
+def test_relative_paths_follow_the_working_directory(autostarted, tmp_path, monkeypatch):
+    """A relative local path or ``file://`` URL is relative to the working directory of the
+    call, not of an earlier call (no remembered resolution reads another file)."""
+    for d in ("a", "b"):
+        (tmp_path / d / "rel").mkdir(parents=True)
+        (tmp_path / d / "rel" / "x.bin").write_bytes(d.encode() * 100)
+    fs = fsspec.filesystem("cachemw", target_protocol="file")
+    for d in ("a", "b", "a"):
+        monkeypatch.chdir(tmp_path / d)
+        for path in ("rel/x.bin", "file://rel/x.bin", "cachemw::file://rel/x.bin"):
+            assert fs.cat_file(path) == d.encode() * 100, (d, path)
+    # URLs of this filesystem are absolute: the same file from anywhere
+    monkeypatch.chdir(tmp_path / "b")
+    assert fs.cat_file(f"cachemw://{tmp_path}/a/rel/x.bin") == b"a" * 100
