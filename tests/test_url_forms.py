@@ -163,3 +163,18 @@ def test_relative_paths_follow_the_working_directory(autostarted, tmp_path, monk
     # URLs of this filesystem are absolute: the same file from anywhere
     monkeypatch.chdir(tmp_path / "b")
     assert fs.cat_file(f"cachemw://{tmp_path}/a/rel/x.bin") == b"a" * 100
+
+
+@pytest.mark.timeout(60)
+def test_cli_warm_takes_a_relative_directory(autostarted, tmp_path, monkeypatch, capsys):
+    """``cachemw warm data/train`` warms ./data/train (a cachemw:// URL is absolute, so the
+    command makes the path absolute before it becomes one)."""
+    from cachemw.cli import main
+
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    for i in range(2):
+        (tmp_path / "data" / "train" / f"{i}.bin").write_bytes(b"x" * 2048)
+    monkeypatch.chdir(tmp_path)
+    assert main(["warm", "--quiet", "data/train"]) == 0
+    assert "warmed 4.0 KiB" in capsys.readouterr().out
+    assert _leases(autostarted) == 2
