@@ -74,6 +74,7 @@ def test_glob_ls_info_names_are_accepted_back(autostarted, tree):
         assert names == [f"cachemw://{p}" for p in sorted(files)], pattern
         assert list(fs.glob(pattern, detail=True)) == names
         for name, path in zip(names, sorted(files)):
+            assert fs.url(path) == fs.url(name) == name
             assert fs.cat_file(name) == files[path]
             assert fs.info(name)["name"] == path
             assert fs.unstrip_protocol(name) == f"cachemw::file://{path}"
@@ -112,6 +113,7 @@ def test_s3_forms(autostarted, s3_server):
     names = fs.glob(pattern)
     assert names == [f"cachemw://{p}" for p in sorted(files)]
     for name, path in zip(names, sorted(files)):
+        assert fs.url(path) == name
         assert fs.cat_file(name) == files[path]
         assert fs.info(name)["name"] == path
         assert fs.unstrip_protocol(name) == f"cachemw::s3://{path}"
