@@ -36,7 +36,6 @@ from .urls import TargetPaths, own_options
 log = logging.getLogger("cachemw.fs")
 
 
-
 class CacheFileSystem(_Base):
     protocol = "cachemw"
     # fsspec passes a chained URL's path as ``fo`` (unused here: paths come with each call);
@@ -127,9 +126,11 @@ class CacheFileSystem(_Base):
         """The matches as ``cachemw://`` URLs (see url()), with their info if ``detail``.
 
         A URL, not a path, because that is what a caller that globs hands on: HF datasets
-        re-appends the hops it split off (``cachemw://b/k::s3://b/*.parquet``) and opens
-        the result by URL; a path there would lose the cache (``s3://b/k``) or be read as
-        a local file. Every method here takes these URLs back; ``ls``/``find``/``info``
+        prefixes each match with the first hop of its pattern and re-appends the others;
+        from ``cachemw::s3://b/*.parquet`` and the path ``b/k`` that made
+        ``cachemw::s3://b/k::s3://b/*.parquet``, which it opens as the local file
+        "cachemw"; from the URL it makes ``cachemw://b/k::s3://b/*.parquet``: the path,
+        then the target. Every method here takes these URLs back; ``ls``/``find``/``info``
         keep returning the target's paths.
         """
         found = super().glob(path, maxdepth=maxdepth, **kwargs)
