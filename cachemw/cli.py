@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from . import bench
@@ -102,7 +103,8 @@ def cmd_warm(args) -> int:
 
     total = 0
     for url in args.urls:
-        fs, path = fsspec.core.url_to_fs(url if "://" in url or "::" in url else f"cachemw://{url}")
+        local = "://" not in url and "::" not in url  # a path; cachemw:// URLs are absolute
+        fs, path = fsspec.core.url_to_fs(f"cachemw://{os.path.abspath(url)}" if local else url)
         files = fs.find(path) if fs.isdir(path) else [path]
         for f in tqdm(files, desc=f"warming {url}", unit="file", disable=args.quiet):
             total += len(fs.cat_file(f))

@@ -32,16 +32,17 @@ from .metadata import MetadataCache
 from .openfile import BytesFile, CachedFile, clip
 from .reader import BlockReader
 from ..tiers.source import ChangedSourceError, SourceTier
+from .urls import TargetPaths, own_options
 
 log = logging.getLogger(__name__)
-
-# Options of fsspec's own base class, passed through; anything else unknown is an error.
-_FSSPEC_BASE_OPTIONS = {"use_listings_cache", "listings_expiry_time", "max_paths",
-                        "asynchronous", "loop"}
 
 
 class CacheFileSystem(_Base):
     protocol = "cachemw"
+    # fsspec passes a chained URL's path as ``fo`` (unused here: paths come with each call);
+    # left in the instance token it would make one filesystem, with its own daemon
+    # connection, per URL opened (a dataset of a million ``cachemw::`` URLs: a million)
+    _strip_tokenize_options = ("fo",)
 
     def __init__(self, target_protocol: str | None = None, target_options: dict | None = None,
                  fs: AbstractFileSystem | None = None, *, validate: str | None = None,
@@ -49,9 +50,7 @@ class CacheFileSystem(_Base):
                  autostart: bool | None = None, runtime_dir: str | None = None,
                  write_behind: int | str | None = None, daemon_options: dict | None = None,
                  daemon_timeout: float | None = None, fo: str | None = None, **kwargs) -> None:
-        unknown = set(kwargs) - _FSSPEC_BASE_OPTIONS
-        if unknown:
-            raise ValueError(f"unknown cachemw option(s): {', '.join(sorted(unknown))}")
+        kwargs = own_options(kwargs, target_options or {})
         super().__init__(**kwargs)
         if fs is not None and target_protocol is not None:
             raise ValueError("target_protocol: give either fs or target_protocol, not both")
@@ -74,6 +73,7 @@ class CacheFileSystem(_Base):
                                   defer=self.reader.fills.defer)
 
         stripped: dict[str, str] = {}  # fsspec's path normalisation costs ~5 us a call
+        path_of = TargetPaths(fs)
 
         def _strip_protocol(path):  # per instance: the target decides what a path is
             if isinstance(path, (list, tuple)):
@@ -82,9 +82,9 @@ class CacheFileSystem(_Base):
                 hit = stripped.get(path)
                 if hit is not None:
                     return hit
-            out = fs._strip_protocol(type(self)._strip_protocol(path))
-            # only absolute paths and URLs: a relative one depends on the working directory
-            if type(path) is str and (path.startswith("/") or "://" in path):
+            out = path_of(fsspec.utils.stringify_path(path))
+            # not a relative local path: it depends on the working directory of each call
+            if type(path) is str and not path_of.relative(path):
                 if len(stripped) >= 65536:
                     stripped.clear()
                 stripped[path] = out
@@ -94,17 +94,53 @@ class CacheFileSystem(_Base):
 
     @classmethod
     def _strip_protocol(cls, path):
+        """What fsspec's URL parsing sees before a filesystem (so a target) exists.
+
+        Only the chain marker goes: ``cachemw::s3://b/k`` -> ``s3://b/k``, and a bare
+        ``cachemw://`` hop -> "" (fsspec then takes the path from the next hop). A
+        ``cachemw://path`` URL stays whole: which store's path it names is the target's
+        to say, so the instance resolves it (see urls.TargetPaths).
+        """
         if isinstance(path, list):
             return [cls._strip_protocol(p) for p in path]
         path = fsspec.utils.stringify_path(path)
         if path.startswith("cachemw::"):
-            path = path[len("cachemw::"):]
-        elif path.startswith("cachemw://"):
-            path = path[len("cachemw://"):]
+            return path[len("cachemw::"):]
+        if path == "cachemw://":
+            return ""
         return path
 
     def unstrip_protocol(self, name: str) -> str:
-        return f"cachemw::{self.target.unstrip_protocol(name)}"
+        """The chained URL of ``name``: ``cachemw::s3://bucket/key``, ``cachemw::file:///abs``."""
+        return f"cachemw::{self.target.unstrip_protocol(self._strip_protocol(name))}"
+
+    def url(self, path: str) -> str:
+        """``path`` as this filesystem's own URL: ``cachemw://bucket/key`` over S3,
+        ``cachemw:///abs`` over a local target (the target's URL with our protocol)."""
+        path = self._strip_protocol(path)
+        _, sep, rest = self.target.unstrip_protocol(path).partition("://")
+        return f"cachemw://{rest if sep else path}"
+
+    def glob(self, path, maxdepth=None, **kwargs):
+        """The matches as ``cachemw://`` URLs (see url()), with their info if ``detail``.
+
+        A URL, not a path, because that is what a caller that globs hands on: HF datasets
+        prefixes each match with the first hop of its pattern and re-appends the others;
+        from ``cachemw::s3://b/*.parquet`` and the path ``b/k`` that made
+        ``cachemw::s3://b/k::s3://b/*.parquet``, which it opens as the local file
+        "cachemw"; from the URL it makes ``cachemw://b/k::s3://b/*.parquet``: the path,
+        then the target. Every method here takes these URLs back; ``ls``/``find``/``info``
+        keep returning the target's paths.
+        """
+        found = super().glob(path, maxdepth=maxdepth, **kwargs)
+        if isinstance(found, dict):
+            return {self.url(name): info for name, info in found.items()}
+        return [self.url(name) for name in found]
+
+    def expand_path(self, path, recursive=False, maxdepth=None, **kwargs):
+        """fsspec's, in paths (it mixes what glob and find return)."""
+        found = super().expand_path(path, recursive=recursive, maxdepth=maxdepth, **kwargs)
+        return sorted({self._strip_protocol(p) for p in found})
 
     # -- reads ---------------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ class DaemonActor:
         except Exception as exc:
             self.error = str(exc) if isinstance(exc, (OSError, ValueError, RuntimeError)) \
                 else f"{type(exc).__name__}: {exc}"
-            logging.getLogger("cachemw.daemon").error("cachemw daemon cannot start: %s",
+            log.error("cachemw daemon cannot start: %s",
                                                       self.error)
             return
         secret = options.get("cluster_secret")

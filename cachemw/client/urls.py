@@ -1,0 +1,88 @@
+"""What a ``cachemw`` URL names on the target, and which options given to a ``cachemw``
+hop are its own.
+
+Kept apart from the filesystem because two parties shape these strings: fsspec's URL
+chaining (``cachemw::s3://b/k``: the path comes from the last hop, the options per
+protocol) and HF datasets, which splits URLs on ``::`` itself, re-appends the hops it split
+off to whatever glob returned, rewrites ``x:///abs`` as ``x://abs`` and hands flat
+``storage_options`` to every hop.
+"""
+from __future__ import annotations
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractFileSystem
+
+# Options of fsspec's own base class, passed through; anything else unknown is an error.
+FSSPEC_BASE_OPTIONS = {"use_listings_cache", "listings_expiry_time", "max_paths",
+                       "asynchronous", "loop"}
+
+
+class TargetPaths:
+    """What a string names on the target ``fs``, as the target's own path.
+
+    - ``cachemw::<url>``: the target's path of ``<url>``, whose protocol must be the
+      target's (a ``file://`` URL handed to a filesystem over S3 is an error, not a read of
+      some other object);
+    - ``cachemw://<rest>``: what ``<protocol>://<rest>`` names on the target
+      (``cachemw://bucket/key`` over S3). Over a local target the path is absolute, always:
+      ``cachemw:///data/x`` and ``cachemw://data/x`` (what HF datasets makes of the first)
+      are both ``/data/x``, wherever the working directory is;
+    - anything else: the target's path for it (a bare relative local path is relative to
+      the working directory, as for fsspec's local filesystem).
+    """
+
+    def __init__(self, fs: AbstractFileSystem) -> None:
+        self.fs = fs
+        protocols = fs.protocol if isinstance(fs.protocol, (list, tuple)) else (fs.protocol,)
+        self.protocols = tuple(protocols)
+        self.local = isinstance(fs, LocalFileSystem)
+
+    def relative(self, path: str) -> bool:
+        """Whether what ``path`` names depends on the working directory (a relative local
+        path, or a ``file://`` URL of one): such a resolution must not be remembered."""
+        if not self.local or path.startswith("cachemw://"):
+            return False
+        for prefix in ("cachemw::", "file://", "local://"):
+            if path.startswith(prefix):
+                path = path[len(prefix):]
+        return not path.startswith("/")
+
+    def __call__(self, path: str) -> str:
+        fs = self.fs
+        if path.startswith("cachemw::"):
+            url = path[len("cachemw::"):]
+            protocol, sep, _ = url.partition("://")
+            if sep and protocol.isalnum() and protocol not in self.protocols:
+                raise ValueError(f"{path!r}: a {protocol}:// URL, but this cachemw filesystem "
+                                 f"reads from {self.protocols[0]}://; open it with "
+                                 f"fsspec.open({path!r}) or give target_protocol={protocol!r}")
+            return fs._strip_protocol(url)
+        if path.startswith("cachemw://"):
+            rest = path[len("cachemw://"):]
+            if self.local:
+                return fs._strip_protocol("/" + rest.lstrip("/"))
+            return fs._strip_protocol(f"{self.protocols[0]}://{rest}")
+        return fs._strip_protocol(path)
+
+
+def own_options(kwargs: dict, target_options: dict) -> dict:
+    """The options of fsspec's base class among ``kwargs``; unknown ones are a ValueError,
+    except copies of the target's options: HF datasets hands its flat ``storage_options``
+    to every hop of a chained URL, so the cachemw hop gets the target's options too, as
+    themselves or as ``{protocol: {...}}`` under the protocol datasets takes a
+    ``cachemw::`` hop for (``file``)."""
+    unknown = []
+    for name, value in kwargs.items():
+        if name in FSSPEC_BASE_OPTIONS:
+            continue
+        if name in target_options and target_options[name] == value:
+            continue
+        if (name in fsspec.available_protocols() and isinstance(value, dict)
+                and all(k in target_options and target_options[k] == v
+                        for k, v in value.items())):
+            continue
+        unknown.append(name)
+    if unknown:
+        raise ValueError(f"unknown cachemw option(s): {', '.join(sorted(unknown))}")
+    return {k: v for k, v in kwargs.items() if k in FSSPEC_BASE_OPTIONS}
