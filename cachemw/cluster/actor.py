@@ -62,8 +62,7 @@ class DaemonActor:
         except Exception as exc:
             self.error = str(exc) if isinstance(exc, (OSError, ValueError, RuntimeError)) \
                 else f"{type(exc).__name__}: {exc}"
-            log.error("cachemw daemon cannot start: %s",
-                                                      self.error)
+            log.error("cachemw daemon cannot start: %s", self.error)
             return
         secret = options.get("cluster_secret")
         self.blocks = None
