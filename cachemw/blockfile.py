@@ -17,6 +17,8 @@ import struct
 
 import xxhash
 
+from .files import atomic_write
+
 MAGIC = b"CMWB"
 FORMAT_VERSION = 3
 PAGE_SIZE = 4 * 1024  # a random 4 KiB read verifies 1-2 pages, not a large chunk
@@ -190,23 +192,7 @@ def write_block(path: str, data: bytes | memoryview, page_size: int = PAGE_SIZE,
     tier sweeps on start; readers never see a partial block.
     """
     tail = encode_tail(data, page_size, tag)
-    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.write(fd, tail)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, data, tail)
     return len(data) + len(tail)
 
 

@@ -32,6 +32,7 @@ import sys
 import time
 
 from .config import DaemonConfig
+from .files import atomic_write
 from .node_daemon import CHECKPOINTS
 from .processes import process_alive
 from .protocol import (LOCK, REGISTRY, SOCKET, DaemonAddress, DaemonLock, check_private_dir,
@@ -79,13 +80,9 @@ def recent_failure(runtime_dir: str, options: dict | None) -> str | None:
 
 
 def _record_failure(runtime_dir: str, options: dict | None, error: str) -> None:
-    path = os.path.join(runtime_dir, FAILED)
-    tmp = f"{path}.{os.getpid()}.tmp"
+    record = {"time": time.time(), "options": _options_key(options), "error": error}
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"time": time.time(), "options": _options_key(options), "error": error}, f)
-        os.rename(tmp, path)
+        atomic_write(os.path.join(runtime_dir, FAILED), json.dumps(record).encode())
     except OSError:
         pass
 

@@ -25,6 +25,8 @@ import time
 import weakref
 from dataclasses import asdict, dataclass
 
+from .files import atomic_write
+
 # Counters clients add to through access reports; the daemon adds the rest.
 CLIENT_COUNTERS = (
     "hits", "hit_bytes", "misses", "fills", "bytes_from_source", "fallbacks",
@@ -111,12 +113,7 @@ def _private_file(path: str, flags: int = os.O_RDONLY):
 
 
 def publish(runtime_dir: str, address: DaemonAddress) -> None:
-    path = os.path.join(runtime_dir, REGISTRY)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(address), f)
-    os.rename(tmp, path)
+    atomic_write(os.path.join(runtime_dir, REGISTRY), json.dumps(asdict(address)).encode())
 
 
 def unpublish(runtime_dir: str, pid: int) -> None:

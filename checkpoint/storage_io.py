@@ -13,6 +13,8 @@ from typing import IO, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from cachemw.files import fsync_path
+
 
 class Location:
     """A directory ``url`` (plain path or fsspec URL such as ``cachemw::s3://b/ckpt``)."""
@@ -59,11 +61,7 @@ class Location:
 
     def sync_dir(self) -> None:
         if self.local:
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(self.path)
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Write ``rel`` so that readers see the old content or the whole new one, never a part."""

@@ -7,9 +7,10 @@ copies ``.metadata`` and then the manifest after every rank's files are durable 
 """
 from __future__ import annotations
 
-import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from cachemw.files import fsync_path
 
 from .storage_io import Location
 
@@ -21,11 +22,7 @@ def copy_file(src: Location, dst: Location, rel: str) -> None:
     if src.local and dst.local:
         # copyfile uses sendfile on Linux: no user-space buffers, no GIL-bound copying.
         shutil.copyfile(src.join(rel), dst.join(rel))
-        fd = os.open(dst.join(rel), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(dst.join(rel))
         return
     with src.open(rel, "rb") as fin:
         fout = dst.open(rel, "wb")

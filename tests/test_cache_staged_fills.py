@@ -358,3 +358,25 @@ def test_a_block_moved_between_tiers_while_written_over_is_not_kept(tmp_path, mo
     assert KEY not in node._index
     for t in (dram, nvme):
         assert not os.path.exists(t.block_path(KEY)) and not staged_files(t, KEY)
+
+
+@pytest.mark.timeout(30)
+def test_a_block_demoted_while_its_fill_is_in_flight_lands_then_moves(tmp_path):
+    """A fill written behind its read is still in flight (staged, not yet noted) when the
+    next miss makes the engine demote it: the move waits for it to land and moves it; it
+    used to fail, the engine forgot the block, the fill was indexed anyway, and from then
+    on every miss was bypassed (the engine saw room the tier did not have)."""
+    from cachemw import blockfile
+
+    stored = BS + blockfile.tail_size(BS)
+    node = NodeCache(DaemonConfig(tiers=(
+        TierConfig("dram", str(tmp_path / "dram"), stored, high_watermark=1.0),
+        TierConfig("nvme", str(tmp_path / "nvme"), 8 * stored, high_watermark=1.0)),
+        runtime_dir=str(tmp_path / "rt")))
+    conn = object()
+    first, second = (block_key(URL, "v", i, BS) for i in range(2))
+    kind, tier, lease = node.lease(first, BS, URL, conn)
+    assert (kind, tier) == ("fill", "dram")
+    node.tier("dram").stage(first, os.urandom(BS), lease)  # its 'filled' note not sent yet
+    assert node.lease(second, BS, URL, conn)[:2] == ("fill", "dram")
+    assert node._index[first].tier == "nvme" and os.path.exists(node.tier("nvme").block_path(first))

@@ -24,6 +24,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+from ..files import atomic_write, make_private_dirs
 from ..keys import path_key, version_token
 
 
@@ -124,18 +125,12 @@ class MetadataCache:
 
     @staticmethod
     def _write_record(rec: str, payload: bytes) -> None:
-        tmp = f"{rec}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                atomic_write(rec, payload)
             except FileNotFoundError:
-                os.makedirs(os.path.dirname(rec), mode=0o700, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.write(fd, payload)
-            finally:
-                os.close(fd)
-            os.rename(tmp, rec)
+                make_private_dirs(os.path.dirname(rec))
+                atomic_write(rec, payload)
         except OSError:
             pass  # metadata sharing is an optimisation; never fail a read for it
 

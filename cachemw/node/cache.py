@@ -438,9 +438,14 @@ class NodeCache(MoveRunner):
         return entry
 
     def drop(self, key: str, reason: str) -> None:
-        """Forget and delete a block (a client found it corrupt, or it was invalidated)."""
+        """Forget and delete a block (a client found it corrupt, it was invalidated, a move
+        of it failed); a fill of it in flight is not indexed when it lands (the placement
+        engine has forgotten it too: indexed, it would hold room the engine does not see)."""
         with self._lock:
             entry = self._remove_locked(key)
+            fill = self._inflight.get(key)
+            if fill is not None:
+                fill.cancelled = True
         self.placer.drop(key)
         if entry is not None:
             self._tiers[entry.tier].tier.delete(key)

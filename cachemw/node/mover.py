@@ -10,12 +10,15 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 
 from .. import blockfile
 from ..placement import Admit, Demote, Evict, Promote
 from .prefetch import run_prefetch
 
 log = logging.getLogger(__name__)
+
+MOVE_WAIT = 2.0  # seconds a move waits for the fill of the block it moves to land
 
 
 class MoveRunner:
@@ -111,6 +114,12 @@ class MoveRunner:
     def _move_tier(self, key: str, dst: str) -> bool:
         with self._lock:
             entry = self._index.get(key)
+            inflight = self._inflight.get(key) if entry is None else None
+        if inflight is not None:  # planned while its fill is in flight (a fill written
+            # behind the read): let it land first, or the block and its room are lost
+            self._wait_for_fill(key, inflight, time.monotonic() + MOVE_WAIT)
+            with self._lock:
+                entry = self._index.get(key)
         if entry is None:
             return False
         if entry.tier == dst:
