@@ -201,7 +201,7 @@ def write_block(path: str, data: bytes | memoryview, page_size: int = PAGE_SIZE,
         finally:
             os.close(fd)
         os.rename(tmp, path)
-    except BaseException:
+    except BaseException:  # no temp file left, whatever failed; re-raised
         try:
             os.unlink(tmp)
         except OSError:
