@@ -243,7 +243,7 @@ def _default_dram_capacity() -> int:
         import psutil
 
         return psutil.virtual_memory().total // 4
-    except Exception:  # pragma: no cover - psutil is a dependency
+    except Exception:  # pragma: no cover - any failure (no psutil, odd /proc): the default
         return 4 << 30
 
 

@@ -199,7 +199,7 @@ def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: 
                 )
         finally:
             os.close(write_end)
-    except BaseException:
+    except BaseException:  # the lock goes whatever failed, even Ctrl-C; re-raised
         lock.release()
         raise
     lock.forget()  # the daemon holds it now; if it could not start, no one does

@@ -266,7 +266,7 @@ class Checkpointer:
             with single_process_dcp(self.coord.no_dist):
                 dcp.save(staged, storage_writer=writer, planner=SpreadSavePlanner(chunk_bytes=self.config.chunk_bytes),
                          process_group=self.coord.group, no_dist=self.coord.no_dist)
-        except BaseException:
+        except BaseException:  # the copies under way end first, whatever failed; re-raised
             if drainer is not None:
                 drainer.wait_quietly()
             raise

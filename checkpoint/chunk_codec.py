@@ -171,7 +171,7 @@ def write_chunk(out: IO[bytes], rel: str, offset: int, data, codec: str, frame_b
         else:
             sink.write(data.getbuffer())
         sink.finish()
-    except Exception:
+    except Exception:  # always re-raised, as the sink's own error if it had one
         if sink.error is not None:
             raise sink.error from None  # e.g. ENOSPC, not torch's "unexpected pos"
         raise

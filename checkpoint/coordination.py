@@ -141,7 +141,7 @@ class Coordinator:
         error = None
         try:
             fn()
-        except Exception as exc:
+        except Exception as exc:  # any failure fails every rank: none goes on alone
             error = exc
         self.agree(error)
 

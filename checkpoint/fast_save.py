@@ -138,7 +138,7 @@ class FastSaver:
             state_dict = get_state_dict()
             described = describe(state_dict)
             digest = hashlib.blake2b(repr(described.signature).encode(), digest_size=16).hexdigest()
-        except Exception as exc:
+        except Exception as exc:  # any failure travels in the vote: every rank raises it
             error = exc
         votes = self.coord.front_gather((busy, uuid.uuid4().hex, digest, report(error)))
         self.coord.raise_if_failed([v[3] for v in votes], error)
@@ -155,7 +155,7 @@ class FastSaver:
                 planner = SpreadSavePlanner(chunk_bytes=self.chunk_bytes)
                 planner.set_up_planner(described.staged, None, self.coord.is_coordinator)
                 local = planner.create_local_plan()
-            except Exception as exc:
+            except Exception as exc:  # any failure travels in the vote: every rank raises it
                 error = exc
             plans = self.coord.front_gather((local, report(error)))
             self.coord.raise_if_failed([p[1] for p in plans], error)
@@ -168,7 +168,7 @@ class FastSaver:
                 self._layout = plan_layout(f"__{self.coord.rank}_", mine, reserves, self.thread_count)
                 self._digests = digests
             snapshot = self._local_snapshot(name, state_dict, described, stage_buffers)
-        except Exception as exc:
+        except Exception as exc:  # any failure travels in the vote: every rank raises it
             error = exc
         reports = self.coord.front_gather(report(error))
         if any(r is not None for r in reports):
@@ -185,7 +185,7 @@ class FastSaver:
             try:
                 self._snapshot(name, state_dict)
                 return FastSnapshot(name, described.staged, self.pool)
-            except Exception as exc:
+            except Exception as exc:  # any failure here costs only the in-place copy
                 log.warning("in-place snapshot into %s failed (%s); staging into buffers instead",
                             self.fast.location.url, exc)
                 self._unlink_own(name)  # the directory is shared with the other ranks of this node

@@ -151,7 +151,7 @@ class FilePool:
         try:
             for f in layout.files:
                 self.maps[f.rel] = _map_new(os.path.join(self.dir, f.rel), f.size)
-        except BaseException:
+        except BaseException:  # no half-made pool left, whatever failed; re-raised
             self.release()
             raise
         self.layout = layout

@@ -83,7 +83,7 @@ class Location:
                 yield f
             finally:
                 self.close_durably(f)
-        except BaseException:
+        except BaseException:  # the temp file goes whatever failed; re-raised
             self.remove_file(tmp)
             raise
         # From here the temp file may be the only whole copy: a failure leaves it in place.

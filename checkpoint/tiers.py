@@ -55,5 +55,5 @@ class Drainer:
         """Wait for the copies already started, ignoring their failures (the save failed anyway)."""
         try:
             self.wait()
-        except Exception:
+        except Exception:  # any copy failure: the save's own error is the one raised
             pass

@@ -36,7 +36,7 @@ class BlockClient:
             authenticate_client(self.sock, secret)
             self.sock.settimeout(None)
             self._set_timeout(socket.SO_SNDTIMEO, timeout)
-        except BaseException:
+        except BaseException:  # no socket left open, whatever failed; re-raised
             self.sock.close()
             raise
         self._poller = select.poll()

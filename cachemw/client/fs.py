@@ -189,7 +189,7 @@ class CacheFileSystem(_Base):
         for i, (p, s, e) in enumerate(zip(paths, starts, ends)):
             try:
                 meta = self.meta.file(self._strip_protocol(p))
-            except Exception as exc:
+            except Exception as exc:  # fsspec's on_error: any error of a path is its result
                 if on_error == "raise":
                     raise
                 out[i] = exc
@@ -211,7 +211,7 @@ class CacheFileSystem(_Base):
         for i in sorted(alone):
             try:
                 out[i] = self.cat_file(paths[i], starts[i], ends[i])
-            except Exception as exc:
+            except Exception as exc:  # fsspec's on_error: any error of a path is its result
                 if on_error == "raise":
                     raise
                 out[i] = exc
@@ -418,5 +418,5 @@ class _InvalidatingWriter:
         try:
             if not self._closed and not self._f.closed:
                 self.close()
-        except Exception:
+        except Exception:  # a finaliser: nothing may escape it (modules half gone at exit)
             pass

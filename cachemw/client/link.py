@@ -282,7 +282,7 @@ class DaemonClient:
             # the daemon says "busy" every third of our timeout while it works on a request
             conn.send((ops.HELLO, os.getpid(), self.timeout / 3))
             self._recv(conn)
-        except BaseException:
+        except BaseException:  # no half-open connection left, whatever failed; re-raised
             conn.close()
             raise
         return conn
@@ -396,7 +396,7 @@ class DaemonClient:
             with send_lock:
                 conn.send(msg)
             return True
-        except Exception:  # closed by its thread meanwhile (OSError, ValueError, TypeError)
+        except (OSError, ValueError, TypeError):  # closed by its thread meanwhile
             return False
 
     # -- requests ----------------------------------------------------------------------

@@ -193,7 +193,7 @@ class BlockReader:
         try:
             block = self.source.read_block(meta.path, piece.index, self.block_size, meta.size,
                                            meta.version)
-        except BaseException:
+        except BaseException:  # the lease ends whatever failed, even Ctrl-C; re-raised
             client.abort(piece.key, "source-error")
             raise
         client.count("misses")

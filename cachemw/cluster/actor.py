@@ -59,7 +59,7 @@ class DaemonActor:
         try:  # a daemon that cannot start says why (start() reports it in one line)
             self.config = DaemonConfig.build(node_id=self.node_id, **opts)
             self.service = NodeService(self.config, kind="ray")
-        except Exception as exc:
+        except Exception as exc:  # any failure: the actor lives on to say why (address())
             self.error = str(exc) if isinstance(exc, (OSError, ValueError, RuntimeError)) \
                 else f"{type(exc).__name__}: {exc}"
             log.error("cachemw daemon cannot start: %s", self.error)
@@ -317,7 +317,7 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
             raise RuntimeError("cachemw daemons already run with other settings ("
                                + "; ".join(differences) + "); to change them, stop them "
                                "first (`cachemw stop`), then start again")
-    except BaseException:
+    except BaseException:  # a failed or interrupted start leaves no Ray it started; re-raised
         if state.get("started_now"):  # nothing of a failed start is left running
             ray.shutdown()
             _stop_local_ray(state["temp_dir"])
@@ -413,12 +413,12 @@ def _stop_ray_daemons(address: str | None, runtime_dir: str, timeout: float) -> 
     for node_id, ref in refs.items():
         try:
             ray.get(ref, timeout=timeout)
-        except Exception as exc:
+        except Exception as exc:  # one daemon's failure never stops the stop
             log.warning("daemon on node %s did not stop cleanly: %s", node_id, exc)
     for handle in list(handles.values()) + list(_daemon_handles().values()):
         try:
             ray.kill(handle, no_restart=True)
-        except Exception:
+        except Exception:  # gone already, or not killable: the stop goes on
             pass
     ray.shutdown()
     if address is None and state.get("started_by_cachemw"):

@@ -62,7 +62,7 @@ def _serve_one(node, key, length, url, source):
         if kind == "fill":
             node.abort(key, "changed", requester)
         return None
-    except BaseException:
+    except BaseException:  # the lease ends whatever failed; re-raised
         if kind == "fill":
             node.abort(key, "source-error", requester)
         raise

@@ -30,6 +30,9 @@ class PeerSet:
         import ray
 
         self._ray = ray
+        # what a call to a peer raises: ray.get's RayError family, and ValueError or OSError
+        # from the core worker's status codes; anything else is a bug, not a failed peer
+        self._call_errors = (ray.exceptions.RayError, ValueError, OSError)
         self.self_id = self_id
         self.spawn = spawn  # callable(node_id): place a daemon on that node
         self.refresh_interval = refresh_interval
@@ -60,7 +63,7 @@ class PeerSet:
         while not self._stop.wait(self.refresh_interval):
             try:
                 self.refresh()
-            except Exception:
+            except Exception:  # the membership thread never dies: it tries again
                 log.exception("membership refresh failed")
 
     def refresh(self) -> None:
@@ -95,7 +98,7 @@ class PeerSet:
                 log.info("placing a daemon on new node %s", node_id)
                 try:
                     self.spawn(node_id)
-                except Exception as exc:
+                except Exception as exc:  # best effort: the next refresh tries again
                     log.warning("could not place a daemon on node %s: %s", node_id, exc)
         for node_id in [n for n in self._handles if n not in alive]:
             del self._handles[node_id]  # node gone: a replacement gets a fresh handle
@@ -108,7 +111,7 @@ class PeerSet:
             return
         try:
             address = self._ray.get(handle.address.remote(), timeout=min(self.timeout, 5.0))
-        except Exception:
+        except self._call_errors:
             return
         if address.get("blocks"):
             self._blocks[node_id] = tuple(address["blocks"])
@@ -127,7 +130,7 @@ class PeerSet:
         try:
             self._ray.get(handle.ping.remote(), timeout=min(self.timeout, 5.0))
             return True
-        except Exception:
+        except self._call_errors:
             return False
 
     def _set_members(self, members) -> None:
@@ -168,11 +171,11 @@ class PeerSet:
         for owner, ref in refs.items():
             try:
                 packed, lengths = self._ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
-            except Exception as exc:
+            except Exception as exc:  # anything: else owner.RemoteReads.fetch strands its flights
                 if type(exc).__name__ == "GetTimeoutError":
                     try:
                         self._ray.cancel(ref)
-                    except Exception:
+                    except Exception:  # best effort: the peer is marked suspect anyway
                         pass
                 self._suspect(owner, type(exc).__name__)
                 out[owner] = None

@@ -401,7 +401,7 @@ class NodeCache(MoveRunner):
         except OSError:  # a full or failing tier: no replica, the read goes on
             self.end_unfilled(key, inflight, "error")
             return False
-        except BaseException:
+        except BaseException:  # the fill ends whatever failed, even Ctrl-C; re-raised
             self.end_unfilled(key, inflight, "error")
             raise
         if not self.land(key, inflight, stored):

@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, deliver_challenge
 
 from .cache import NodeCache
@@ -138,7 +139,7 @@ class SocketServer:
         try:
             conn = Connection(client.detach())
             deliver_challenge(conn, self.authkey)
-        except Exception as exc:  # wrong secret, timeout, garbage: drop the connection
+        except (AuthenticationError, EOFError, OSError, ValueError) as exc:  # a bad handshake
             log.warning("rejected a connection on %s: %s", self.path, exc)
             if conn is not None:
                 conn.close()
@@ -192,7 +193,7 @@ class SocketServer:
         while True:
             try:
                 msg = conn.recv()
-            except Exception:  # EOF, reset, or closed under us by close(): the client is gone
+            except Exception:  # EOF, reset, closed under us, unpickling (raises anything): gone
                 return
             op, args = msg[0], msg[1:]
             answered = op in ops.ANSWERED or op not in ops.OPS  # an unknown op: an error

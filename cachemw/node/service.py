@@ -71,7 +71,7 @@ class NodeService:
             )
             publish(config.runtime_dir, self.address)
             clear_failure(config.runtime_dir)
-        except BaseException:
+        except BaseException:  # the lock goes whatever failed, even Ctrl-C; re-raised
             self._lock.release()
             raise
         log.info("cachemw %s daemon for node %s serving %s", kind, config.node_id, sock)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s", exc)
         _tell(args.ready_fd, "ok")
         return 0
-    except Exception as exc:
+    except Exception as exc:  # any failure is told on --ready-fd: the starter waits for it
         message = str(exc) if isinstance(exc, (OSError, ValueError)) else (
             f"{type(exc).__name__}: {exc}")
         log.error("cachemw daemon cannot start: %s", message)
