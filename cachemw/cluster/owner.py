@@ -121,25 +121,28 @@ class RemoteReads:
                     flight = self._flights[key] = _Flight()
                     mine.setdefault(self.router.owner(key), []).append(item)
                 flights.append((key, flight, owned))
-        if mine:
-            results = self.router.fetch_many(mine)
-            for owner, batch in mine.items():
-                blocks = results.get(owner)
-                for i, item in enumerate(batch):
-                    data = None if blocks is None else blocks[i]
-                    if data is not None and len(data) != item[1]:
-                        data = None  # the owner saw another version: read the source
-                    flight = self._flights[item[0]]
-                    flight.data = data
-                    if data is not None:
-                        self._maybe_replicate(item, data)
+        try:
+            if mine:
+                results = self.router.fetch_many(mine)
+                for owner, batch in mine.items():
+                    blocks = results.get(owner)
+                    for i, item in enumerate(batch):
+                        data = None if blocks is None else blocks[i]
+                        if data is not None and len(data) != item[1]:
+                            data = None  # the owner saw another version: read the source
+                        flight = self._flights[item[0]]
+                        flight.data = data
+                        if data is not None:
+                            self._maybe_replicate(item, data)
+        finally:  # whatever failed, the flights this call owns end (data None: a fallback),
+            for key, flight, owned in flights:  # or every later read of them would wait
+                if owned:
+                    with self._lock:
+                        self._flights.pop(key, None)
+                    flight.done.set()
         replies = []
         for key, flight, owned in flights:
-            if owned:
-                with self._lock:
-                    self._flights.pop(key, None)
-                flight.done.set()
-            elif not flight.done.wait(wait):
+            if not owned and not flight.done.wait(wait):
                 replies.append(("fallback", "peer fetch still running"))
                 continue
             if flight.data is None:

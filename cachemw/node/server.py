@@ -195,7 +195,7 @@ class SocketServer:
                 msg = conn.recv()
             except Exception:  # EOF, reset, closed under us, unpickling (raises anything): gone
                 return
-            op, args = msg[0], msg[1:]
+            op, args = (msg[0], msg[1:]) if type(msg) is tuple and msg else (None, ())
             answered = op in ops.ANSWERED or op not in ops.OPS  # an unknown op: an error
             if answered:
                 link[2], link[3] = time.monotonic(), True  # the ticker may say "busy" now
