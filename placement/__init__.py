@@ -47,13 +47,13 @@ from .future import BeladyPolicy, ClairvoyantPolicy, next_uses
 from .moves import Admit, Demote, Evict, Move, Plan, Prefetch, Promote, Replicate
 from .nodes import assign_blocks, rebalance_plans, stable_digest
 from .policies import HistoryPolicy, LRUPolicy, PinPolicy, Policy
-from .registry import POLICIES, default_policy_name, make_policy
+from .registry import ONLINE_POLICIES, POLICIES, default_policy_name, make_policy
 from .simulator import SimResult, simulate
 from .specs import NOMINAL_BANDWIDTH, TierSpec, TimeModel, nominal_bandwidth
 
 __all__ = [
     "Admit", "BeladyPolicy", "ClairvoyantPolicy", "Demote", "Engine", "Evict", "HistoryPolicy",
-    "LRUPolicy", "Move", "NOMINAL_BANDWIDTH", "POLICIES", "PinPolicy", "Plan", "Policy", "Prefetch", "Promote",
+    "LRUPolicy", "Move", "NOMINAL_BANDWIDTH", "ONLINE_POLICIES", "POLICIES", "PinPolicy", "Plan", "Policy", "Prefetch", "Promote",
     "Replicate", "SimResult", "TierSpec", "TimeModel", "assign_blocks", "default_policy_name",
     "make_policy", "nominal_bandwidth", "next_uses", "rebalance_plans", "simulate", "stable_digest",
 ]

@@ -20,6 +20,10 @@ POLICIES: Dict[str, Callable[[], Policy]] = {
 }
 
 
+# What a running cache can use (Belady needs the whole future: it is for scoring only).
+ONLINE_POLICIES = tuple(name for name, cls in POLICIES.items() if not cls.needs_future)
+
+
 def default_policy_name(announced: bool) -> str:
     """The policy the engine uses when none is named."""
     return "clairvoyant" if announced else "history"

@@ -23,6 +23,9 @@ DEFERRED = {
     # `import cachemw` (which every fsspec read through cachemw does) must not load the
     # cluster layer: cachemw.start()/stop() load it when called.
     ("cachemw", "cachemw.cluster.actor"),
+    # a reader process must not pay for importing the placement engine (~50 ms) to check
+    # a daemon setting it rarely gives: config loads the engine's policy list when it does
+    ("cachemw.config", "cachemw.placement.registry"),
 }
 
 

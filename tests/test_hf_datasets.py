@@ -22,7 +22,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from datasets import config as hf_config  # noqa: E402
 
 from cachemw.client.fs import CacheFileSystem  # noqa: E402
-from cachemw.node.service import stop_local  # noqa: E402
+from cachemw.launch import stop_local  # noqa: E402
 from conftest import daemon_stats, wait_for  # noqa: E402
 
 ROWS = 50  # rows per file

@@ -11,7 +11,7 @@ import fsspec
 import pytest
 
 from cachemw.client.fs import CacheFileSystem
-from cachemw.node.service import stop_local
+from cachemw.launch import stop_local
 from conftest import daemon_stats
 
 

@@ -32,6 +32,7 @@ from ..processes import process_state
 from ..protocol import (CLIENT_COUNTERS, DaemonAddress, UnsafeDirectory, check_private_dir,
                         lock_holder, lookup)
 from ..tiers.directory import DirectoryTier
+from .openfile import HitTally
 from ..launch import (FAILURE_MEMORY, START_WAIT, DaemonStartError, await_address,
                      spawn_detached)
 
@@ -81,19 +82,6 @@ os.register_at_fork(after_in_child=_reset_all_in_child)
 
 def is_main_process() -> bool:
     return multiprocessing.parent_process() is None
-
-
-class HitTally:
-    """Hits an open file counts itself (its reads of mapped blocks), with no lock per read:
-    a lock per 4 KiB read costs more than the read. Only the file adds to ``reads`` and
-    ``nbytes``; only the client moves ``folded_*`` up to them when it folds them into its
-    counters (stats, flush, the file's close), so a read racing with a fold is counted at
-    the next one, never lost."""
-
-    __slots__ = ("reads", "nbytes", "folded_reads", "folded_bytes", "__weakref__")
-
-    def __init__(self) -> None:
-        self.reads = self.nbytes = self.folded_reads = self.folded_bytes = 0
 
 
 class DaemonUnavailable(ConnectionError):

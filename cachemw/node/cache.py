@@ -21,52 +21,18 @@ import os
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 
-from ..config import DaemonConfig, TierConfig
+from ..config import DaemonConfig
 from .. import blockfile
 from ..keys import url_tag
 from .mover import MoveRunner
 from ..placement import Demote, Prefetch
 from .placer import Placer
+from .records import Entry, Inflight, TierState
 from ..protocol import CLIENT_COUNTERS
 from ..tiers.directory import DirectoryTier
 
 log = logging.getLogger(__name__)
-
-
-
-@dataclass
-class _Entry:
-    tier: str
-    stored: int
-    tag: bytes | None  # digest of the source URL (keys.url_tag)
-
-
-@dataclass
-class _Inflight:
-    conn: object
-    tier: str
-    nbytes: int
-    tag: bytes | None
-    lease: int = 0  # its number: names its staged file (tiers/directory.py)
-    done: threading.Event = field(default_factory=threading.Event)
-    cancelled: bool = False  # evicted or invalidated while in flight: do not index it
-
-
-@dataclass
-class _TierState:
-    config: TierConfig
-    tier: DirectoryTier
-    used: int = 0
-    reserved: int = 0
-    blocks: int = 0
-    hits: int = 0
-    hit_bytes: int = 0
-    evictions: int = 0
-    demotions: int = 0
-    full_until: float = 0.0  # set when a fill hit ENOSPC: no admission until then
-    broken: str | None = None  # its directory is gone and cannot be made again: why
 
 
 class NodeCache(MoveRunner):
@@ -75,13 +41,13 @@ class NodeCache(MoveRunner):
         self.placer = Placer(config.tiers, config.placement)
         self.lease_wait = lease_wait
         self._lock = threading.Lock()
-        self._tiers: dict[str, _TierState] = {}
+        self._tiers: dict[str, TierState] = {}
         for tc in config.tiers:
-            self._tiers[tc.name] = _TierState(tc, DirectoryTier(tc.name, tc.path, create=True))
+            self._tiers[tc.name] = TierState(tc, DirectoryTier(tc.name, tc.path, create=True))
         self._order = [tc.name for tc in config.tiers]
-        self._index: dict[str, _Entry] = {}
+        self._index: dict[str, Entry] = {}
         self._by_tag: dict[bytes, set[str]] = defaultdict(set)
-        self._inflight: dict[str, _Inflight] = {}
+        self._inflight: dict[str, Inflight] = {}
         self._lease_numbers = itertools.count(1)
         self.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
         self.counters.update(leases=0, waits=0, busy=0, adopted=0, reindexed=0, served_remote=0,
@@ -169,7 +135,7 @@ class NodeCache(MoveRunner):
                         refused = ("nofill", "unusable")
                     if refused is not None:
                         break
-                    inflight = self._inflight[key] = _Inflight(
+                    inflight = self._inflight[key] = Inflight(
                         conn, tier, nbytes, url_tag(url) if url else None,
                         next(self._lease_numbers))
                     self._tiers[tier].reserved += nbytes
@@ -195,7 +161,7 @@ class NodeCache(MoveRunner):
         self.abort(key, "full", conn)
         return ("nofill", "full")
 
-    def _wait_for_fill(self, key: str, inflight: _Inflight, deadline: float):
+    def _wait_for_fill(self, key: str, inflight: Inflight, deadline: float):
         """Wait for another client's fill: until its lease ends, or until its block is
         staged, then published here. The file can be staged well before the 'filled'
         note comes: a client writes fills behind its reads (fills.py), and the note then
@@ -231,7 +197,7 @@ class NodeCache(MoveRunner):
             return False
         return self.land(key, inflight, stored)
 
-    def land(self, key: str, inflight: _Inflight, stored: int) -> bool:
+    def land(self, key: str, inflight: Inflight, stored: int) -> bool:
         """End a fill lease whose block is staged: publish and index it, or, if the lease
         was cancelled meanwhile (evicted, or the file written through the cache), drop the
         staged bytes: they may be stale, and hits read blocks by key without asking us.
@@ -260,7 +226,7 @@ class NodeCache(MoveRunner):
                 return
         self.end_unfilled(key, inflight, reason)
 
-    def end_unfilled(self, key: str, inflight: _Inflight, reason: str) -> None:
+    def end_unfilled(self, key: str, inflight: Inflight, reason: str) -> None:
         """End a fill lease that brought no block (an error, a disconnect, a failed
         prefetch): room and placement are given back; whatever was staged is deleted."""
         with self._lock:
@@ -291,7 +257,7 @@ class NodeCache(MoveRunner):
             else:  # nothing (sound) staged, or cancelled: ends it, deletes what is staged
                 self.end_unfilled(key, inflight, "disconnected")
 
-    def _verified_size(self, inflight: _Inflight, key: str) -> int | None:
+    def _verified_size(self, inflight: Inflight, key: str) -> int | None:
         """The size of the fill staged for ``inflight`` if it is whole and verifies."""
         nbytes = inflight.nbytes
         path = self._tiers[inflight.tier].tier.staged_path(key, inflight.lease)
@@ -374,7 +340,7 @@ class NodeCache(MoveRunner):
                     self.placer.drop(move.key)
                     continue
                 url = known[1]
-                fill = _Inflight(self, move.tier, move.size, url_tag(url) if url else None,
+                fill = Inflight(self, move.tier, move.size, url_tag(url) if url else None,
                                  next(self._lease_numbers))
                 self._inflight[move.key] = fill
                 self._tiers[move.tier].reserved += move.size
@@ -392,7 +358,7 @@ class NodeCache(MoveRunner):
             if tier is None:
                 return False
             # in flight like any fill: a write through the cache meanwhile cancels it
-            inflight = self._inflight[key] = _Inflight(self, tier, nbytes, tag,
+            inflight = self._inflight[key] = Inflight(self, tier, nbytes, tag,
                                                        next(self._lease_numbers))
             self._tiers[tier].reserved += nbytes
         try:
@@ -416,13 +382,13 @@ class NodeCache(MoveRunner):
         if old is not None:
             self._remove_locked(key)
         ts = self._tiers[tier]
-        self._index[key] = _Entry(tier, stored, tag)
+        self._index[key] = Entry(tier, stored, tag)
         ts.used += stored
         ts.blocks += 1
         if tag is not None:
             self._by_tag[tag].add(key)
 
-    def _remove_locked(self, key: str) -> _Entry | None:
+    def _remove_locked(self, key: str) -> Entry | None:
         entry = self._index.pop(key, None)
         if entry is None:
             return None
