@@ -33,7 +33,7 @@ def main() -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from cachemw import daemon
+    from cachemw.cluster import actor as daemon
     from cachemw.ring import HashRing
     from cache_node import make_files  # this folder is on sys.path when run as a script
     from transport_ceiling import PER_REQUEST, SendfileOwners
