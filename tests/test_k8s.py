@@ -435,3 +435,49 @@ def test_a_memory_limit_without_room_for_the_trainer_fails(broken):
          "limits: {cpu: \"16\", memory: 52Gi}")
     problems = all_problems(root / "overlays/nvme")
     assert any("workerGroupSpecs/0: memory limit 52Gi" in p for p in problems), problems
+
+
+# ---- the example job's script, for real: S3 (moto) through the cache, checkpoints to S3 ------
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.timeout(180)
+def test_example_job_trains_through_the_cache_and_resumes(s3_server, runtime_dir, reap_daemons):
+    import numpy as np
+
+    from cachemw.launch import stop_local
+
+    reap_daemons(runtime_dir)
+    s3, bucket = s3_server["boto3"](), s3_server["bucket"]
+    rng = np.random.default_rng(0)
+    for i in range(48):
+        row = rng.standard_normal(17).astype(np.float32)
+        s3.put_object(Bucket=bucket, Key=f"k8s-train/{i:04d}.bin", Body=row.tobytes())
+    env = dict(os.environ, CACHEMW_RUNTIME_DIR=runtime_dir,
+               AWS_ENDPOINT_URL=s3_server["endpoint"], AWS_ACCESS_KEY_ID="testing",
+               AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    script = K8S / "examples" / "train.py"
+
+    def run(epochs: int) -> str:
+        proc = subprocess.run(
+            [os.sys.executable, str(script), "--data", f"cachemw::s3://{bucket}/k8s-train/",
+             "--checkpoints", f"s3://{bucket}/k8s-ckpt", "--workers", "0",
+             "--loader-workers", "0", "--epochs", str(epochs)],
+            env=env, capture_output=True, text=True, timeout=150)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    try:
+        first = run(2)
+        assert "epoch 0:" in first and "epoch 1:" in first, first
+        stats = subprocess.run([os.sys.executable, "-m", "cachemw.cli", "stats", "--json"],
+                               env=env, capture_output=True, text=True, timeout=60)
+        assert stats.returncode == 0, stats.stderr
+        assert json.loads(stats.stdout)["tiers"]["dram"]["used_bytes"] > 0  # read through it
+        again = run(3)  # resumes from the newest committed step (1): trains epoch 2 only
+        assert "epoch 2:" in again and "epoch 0:" not in again, again
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="k8s-ckpt/")
+                .get("Contents", [])]
+        assert keys, "no checkpoint written to S3"
+    finally:
+        stop_local(runtime_dir)
