@@ -442,12 +442,13 @@ def test_a_memory_limit_without_room_for_the_trainer_fails(broken):
 @pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.timeout(180)
-def test_example_job_trains_through_the_cache_and_resumes(s3_server, runtime_dir, reap_daemons):
+def test_example_job_trains_through_the_cache_and_resumes(s3_server, runtime_dir, spawn_daemon):
     import numpy as np
 
     from cachemw.launch import stop_local
 
-    reap_daemons(runtime_dir)
+    # the node's daemon outlives the job, as the Ray actor does in a pod
+    spawn_daemon(runtime_dir, dram_capacity="256MiB")
     s3, bucket = s3_server["boto3"](), s3_server["bucket"]
     rng = np.random.default_rng(0)
     for i in range(48):
