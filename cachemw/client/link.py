@@ -333,6 +333,15 @@ class DaemonClient:
 
     def _call(self, *msg):
         """Send a request and return the reply; None if the daemon is unreachable."""
+        return self._exchange(msg, answered=True)
+
+    def _send(self, *msg) -> bool:
+        """Send a one-way note (cachemw.ops); False if the daemon is unreachable."""
+        return self._exchange(msg, answered=False) is not None
+
+    def _exchange(self, msg: tuple, answered: bool):
+        """Send ``msg`` on this thread's connection, once more on a new one if the daemon
+        was replaced meanwhile; the reply (True for a one-way note), or None."""
         for attempt in (1, 2):
             conn = self._connect()
             if conn is None:
@@ -340,7 +349,7 @@ class DaemonClient:
             try:
                 with self._local.send_lock:
                     conn.send(msg)
-                return self._recv(conn)
+                return self._recv(conn) if answered else True
             except (OSError, EOFError, DaemonUnavailable) as exc:
                 if attempt == 1 and self._lost(exc):
                     continue
@@ -349,23 +358,6 @@ class DaemonClient:
                                       timed_out=isinstance(exc, DaemonUnavailable))
                 return None
         return None
-
-    def _send(self, *msg) -> bool:
-        for attempt in (1, 2):
-            conn = self._connect()
-            if conn is None:
-                return False
-            try:
-                with self._local.send_lock:
-                    conn.send(msg)
-                return True
-            except (OSError, EOFError) as exc:
-                if attempt == 1 and self._lost(exc):
-                    continue
-                if attempt == 2:
-                    self._unreachable(str(exc) or type(exc).__name__)
-                return False
-        return False
 
     def link(self) -> tuple | None:
         """This thread's connection, for another thread to end a lease taken on it
