@@ -54,22 +54,41 @@ cachemw_node_addr() {
 
 # One task per node (a background step): Ray's head on the first node, a worker on each
 # other; blocks until the step is ended, and Ray's processes are the step's (Slurm ends
-# them with it). Each node has its own temp dir: /tmp may be shared by nodes.
+# them with it). When the step ends (the job's end, or scancel: then Slurm refuses new
+# steps) the task removes its node's runtime dir and Ray temp dir itself. Each node has
+# its own temp dir: /tmp may be shared by nodes.
 cachemw_node_ray() {
-    local me tmp ports
+    local me tmp ports role ray_pid
     me=$(cachemw_node_addr "$SLURMD_NODENAME")
     tmp="$CACHEMW_RAY_TMP-$SLURMD_NODENAME"
     ports=$(cachemw_ray_ports)
     mkdir -p "$tmp" && chmod 0700 "$tmp"
+    role=(--address="$RAY_ADDRESS")
     if [[ $SLURMD_NODENAME == "$CACHEMW_HEAD" ]]; then
-        # shellcheck disable=SC2086  # $ports is a list of options
-        exec ray start --head --block --node-ip-address="$me" \
-            --port="$CACHEMW_RAY_PORT_BASE" $ports --include-dashboard=false \
-            --disable-usage-stats --temp-dir="$tmp/r"
+        role=(--head --port="$CACHEMW_RAY_PORT_BASE" --include-dashboard=false)
     fi
-    # shellcheck disable=SC2086
-    exec ray start --block --node-ip-address="$me" --address="$RAY_ADDRESS" $ports \
-        --disable-usage-stats --temp-dir="$tmp/r"
+    # shellcheck disable=SC2086  # $ports is a list of options
+    ray start --block --node-ip-address="$me" "${role[@]}" $ports --disable-usage-stats \
+        --temp-dir="$tmp/r" &
+    ray_pid=$!
+    # shellcheck disable=SC2064  # expanded now
+    trap "cachemw_node_clean $ray_pid '$tmp'; exit 0" TERM INT
+    wait "$ray_pid"
+    cachemw_node_clean "$ray_pid" "$tmp"
+}
+
+# End this node's Ray (its processes die with `ray start`: Ray sets their parent-death
+# signal) within a few seconds, well inside Slurm's KillWait, then remove the job's dirs.
+cachemw_node_clean() {
+    local pid=$1 tmp=$2 _
+    kill -TERM "$pid" 2>/dev/null
+    for _ in 1 2 3 4 5 6 7 8 9 10; do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.5
+    done
+    kill -KILL "$pid" 2>/dev/null
+    sleep 0.5
+    rm -rf "$CACHEMW_RUNTIME_DIR" "$tmp"
 }
 
 # Wait until ``n`` Ray nodes are up (fail after ``timeout`` seconds, or at once when the
@@ -100,7 +119,7 @@ cachemw_cleanup() {
     local rc=$?
     trap - EXIT TERM INT
     echo "cachemw-job: cleaning up (exit status $rc)" >&2
-    timeout 60 cachemw stop --address "$RAY_ADDRESS" >/dev/null 2>&1 || true
+    timeout 15 cachemw stop --address "$RAY_ADDRESS" >/dev/null 2>&1 || true
     if [[ -n ${CACHEMW_RAY_STEP:-} ]]; then
         kill -TERM "$CACHEMW_RAY_STEP" 2>/dev/null || true
         wait "$CACHEMW_RAY_STEP" 2>/dev/null || true
@@ -109,6 +128,9 @@ cachemw_cleanup() {
     timeout 60 srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" \
         --ntasks-per-node=1 bash -c \
         'rm -rf "$CACHEMW_RUNTIME_DIR" "$CACHEMW_RAY_TMP-$SLURMD_NODENAME"' || true
+    # this node's again, after this script's own Ray clients (`cachemw stop`) are gone: after
+    # a scancel Slurm refuses the step above
+    rm -rf "$CACHEMW_RUNTIME_DIR" "$CACHEMW_RAY_TMP-$SLURMD_NODENAME"
     exit "$rc"
 }
 
@@ -126,7 +148,7 @@ cachemw_job_main() {
     RAY_AUTH_MODE=token
     RAY_AUTH_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(32))')
     export CACHEMW_HEAD RAY_ADDRESS RAY_AUTH_MODE RAY_AUTH_TOKEN
-    export -f cachemw_node_addr cachemw_ray_ports cachemw_node_ray
+    export -f cachemw_node_addr cachemw_ray_ports cachemw_node_ray cachemw_node_clean
     trap cachemw_cleanup EXIT
     trap 'exit 143' TERM
     trap 'exit 130' INT

@@ -64,6 +64,9 @@ class SlurmCluster:
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
+        for d in os.listdir("/tmp"):  # an earlier run's, killed before its tear-down
+            if d.startswith("cachemw-ray-") and any(d.endswith(f"-{n}") for n in self.names):
+                shutil.rmtree(os.path.join("/tmp", d), ignore_errors=True)
         _run("ip", "link", "add", BRIDGE, "type", "bridge")
         _run("ip", "addr", "add", f"{HOST_ADDR}/24", "dev", BRIDGE)
         _run("ip", "link", "set", BRIDGE, "up")
@@ -309,3 +312,45 @@ def test_job_script_on_three_nodes(slurm, tmp_path):
     while slurm.leftovers() and time.monotonic() < deadline:
         time.sleep(1)
     assert slurm.leftovers() == {}
+
+
+def _squeue_empty(slurm) -> bool:
+    return _run("squeue", "-h", env=slurm.env, check=False).stdout.strip() == ""
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.5)
+    return predicate()
+
+
+@pytest.mark.timeout(600)
+def test_scancel_mid_job_cleans_every_node(slurm, tmp_path):
+    os.chmod(tmp_path, 0o755)
+    marker = tmp_path / "running"
+    # the job reads through the daemon, says so, then keeps on reading until cancelled
+    reader = tmp_path / "reader.py"
+    reader.write_text(textwrap.dedent(f"""\
+        import os, fsspec
+        open({str(tmp_path / 'sample')!r}, "wb").write(os.urandom(100_000))
+        fs = fsspec.filesystem("cachemw", validate="immutable", autostart=False)
+        fs.cat_file({str(tmp_path / 'sample')!r})
+        open({str(marker)!r}, "w").close()
+        while True:
+            fs.cat_file({str(tmp_path / 'sample')!r})
+        """))
+    submitted = _run("sbatch", "--parsable", f"-N{NODES}", f"--output={tmp_path}/job.out",
+                     JOB_SCRIPT, sys.executable, str(reader), env=slurm.env, cwd=slurm.root)
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        assert _wait_for(marker.exists, 240), (tmp_path / "job.out").read_text()[-4000:]
+        during = slurm.leftovers()  # what the job has on its nodes while it runs
+        assert all(f"cachemw-0-job{job}" in " ".join(during.get(n, ())) for n in slurm.names)
+        assert all(during.get(f"{n} processes") for n in slurm.names)
+    finally:
+        _run("scancel", job, env=slurm.env, check=False)
+    assert _wait_for(lambda: _squeue_empty(slurm) and not slurm.leftovers(), 30), \
+        (slurm.leftovers(), (tmp_path / "job.out").read_text()[-4000:])
