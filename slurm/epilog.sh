@@ -5,6 +5,7 @@
 # that used the job script (slurm/cachemw-job.sh) or was cancelled. An NVMe tier is kept
 # (the next job of the user on this node starts warm); the site purges it by age.
 set -uo pipefail
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin  # slurmd gives none
 site=${CACHEMW_SITE_ENV:-/etc/cachemw/site.env}
 if [[ -r $site ]]; then
     # shellcheck disable=SC1090

@@ -97,7 +97,8 @@ class SlurmCluster:
             self.slurmd[name] = p
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            out = _run("sinfo", "-h", "-N", "-o", "%N %T", env=self.env, check=False).stdout
+            out = _run("sinfo", "-h", "-N", "-p", "test", "-o", "%N %T", env=self.env,
+                       check=False).stdout
             if out.count("idle") == NODES:
                 return
             time.sleep(1)
@@ -152,6 +153,20 @@ class SlurmCluster:
             KillWait=20
             """) + nodes + "\nPartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE " \
                            "State=UP OverSubscribe=YES\n"
+        # site mode on the partition "site" only: its Prolog starts each job's daemon, its
+        # Epilog removes it (the job script's own clean-up is tested without an Epilog)
+        site = os.path.join(r, "site.env")
+        with open(site, "w") as f:
+            f.write(f"CACHEMW_BIN={os.path.join(os.path.dirname(sys.executable), 'cachemw')}\n"
+                    "CACHEMW_DRAM_CAPACITY=256MiB\nCACHEMW_PARTITIONS=site\n")
+        for hook in ("prolog", "epilog"):
+            path = os.path.join(r, hook)
+            with open(path, "w") as f:
+                f.write(f'#!/bin/bash\n[[ $SLURM_JOB_PARTITION == site ]] || exit 0\n'
+                        f'CACHEMW_SITE_ENV={site} exec {REPO}/slurm/{hook}.sh\n')
+            os.chmod(path, 0o755)
+        conf += (f"Prolog={r}/prolog\nEpilog={r}/epilog\nPartitionName=site Nodes=ALL "
+                 f"MaxTime=INFINITE State=UP OverSubscribe=YES\n")
         with open(os.path.join(r, "slurm.conf"), "w") as f:
             f.write(conf)
 
@@ -189,7 +204,8 @@ class SlurmCluster:
 
     # -- tear-down -------------------------------------------------------------------------
     def stop(self) -> None:
-        _run("scancel", "--full", "--partition=test", env=self.env, check=False)
+        for partition in ("test", "site"):
+            _run("scancel", "--full", f"--partition={partition}", env=self.env, check=False)
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -354,3 +370,41 @@ def test_scancel_mid_job_cleans_every_node(slurm, tmp_path):
         _run("scancel", job, env=slurm.env, check=False)
     assert _wait_for(lambda: _squeue_empty(slurm) and not slurm.leftovers(), 30), \
         (slurm.leftovers(), (tmp_path / "job.out").read_text()[-4000:])
+
+
+@pytest.mark.timeout(600)
+def test_site_mode_prolog_starts_and_epilog_removes_the_daemon(slurm, tmp_path):
+    os.chmod(tmp_path, 0o755)
+    data = tmp_path / "data"
+    data.mkdir()
+    files = {str(data / f"s{i:02d}"): os.urandom(20_000 + i) for i in range(16)}
+    for path, content in files.items():
+        with open(path, "wb") as f:
+            f.write(content)
+    # a plain job (no job script): each node's task reads through the daemon the Prolog
+    # started, found at the job's default runtime dir
+    task = tmp_path / "task.py"
+    task.write_text(textwrap.dedent(f"""\
+        import json, os, socket, fsspec
+        from cachemw.node_daemon import node_daemon
+        daemon = node_daemon()
+        fs = fsspec.filesystem("cachemw", validate="immutable", autostart=False)
+        paths = sorted(os.path.join({str(data)!r}, p) for p in os.listdir({str(data)!r}))
+        ok = [fs.cat_file(p) == open(p, "rb").read() for p in paths * 2]
+        print(json.dumps({{"node": socket.gethostname(), "ok": all(ok),
+                          "runtime_dir": daemon and daemon.runtime_dir,
+                          "kind": daemon and daemon.kind, "stats": fs.stats()}}))
+        """))
+    batch = tmp_path / "job.sh"
+    batch.write_text(f"#!/bin/bash\nsrun --ntasks-per-node=1 {sys.executable} {task}\n")
+    done = slurm.sbatch("-p", "site", f"-N{NODES}", f"--output={tmp_path}/job.out", str(batch))
+    log = (tmp_path / "job.out").read_text()
+    assert done.returncode == 0, log[-4000:] + slurm.logs()[-3000:]
+    job = done.stdout.split()[-1]
+    nodes = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert sorted(n["node"] for n in nodes) == slurm.names
+    for n in nodes:
+        assert n["ok"] and n["runtime_dir"] == f"/dev/shm/cachemw-0-job{job}", n
+        assert n["stats"]["fallbacks"] == 0 and n["stats"]["hits"] >= len(files), n
+    # the Epilog stopped each node's daemon and its Ray and removed the DRAM tier
+    assert _wait_for(lambda: not slurm.leftovers(), 60), slurm.leftovers()
