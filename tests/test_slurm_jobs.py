@@ -249,6 +249,7 @@ TRAIN = textwrap.dedent('''\
     from cachemw.cluster import actor
 
     data, ckpt, out = sys.argv[1:4]
+    began = time.time()
 
     class Files(Dataset):
         def __init__(self, paths):
@@ -286,6 +287,7 @@ TRAIN = textwrap.dedent('''\
     result["runtime_dir"] = os.environ["CACHEMW_RUNTIME_DIR"]
     result["daemons"] = len(actor.status(os.environ["RAY_ADDRESS"]))
     result["weight"] = model.weight.sum().item()
+    result["interval"] = [began, time.time()]
     with open(out, "w") as f:
         json.dump(result, f)
 ''')
@@ -408,3 +410,41 @@ def test_site_mode_prolog_starts_and_epilog_removes_the_daemon(slurm, tmp_path):
         assert n["stats"]["fallbacks"] == 0 and n["stats"]["hits"] >= len(files), n
     # the Epilog stopped each node's daemon and its Ray and removed the DRAM tier
     assert _wait_for(lambda: not slurm.leftovers(), 60), slurm.leftovers()
+
+
+def _dataset(root, n: int) -> None:
+    root.mkdir()
+    for i in range(n):
+        (root / f"s{i:03d}").write_bytes(os.urandom(32 * 1024 + i))
+
+
+@pytest.mark.timeout(900)
+def test_two_jobs_of_one_user_side_by_side_on_the_same_nodes(slurm, tmp_path):
+    os.chmod(tmp_path, 0o755)
+    train = tmp_path / "train.py"
+    train.write_text(TRAIN)
+    jobs = {}
+    for name in ("a", "b"):
+        _dataset(tmp_path / f"data-{name}", 24)
+        jobs[name] = subprocess.Popen(
+            ["sbatch", "--wait", f"-N{NODES}", f"--output={tmp_path}/job-{name}.out",
+             JOB_SCRIPT, sys.executable, str(train), str(tmp_path / f"data-{name}"),
+             str(tmp_path / f"ckpt-{name}"), str(tmp_path / f"result-{name}.json")],
+            env=slurm.env, cwd=slurm.root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+    results = {}
+    for name, proc in jobs.items():
+        out, err = proc.communicate(timeout=600)
+        log = (tmp_path / f"job-{name}.out").read_text()
+        assert proc.returncode == 0, f"{err}\n{log[-5000:]}"
+        results[name] = json.loads((tmp_path / f"result-{name}.json").read_text())
+    a, b = results["a"], results["b"]
+    assert a["interval"][0] < b["interval"][1] and b["interval"][0] < a["interval"][1]  # overlapped
+    assert a["runtime_dir"] != b["runtime_dir"]
+    for r in (a, b):  # each job: its own daemons on all nodes, its own complete cache
+        assert r["daemons"] == NODES
+        first, second = r["epochs"]
+        assert sum(first["blocks"].values()) == 24 and all(first["blocks"].values())
+        assert second["source_bytes"] == first["source_bytes"]
+        assert second["client"]["fallbacks"] == 0
+    assert _wait_for(lambda: not slurm.leftovers(), 30), slurm.leftovers()
