@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -64,6 +65,7 @@ class SlurmCluster:
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
+        self._remove_network()  # an earlier run's, killed before its tear-down
         for d in os.listdir("/tmp"):  # an earlier run's, killed before its tear-down
             if d.startswith("cachemw-ray-") and any(d.endswith(f"-{n}") for n in self.names):
                 shutil.rmtree(os.path.join("/tmp", d), ignore_errors=True)
@@ -220,16 +222,27 @@ class SlurmCluster:
                 os.kill(self.munged_pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        self._remove_network()
+
+    def _remove_network(self) -> None:
+        """The nodes' namespaces (and any process still in one: only ours are), the bridge."""
         for i, name in enumerate(self.names, start=1):
-            _run("ip", "netns", "del", f"cmw-{name}", check=False)
+            ns = f"cmw-{name}"
+            for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _run("ip", "netns", "del", ns, check=False)
             _run("ip", "link", "del", f"cmwv{i}", check=False)
         _run("ip", "link", "del", BRIDGE, check=False)
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def slurm():
     _need()
-    root = str(tmp_path_factory.mktemp("slurm"))
+    # not under pytest's 0700 base: other users' jobs reach the munge socket and their files
+    root = tempfile.mkdtemp(prefix="cachemw-slurm-", dir="/tmp")
     os.chmod(root, 0o755)
     cluster = SlurmCluster(root)
     try:
@@ -237,6 +250,7 @@ def slurm(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 TRAIN = textwrap.dedent('''\
@@ -311,7 +325,8 @@ def test_job_script_on_three_nodes(slurm, tmp_path):
     assert result["daemons"] == NODES
     first, second = result["epochs"]
     assert len(first["blocks"]) == NODES and all(b > 0 for b in first["blocks"].values())
-    assert second["source_bytes"] == first["source_bytes"], result  # epoch 2: nothing from the source
+    # epoch 2: nothing from the source
+    assert second["source_bytes"] == first["source_bytes"], result
     assert second["client"]["remote_hits"] > first["client"]["remote_hits"]
     assert second["client"]["fallbacks"] == 0
     # the checkpoint is committed and loads in a fresh process (1 rank)
@@ -448,3 +463,72 @@ def test_two_jobs_of_one_user_side_by_side_on_the_same_nodes(slurm, tmp_path):
         assert second["source_bytes"] == first["source_bytes"]
         assert second["client"]["fallbacks"] == 0
     assert _wait_for(lambda: not slurm.leftovers(), 30), slurm.leftovers()
+
+
+OTHER_USER = "cmwtest2"
+
+
+@pytest.fixture
+def other_user():
+    """A second OS user, made for the test and removed after it."""
+    made = _run("id", OTHER_USER, check=False).returncode != 0
+    if made:
+        _run("useradd", "--create-home", "--shell", "/bin/bash", OTHER_USER)
+    try:
+        yield OTHER_USER
+    finally:
+        if made:
+            _run("pkill", "-KILL", "-u", OTHER_USER, check=False)  # only the test's own user
+            _run("userdel", "--remove", OTHER_USER, check=False)
+
+
+@pytest.mark.timeout(600)
+def test_another_users_job_cannot_read_the_tiers_nor_reach_the_daemon(slurm, other_user):
+    work = os.path.join(slurm.root, "owner")
+    os.makedirs(work, mode=0o755)
+    sample = os.path.join(work, "sample")  # world-readable at the source; the cache is not
+    with open(sample, "wb") as f:
+        f.write(os.urandom(50_000))
+    os.chmod(sample, 0o644)
+    marker = os.path.join(work, "running")
+    reader = os.path.join(work, "reader.py")
+    with open(reader, "w") as f:
+        f.write(textwrap.dedent(f"""\
+            import os, time, fsspec
+            fs = fsspec.filesystem("cachemw", validate="immutable", autostart=False)
+            assert fs.cat_file({sample!r}) == open({sample!r}, "rb").read()
+            fs.client.flush()
+            time.sleep(1)
+            open({marker!r}, "w").write(os.environ["CACHEMW_RUNTIME_DIR"])
+            time.sleep(600)
+            """))
+    job = _run("sbatch", "--parsable", "-N1", f"--output={work}/job.out", JOB_SCRIPT,
+               sys.executable, reader, env=slurm.env, cwd=work).stdout.strip().split(";")[0]
+    try:
+        assert _wait_for(lambda: os.path.exists(marker) or _squeue_empty(slurm), 240)
+        assert os.path.exists(marker), open(f"{work}/job.out").read()[-4000:]
+        with open(marker) as f:
+            runtime = f.read()
+        node = _run("squeue", "-h", "-j", job, "-o", "%N", env=slurm.env).stdout.strip()
+        blocks = slurm.on_node(node, "find", f"{runtime}/dram", "-type", "f").split()
+        assert blocks, slurm.on_node(node, "find", runtime)
+        # the other user's job on the same node, by path: the runtime dir, the DRAM tier,
+        # a block file of it, the daemon's socket
+        theirs = os.path.join(slurm.root, "other")
+        os.makedirs(theirs, mode=0o700)
+        shutil.chown(theirs, other_user)
+        probe = " ; ".join(f"ls -d {p}/. 2>&1 || true" if p != blocks[0] else
+                           f"cat {p} 2>&1 >/dev/null || true"
+                           for p in (runtime, f"{runtime}/dram", blocks[0]))
+        probe += f" ; [ -S {runtime}/daemon.sock ] && echo SOCKET-REACHABLE ; echo DONE"
+        done = _run("runuser", "-u", other_user, "--", "env",
+                    f"SLURM_CONF={slurm.env['SLURM_CONF']}", "sbatch", "--wait", "-N1",
+                    "-w", node, f"--output={theirs}/job.out",
+                    "--wrap", probe, cwd=theirs, check=False, timeout=300)
+        log = open(f"{theirs}/job.out").read()
+        assert done.returncode == 0 and "DONE" in log, done.stderr + log
+        assert log.count("Permission denied") == 3 and "SOCKET-REACHABLE" not in log, log
+    finally:
+        _run("scancel", job, env=slurm.env, check=False)
+    assert _wait_for(lambda: _squeue_empty(slurm) and not slurm.leftovers(), 60), \
+        slurm.leftovers()
