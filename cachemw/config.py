@@ -93,20 +93,25 @@ def format_size(n: float) -> str:
     return str(n)
 
 
-def default_runtime_dir() -> str:
-    """Per-user directory for the daemon's socket and registry (mode 0700).
+def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:
+    """Per-user directory for the daemon's socket and registry (mode 0700); inside a Slurm
+    job (``SLURM_JOB_ID`` set) per job too, so two jobs of one user on a node each have their
+    own daemon and DRAM tier, and a job's end can free its tier without touching the other's.
 
     /dev/shm is node-local on every HPC system we target, unlike $HOME or /tmp on some.
     """
+    env = os.environ if env is None else env
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"cachemw-{os.getuid()}")
+    job = env.get("SLURM_JOB_ID", "")
+    suffix = f"-job{job}" if job.isdigit() and job.isascii() else ""
+    return os.path.join(base, f"cachemw-{os.getuid()}{suffix}")
 
 
 def resolve_runtime_dir(runtime_dir: str | None = None, env=None) -> str:
     """The runtime dir a command or component means: the one given, else
-    ``CACHEMW_RUNTIME_DIR`` (empty counts as unset), else the per-user default."""
+    ``CACHEMW_RUNTIME_DIR`` (empty counts as unset), else the per-user (per-job) default."""
     env = os.environ if env is None else env
-    return runtime_dir or env.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir()
+    return runtime_dir or env.get("CACHEMW_RUNTIME_DIR") or default_runtime_dir(env)
 
 
 @dataclass(frozen=True)
@@ -198,7 +203,7 @@ class DaemonConfig:
             return value, (f"{var} ({option})" if value is not None else option)
 
         runtime_dir, rt_name = pick(runtime_dir, "CACHEMW_RUNTIME_DIR", "runtime_dir")
-        runtime_dir = check_runtime_dir(default_runtime_dir() if runtime_dir is None
+        runtime_dir = check_runtime_dir(default_runtime_dir(env) if runtime_dir is None
                                         else runtime_dir, rt_name)
         dram_dir, _ = pick(dram_dir, "CACHEMW_DRAM_DIR", "dram_dir")
         dram_dir = dram_dir or os.path.join(runtime_dir, "dram")

@@ -293,6 +293,9 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
     state = connect(address, runtime_dir, start_if_needed=address is None)
     ray = _ray()
     try:
+        shared = _shared_dirs(ray.nodes(), runtime_dir, options)
+        if shared:
+            raise ValueError(shared)
         running = set(_daemon_handles())
         # one secret for the cluster's block servers; a re-run keeps the running daemons' one
         options.setdefault("cluster_secret", secrets.token_hex(32))
@@ -324,6 +327,30 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
             _forget_ray_state(runtime_dir)
         raise
     return out
+
+
+def _shared_dirs(nodes: list[dict], runtime_dir: str, options: dict) -> str | None:
+    """Why these daemons cannot start, when several alive Ray nodes share one host (a
+    ``ray.cluster_utils.Cluster``, several raylets per machine) and a directory they would
+    all use does not name the node: each daemon locks its runtime dir, so all but one would
+    die in their actor's creation task. Checked before any daemon is placed."""
+    by_host: dict[str, list[str]] = {}
+    for node in nodes:
+        if node.get("Alive"):
+            by_host.setdefault(node.get("NodeManagerAddress", "?"), []).append(node["NodeID"])
+    host, ids = max(by_host.items(), key=lambda kv: len(kv[1]), default=("", []))
+    if len(ids) < 2:
+        return None
+    dirs = {"runtime_dir": runtime_dir, "dram_dir": options.get("dram_dir"),
+            "nvme_dir": options.get("nvme_dir")}
+    clash = {k: v for k, v in dirs.items() if v and "{node_id" not in str(v)}
+    if not clash:
+        return None
+    fixes = ", ".join(f"{k}={os.path.join(str(v), '{node_id:.16}')!r}" for k, v in clash.items())
+    return (f"{len(ids)} Ray nodes share host {host}, and their daemons would share "
+            + ", ".join(f"{k} {v!r}" for k, v in clash.items())
+            + f"; give each node its own with {{node_id}} in the path, e.g. {fixes} "
+            f"(CLI: --runtime-dir/--dram-dir/--nvme-dir, or CACHEMW_RUNTIME_DIR)")
 
 
 def _differences(asked: dict, have: dict) -> list[str]:

@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+#SBATCH --job-name=cachemw
+#SBATCH --ntasks-per-node=1
+# cachemw on a Slurm allocation: Ray on every node, one cache daemon per node, your
+# training command, then everything stopped and removed (on exit, failure or scancel).
+#
+#   sbatch -N 4 [sbatch options] slurm/cachemw-job.sh python train.py --epochs 2
+#
+# The command runs on the first node with RAY_ADDRESS and CACHEMW_RUNTIME_DIR set; start
+# one task per node from it with `srun --overlap ...`. Tiers: CACHEMW_DRAM_CAPACITY,
+# CACHEMW_NVME_DIR, CACHEMW_NVME_CAPACITY (see slurm/README.md). `ray` and `cachemw` must
+# be on PATH on every node (activate the venv before sbatch: the environment is exported).
+#
+# Everything of the job is its own, derived from SLURM_JOB_ID, so jobs side by side on a
+# node never meet: the runtime dir (daemon socket, DRAM tier), Ray's temp dir and ports,
+# and a Ray auth token made here (in the environment of the job's steps only).
+
+# The job's names and ports, from its id (a function so it can be checked without Slurm).
+# Ray ports: a block of 100 per job below Linux's ephemeral range (32768+); 220 blocks, so
+# two jobs whose ids differ by a multiple of 220 on one node would clash: set
+# CACHEMW_RAY_PORT_BASE to pick another block.
+cachemw_job_layout() {
+    local job=$1 uid
+    uid=$(id -u)
+    if ! [[ $job =~ ^[0-9]+$ ]]; then
+        echo "cachemw-job: SLURM_JOB_ID must be a number, got '$job'" >&2
+        return 1
+    fi
+    CACHEMW_RAY_PORT_BASE=${CACHEMW_RAY_PORT_BASE:-$((10000 + (job % 220) * 100))}
+    CACHEMW_RUNTIME_DIR=${CACHEMW_RUNTIME_DIR:-/dev/shm/cachemw-$uid-job$job}
+    CACHEMW_RAY_TMP=${CACHEMW_RAY_TMP:-/tmp/cachemw-ray-$uid-job$job}
+    export CACHEMW_RAY_PORT_BASE CACHEMW_RUNTIME_DIR CACHEMW_RAY_TMP
+}
+
+# `ray start` options of this job's ports (GCS on the base port, workers on base+20..+99).
+cachemw_ray_ports() {
+    local b=$CACHEMW_RAY_PORT_BASE
+    echo "--node-manager-port=$((b + 1)) --object-manager-port=$((b + 2))" \
+         "--dashboard-agent-grpc-port=$((b + 4))" \
+         "--dashboard-agent-listen-port=$((b + 5)) --metrics-export-port=$((b + 6))" \
+         "--runtime-env-agent-port=$((b + 7)) --min-worker-port=$((b + 20))" \
+         "--max-worker-port=$((b + 99))"
+}
+
+# The address Slurm reaches a node at (NodeAddr), as an IP address for Ray.
+cachemw_node_addr() {
+    local addr
+    addr=$(scontrol show node "$1" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+    if ! [[ $addr =~ ^[0-9.]+$ ]]; then
+        addr=$(getent ahostsv4 "$addr" | awk 'NR == 1 {print $1}')
+    fi
+    echo "$addr"
+}
+
+# One task per node (a background step): Ray's head on the first node, a worker on each
+# other; blocks until the step is ended, and Ray's processes are the step's (Slurm ends
+# them with it). When the step ends (the job's end, or scancel: then Slurm refuses new
+# steps) the task removes its node's runtime dir and Ray temp dir itself. Each node has
+# its own temp dir: /tmp may be shared by nodes.
+cachemw_node_ray() {
+    local me tmp ports role ray_pid
+    me=$(cachemw_node_addr "$SLURMD_NODENAME")
+    tmp="$CACHEMW_RAY_TMP-$SLURMD_NODENAME"
+    ports=$(cachemw_ray_ports)
+    mkdir -p "$tmp" && chmod 0700 "$tmp"
+    role=(--address="$RAY_ADDRESS")
+    if [[ $SLURMD_NODENAME == "$CACHEMW_HEAD" ]]; then
+        role=(--head --port="$CACHEMW_RAY_PORT_BASE" --include-dashboard=false)
+    fi
+    # shellcheck disable=SC2086  # $ports is a list of options
+    ray start --block --node-ip-address="$me" "${role[@]}" $ports --disable-usage-stats \
+        --temp-dir="$tmp/r" &
+    ray_pid=$!
+    # shellcheck disable=SC2064  # expanded now
+    trap "cachemw_node_clean $ray_pid '$tmp'; exit 0" TERM INT
+    wait "$ray_pid"
+    cachemw_node_clean "$ray_pid" "$tmp"
+}
+
+# End this node's Ray (its processes die with `ray start`: Ray sets their parent-death
+# signal) within a few seconds, well inside Slurm's KillWait, then remove the job's dirs.
+cachemw_node_clean() {
+    local pid=$1 tmp=$2 _
+    kill -TERM "$pid" 2>/dev/null
+    for _ in 1 2 3 4 5 6 7 8 9 10; do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.5
+    done
+    kill -KILL "$pid" 2>/dev/null
+    sleep 0.5
+    rm -rf "$CACHEMW_RUNTIME_DIR" "$tmp"
+}
+
+# Wait until ``n`` Ray nodes are up (fail after ``timeout`` seconds, or at once when the
+# Ray step ``pid`` has ended).
+cachemw_wait_nodes() {
+    local n=$1 timeout=$2 pid=$3 start=$SECONDS up
+    while (( SECONDS - start < timeout )); do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            echo "cachemw-job: Ray did not start (its step ended; see the job's output)" >&2
+            return 1
+        fi
+        up=$(python - <<'EOF' 2>/dev/null
+import os, ray
+ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+print(sum(1 for n in ray.nodes() if n["Alive"]))
+EOF
+        ) || up=0
+        if (( ${up:-0} >= n )); then return 0; fi
+        sleep 2
+    done
+    echo "cachemw-job: only ${up:-0} of $n Ray nodes came up within ${timeout}s" >&2
+    return 1
+}
+
+# Stop the daemons, end the Ray steps, remove the job's runtime dir and Ray temp dirs on
+# every node. Runs once, on exit, failure or scancel (TERM).
+cachemw_cleanup() {
+    local rc=$?
+    trap - EXIT TERM INT
+    echo "cachemw-job: cleaning up (exit status $rc)" >&2
+    timeout 15 cachemw stop --address "$RAY_ADDRESS" >/dev/null 2>&1 || true
+    if [[ -n ${CACHEMW_RAY_STEP:-} ]]; then
+        kill -TERM "$CACHEMW_RAY_STEP" 2>/dev/null || true
+        wait "$CACHEMW_RAY_STEP" 2>/dev/null || true
+    fi
+    # shellcheck disable=SC2016  # expanded on each node
+    timeout 60 srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" \
+        --ntasks-per-node=1 bash -c \
+        'rm -rf "$CACHEMW_RUNTIME_DIR" "$CACHEMW_RAY_TMP-$SLURMD_NODENAME"' || true
+    # this node's again, after this script's own Ray clients (`cachemw stop`) are gone: after
+    # a scancel Slurm refuses the step above
+    rm -rf "$CACHEMW_RUNTIME_DIR" "$CACHEMW_RAY_TMP-$SLURMD_NODENAME"
+    exit "$rc"
+}
+
+cachemw_job_main() {
+    set -euo pipefail
+    if [[ $# -eq 0 ]]; then
+        echo "usage: sbatch [options] $0 COMMAND [ARGS...]" >&2
+        return 2
+    fi
+    : "${SLURM_JOB_ID:?run this under Slurm: sbatch $0 COMMAND}"
+    cachemw_job_layout "$SLURM_JOB_ID"
+    CACHEMW_HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    RAY_ADDRESS="$(cachemw_node_addr "$CACHEMW_HEAD"):$CACHEMW_RAY_PORT_BASE"
+    # token auth with a token of this job's own, passed to its steps in their environment
+    RAY_AUTH_MODE=token
+    RAY_AUTH_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(32))')
+    export CACHEMW_HEAD RAY_ADDRESS RAY_AUTH_MODE RAY_AUTH_TOKEN
+    export -f cachemw_node_addr cachemw_ray_ports cachemw_node_ray cachemw_node_clean
+    trap cachemw_cleanup EXIT
+    trap 'exit 143' TERM
+    trap 'exit 130' INT
+
+    srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" \
+        --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c cachemw_node_ray &
+    CACHEMW_RAY_STEP=$!
+    cachemw_wait_nodes "$SLURM_JOB_NUM_NODES" "${CACHEMW_RAY_TIMEOUT:-180}" "$CACHEMW_RAY_STEP"
+    cachemw start --address "$RAY_ADDRESS"
+    echo "cachemw-job: Ray at $RAY_ADDRESS, a cache daemon on each of $SLURM_JOB_NUM_NODES" \
+         "node(s), runtime dir $CACHEMW_RUNTIME_DIR" >&2
+    "$@" &
+    wait $!  # in the background so a TERM (scancel) runs the trap at once
+}
+
+# Sourced (tests, Prolog/Epilog): only the functions above.
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
+    cachemw_job_main "$@"
+fi
