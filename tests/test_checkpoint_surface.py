@@ -201,21 +201,15 @@ def aws_env(s3_server, monkeypatch):
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-class ReadmeModel(pl.LightningModule if pl is not None else object):
-    def __init__(self, hidden: int = 4):
-        super().__init__()
-        self.save_hyperparameters()
-        self.layer = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Linear(hidden, 1))
+if pl is not None:
+    from test_checkpoint_integrations import Tiny  # noqa: E402
 
-    def training_step(self, batch, _):
-        return self.layer(batch[0]).pow(2).mean()
+    class ReadmeModel(Tiny):
+        """The integration tests' tiny module, with its data (the README's fit(model))."""
 
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
-
-    def train_dataloader(self):
-        data = torch.utils.data.TensorDataset(torch.randn(32, 8))
-        return torch.utils.data.DataLoader(data, batch_size=8)
+        def train_dataloader(self):
+            data = torch.utils.data.TensorDataset(torch.randn(32, 8))
+            return torch.utils.data.DataLoader(data, batch_size=8)
 
 
 @pytest.mark.slow
