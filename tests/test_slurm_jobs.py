@@ -263,6 +263,7 @@ TRAIN = textwrap.dedent('''\
     from cachemw.cluster import actor
 
     data, ckpt, out = sys.argv[1:4]
+    meet = sys.argv[4:6]  # optional: this job's marker, the other job's marker
     began = time.time()
 
     class Files(Dataset):
@@ -294,6 +295,13 @@ TRAIN = textwrap.dedent('''\
             "blocks": {n["node_id"]: n["stats"]["tiers"]["dram"]["blocks"] for n in nodes},
             "client": fs.stats(),
         })
+        if meet and epoch == 0:  # both jobs' daemons up on the same nodes at once
+            open(meet[0], "w").close()
+            deadline = time.monotonic() + 300
+            while not os.path.exists(meet[1]):
+                if time.monotonic() > deadline:
+                    sys.exit("the other job never reached its first epoch's end")
+                time.sleep(0.2)
     model = torch.nn.Linear(8, 4)
     ck = Checkpointer(ckpt)
     ck.save(1, {"model": model.state_dict()})
@@ -444,7 +452,8 @@ def test_two_jobs_of_one_user_side_by_side_on_the_same_nodes(slurm, tmp_path):
         jobs[name] = subprocess.Popen(
             ["sbatch", "--wait", f"-N{NODES}", f"--output={tmp_path}/job-{name}.out",
              JOB_SCRIPT, sys.executable, str(train), str(tmp_path / f"data-{name}"),
-             str(tmp_path / f"ckpt-{name}"), str(tmp_path / f"result-{name}.json")],
+             str(tmp_path / f"ckpt-{name}"), str(tmp_path / f"result-{name}.json"),
+             str(tmp_path / f"met-{name}"), str(tmp_path / f"met-{'b' if name == 'a' else 'a'}")],
             env=slurm.env, cwd=slurm.root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
     results = {}
