@@ -251,11 +251,12 @@ def _tier(name: str, path: str, capacity, what: str) -> TierConfig:
 
 
 def _default_dram_capacity() -> int:
+    """A quarter of physical memory. From sysconf, not psutil: every filesystem a reader
+    makes (each DataLoader worker's) checks the daemon settings it would start, and
+    importing psutil for that cost a new process 10-90 ms."""
     try:
-        import psutil
-
-        return psutil.virtual_memory().total // 4
-    except Exception:  # pragma: no cover - any failure (no psutil, odd /proc): the default
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - no such sysconf name
         return 4 << 30
 
 
