@@ -76,8 +76,11 @@ def test_daemon_killed_mid_epoch_then_restarted(runtime_dir, spawn_daemon, datas
     assert late.stats()["bytes_from_source"] == 0
     assert late.stats()["hits"] == nblocks(files, half)
 
-    assert len(unreachable_warnings(caplog)) == 2  # once per client, not per read
-    assert len([r for r in unreachable_warnings(caplog) if r.levelno == logging.WARNING]) == 2
+    # once per client that needed the daemon, not per read: the late one only hit, so it
+    # never reached for the daemon (its hits are reported once one is back)
+    assert len(unreachable_warnings(caplog)) == 1
+    assert len([r for r in unreachable_warnings(caplog) if r.levelno == logging.WARNING]) == 1
+    assert late.client.link() is None
 
     # a new daemon on the same runtime dir adopts the blocks; the client finds it alone
     spawn_daemon(runtime_dir)
@@ -96,7 +99,7 @@ def test_daemon_killed_mid_epoch_then_restarted(runtime_dir, spawn_daemon, datas
                      == nblocks(files, rest) and d, 5, what="the client's report")
     assert stats["counters"]["fallbacks"] == fallbacks  # counted while it was gone, reported now
     assert stats["tiers"]["dram"]["blocks"] == nblocks(files, paths)
-    assert len(unreachable_warnings(caplog)) == 2
+    assert len(unreachable_warnings(caplog)) == 1
 
 
 @pytest.mark.timeout(60)

@@ -1,7 +1,10 @@
 """A process's link to its node daemon: leases for misses, batched access reports.
 
 Never imports Ray (a forked DataLoader worker cannot use its parent's Ray connection).
-Fork-safe: a child process opens its own connection instead of sharing its parent's.
+Fork-safe: a child process opens its own connection instead of sharing its parent's, and
+only once it needs the daemon (a miss, a report, a write): the tier directories hits are
+read from come from the daemon's registry, so a worker over a warm cache reads its first
+hit without a handshake.
 Never hangs: every wait on the daemon is bounded (a daemon silent for ``daemon_timeout``
 seconds is taken as hung; one at work on a request says "busy" meanwhile); an unreachable
 daemon turns misses into direct reads from the source, counted as ``fallbacks`` and logged
@@ -27,7 +30,7 @@ from multiprocessing.connection import Connection, answer_challenge
 
 from ..config import DaemonConfig
 from .fills import drain_all
-from .. import ops
+from .. import ops, reports
 from ..processes import process_state
 from ..protocol import (CLIENT_COUNTERS, DaemonAddress, UnsafeDirectory, check_private_dir,
                         lock_holder, lookup)
@@ -114,25 +117,48 @@ class DaemonClient:
         self._conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
         # the hit tallies of open files (HitTally), folded in on flush and stats
         self._tallies: "weakref.WeakSet[HitTally]" = weakref.WeakSet()
-        self._address: DaemonAddress | None = None
-        self._tiers: list[DirectoryTier] = []
+        # the daemon's address and tier dirs are the node's: a forked child keeps them
+        self._address: DaemonAddress | None = getattr(self, "_address", None)
+        self._tiers: list[DirectoryTier] = getattr(self, "_tiers", [])
         self._next_try = 0.0
         self._timeouts = 0  # consecutive timeouts: the back-off grows while a daemon hangs
         self._warned = False
         self.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
         self._unsent = dict.fromkeys(CLIENT_COUNTERS, 0)
         self._tier_hit_bytes: dict[str, int] = {}
-        self._accesses: list[tuple[str, str]] = []
+        # keys of the hits since the last report, per tier (strings: no object per hit for
+        # the garbage collector to track while they wait)
+        self._accesses: dict[str, list[str]] = {}
+        self._naccesses = 0
         self._last_flush = time.monotonic()
         self._lock = threading.RLock()
 
     # -- connection ------------------------------------------------------------------
 
     def tiers(self) -> list[DirectoryTier]:
-        """Tier directories to read hits from, fastest first (known even if the daemon died)."""
+        """Tier directories to read hits from, fastest first (known even if the daemon died).
+
+        Found in the daemon's registry, without a connection: a process that only hits (a
+        DataLoader worker over a warm cache) never pays for one. Only when no daemon has
+        published one is the daemon reached (and, with autostart, started) here."""
         if not self._tiers:
-            self._connect()
+            self._discover()
         return self._tiers
+
+    def _discover(self) -> None:
+        if os.getpid() != self._pid:
+            self._reset_after_fork()
+        if time.monotonic() < self._next_try:
+            return
+        address = lookup(self.runtime_dir)  # None as well for a runtime dir not safely ours
+        # a dead daemon's tiers still serve hits, but with autostart the first process to
+        # find it dead replaces it (its DRAM tier wants an owner, its readers a reporter)
+        if address is not None and (not self.autostart or address.kind == "ray"
+                                    or lock_holder(self.runtime_dir) is not None):
+            with self._lock:
+                self._set_tiers(address)
+        else:
+            self._connect()
 
     def connected(self) -> bool:
         return self._connect() is not None
@@ -424,8 +450,12 @@ class DaemonClient:
             self._unsent["hits"] += 1
             self._unsent["hit_bytes"] += nbytes
             self._tier_hit_bytes[tier] = self._tier_hit_bytes.get(tier, 0) + nbytes
-            self._accesses.append((key, tier))
-            due = len(self._accesses) >= 4096
+            keys = self._accesses.get(tier)
+            if keys is None:
+                keys = self._accesses[tier] = []
+            keys.append(key)
+            self._naccesses += 1
+            due = self._naccesses >= 4096
         if due or time.monotonic() - self._last_flush > self.report_interval:
             self.flush()
 
@@ -451,7 +481,8 @@ class DaemonClient:
     def accessed(self, key: str, tier: str) -> None:
         """Recency only (the reads themselves are counted by the caller, with count())."""
         with self._lock:
-            self._accesses.append((key, tier))
+            self._accesses.setdefault(tier, []).append(key)
+            self._naccesses += 1
 
     def maybe_flush(self) -> None:
         if time.monotonic() - self._last_flush > self.report_interval:
@@ -464,28 +495,38 @@ class DaemonClient:
             self.fold(tally)
 
     def flush(self) -> None:
-        """Send the counters and recency gathered since the last report (one-way)."""
+        """Report the counters and recency gathered since the last report: on this thread's
+        connection if it has one (one-way), else left in the runtime dir for the daemon
+        (cachemw.reports), so a process that only hits never connects to report them."""
         if os.getpid() != self._pid:
             return
         self.fold_tallies()
         self._last_flush = time.monotonic()
         with self._lock:
-            if not self._accesses and not any(self._unsent.values()):
+            if not self._naccesses and not any(self._unsent.values()):
                 return
             unsent, tier_bytes, accesses = self._unsent, self._tier_hit_bytes, self._accesses
+            naccesses = self._naccesses
             self._unsent = dict.fromkeys(CLIENT_COUNTERS, 0)
-            self._tier_hit_bytes, self._accesses = {}, []
+            self._tier_hit_bytes, self._accesses, self._naccesses = {}, {}, 0
         counters = {k: v for k, v in unsent.items() if v}
         counters["tier_hit_bytes"] = tier_bytes
-        if self._send(ops.REPORT, counters, accesses):
+        if getattr(self._local, "conn", None) is None and self._address is not None \
+                and lock_holder(self.runtime_dir) is not None \
+                and reports.write(self.runtime_dir, counters, accesses):
+            return
+        if self._send(ops.REPORT, counters,
+                      [(key, tier) for tier, keys in accesses.items() for key in keys]):
             return
         with self._lock:  # daemon unreachable: keep the counters for later, drop old recency
             for k, v in unsent.items():
                 self._unsent[k] += v
             for k, v in tier_bytes.items():
                 self._tier_hit_bytes[k] = self._tier_hit_bytes.get(k, 0) + v
-            if len(accesses) + len(self._accesses) <= 65536:
-                self._accesses[:0] = accesses
+            if naccesses + self._naccesses <= 65536:
+                for tier, keys in accesses.items():
+                    self._accesses[tier] = keys + self._accesses.get(tier, [])
+                self._naccesses += naccesses
 
     def close(self) -> None:
         drain_all(self)

@@ -30,6 +30,7 @@ from ..placement import Demote, Prefetch
 from .placer import Placer
 from .records import Entry, Inflight, TierState
 from ..protocol import CLIENT_COUNTERS
+from .. import reports
 from ..tiers.directory import DirectoryTier
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class NodeCache(MoveRunner):
         self._closed = threading.Event()
         self._maintainer: threading.Thread | None = None
         self._reindex()
+        reports.clear_stale(config.runtime_dir)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -458,6 +460,12 @@ class NodeCache(MoveRunner):
         elif accesses and self.placer.announced:  # plan prefetch while the engine's
             self._wake.set()  # view of the reader is freshest (hits arrive only in reports)
 
+    def take_reports(self) -> None:
+        """The reports clients left in the runtime dir (cachemw.reports): taken every
+        second by the maintenance thread, and before stats are given."""
+        for counters, accesses in reports.take_all(self.config.runtime_dir):
+            self.report(counters, accesses)
+
     def announce(self, items: list[tuple]) -> None:
         """A sampler's next reads in order, (key, length, url, source) each: the engine
         plans prefetch from them; the maintenance thread fetches ahead of the reader."""
@@ -472,6 +480,7 @@ class NodeCache(MoveRunner):
     # -- stats ---------------------------------------------------------------------
 
     def stats(self) -> dict:
+        self.take_reports()
         with self._lock:
             tiers = {}
             for name in self._order:

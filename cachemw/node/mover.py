@@ -30,6 +30,7 @@ class MoveRunner:
                 return
             try:
                 self.check_tiers()
+                self.take_reports()
                 with self._lock:
                     moves, self._pending = self._pending, []
                 self.run_moves(moves)
