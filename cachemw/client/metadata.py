@@ -2,9 +2,15 @@
 
 A metadata storm (millions of ``stat``/``HEAD`` calls every epoch) is half of what stalls
 training on a PFS, so metadata is cached like data: in the process (a dict) and for the
-whole node (one small record file per path in the daemon's ``meta`` directory, so a new
-DataLoader worker does not ask the source again, and an ``immutable`` dataset stays
-readable once warmed even if the source goes away).
+whole node, in the daemon's ``meta`` directory, so a new DataLoader worker does not ask the
+source again, and an ``immutable`` dataset stays readable once warmed even if the source
+goes away. Files' ``info`` is shared through a table every process maps (metatable.py:
+no file to open per path); directory listings, few and large, as one record file each.
+
+What a process keeps of a file for reading is a ``FileMeta`` (a tuple of plain values):
+a worker that reads thousands of files for the first time must not leave thousands of
+objects for the garbage collector to track (a full collection in a forked child of a large
+trainer touches, and so copies, every page of its heap: ~90 ms here).
 
 Policies: ``immutable`` never asks the source again once a path is known; ``ttl`` asks
 again after ``ttl`` seconds; ``always`` asks on every open/read. Asking means asking the
@@ -15,29 +21,31 @@ able to write them already controls the daemon.
 """
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import posixpath
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ..files import atomic_write, make_private_dirs
 from ..keys import path_key, version_token
+from .metatable import MetaTable
 
 
-@dataclass(frozen=True)
-class FileMeta:
-    """What a read needs to know of a source file, captured at one moment."""
+class FileMeta(NamedTuple):
+    """What a read needs to know of a source file, captured at one moment (``fetched``)."""
 
     path: str
     url: str
     size: int
     version: str
-    info: dict
+    fetched: float
 
+
+log = logging.getLogger(__name__)
 
 _caches: "weakref.WeakSet[MetadataCache]" = weakref.WeakSet()
 _DROPPED = "cachemw-dropped"  # a tombstone record (see _drop_shared); loads ignore it
@@ -50,14 +58,17 @@ class MetadataCache:
         writer); node-shared records are then written there. None: written at once."""
         self._defer = defer
         self._records_lock = threading.Lock()
-        self._unwritten: dict[str, bytes] = {}  # record path -> payload, while deferred
+        # (kind, path) -> (value, fetched), while deferred
+        self._unwritten: dict[tuple[str, str], tuple] = {}
+        self._table: MetaTable | None = None
+        self._warned_drop = False
         _caches.add(self)
         self.target = target
         self.validate = validate
         self.ttl = ttl
         self._meta_dir = meta_dir
         self._infos: dict[str, tuple[dict, float]] = {}
-        self._files: dict[str, tuple[FileMeta, float]] = {}
+        self._files: dict[str, FileMeta] = {}
         self._listings: dict[str, tuple[list[dict], float]] = {}
         self.source_calls = 0
 
@@ -68,7 +79,16 @@ class MetadataCache:
             return False
         return time.time() - fetched < self.ttl
 
-    # -- node-shared records -------------------------------------------------------
+    # -- node-shared metadata ------------------------------------------------------
+
+    def _shared_table(self) -> MetaTable | None:
+        meta_dir = self._meta_dir()
+        if meta_dir is None:
+            return None
+        table = self._table
+        if table is None or table.dir != f"{meta_dir}/info":
+            table = self._table = MetaTable(f"{meta_dir}/info")
+        return table
 
     def _record_path(self, kind: str, path: str) -> str | None:
         meta_dir = self._meta_dir()
@@ -78,40 +98,66 @@ class MetadataCache:
         return f"{meta_dir}/{key[:2]}/{key}"
 
     def _load_shared(self, kind: str, path: str, fresh_only: bool = True):
-        rec = self._record_path(kind, path)
-        if rec is None:
-            return None
-        try:
-            with open(rec, "rb") as f:
-                stored_path, value, fetched = pickle.load(f)
-        except FileNotFoundError:
-            return None
-        except Exception:  # torn or foreign record: ignore it, it will be rewritten
-            return None
-        if stored_path != path or (fresh_only and not self._fresh(fetched)):
+        """(value, fetched) the node shares for ``path``, or None."""
+        if kind == "info":
+            table = self._shared_table()
+            found = None if table is None else table.get(self.target.unstrip_protocol(path))
+            if found is None or found[1]:  # none, or dropped
+                return None
+            try:
+                value, fetched = pickle.loads(found[3]), found[0]
+            except Exception:  # written by another version of cachemw, say: not ours
+                return None
+        else:
+            rec = self._record_path(kind, path)
+            if rec is None:
+                return None
+            try:
+                with open(rec, "rb") as f:
+                    stored_path, value, fetched = pickle.load(f)
+            except FileNotFoundError:
+                return None
+            except Exception:  # torn, foreign or a tombstone: ignore it, it will be rewritten
+                return None
+            if stored_path != path:
+                return None
+        if fresh_only and not self._fresh(fetched):
             return None
         return value, fetched
 
     def _store_shared(self, kind: str, path: str, value, fetched: float) -> None:
-        rec = self._record_path(kind, path)
-        if rec is None or self.validate == "always":
+        if self.validate == "always" or self._meta_dir() is None:
             return
-        payload = pickle.dumps((path, value, fetched), protocol=pickle.HIGHEST_PROTOCOL)
         if self._defer is None:
-            self._write_record(rec, payload)
+            self._write_shared((kind, path), (value, fetched))
             return
         with self._records_lock:
-            self._unwritten[rec] = (payload, fetched)
-        self._defer(self._write_deferred, rec)
+            self._unwritten[(kind, path)] = (value, fetched)
+        self._defer(self._write_deferred, (kind, path))
 
-    def _write_deferred(self, rec: str) -> None:
-        """Write the latest payload queued for ``rec`` unless it was dropped since its
+    def _write_deferred(self, which: tuple[str, str]) -> None:
+        """Write the latest value queued for ``which`` unless it was dropped since its
         metadata was fetched: here (the lock keeps a drop from being overtaken by a write
         under way) or by any process of the node (its tombstone, see _drop_shared)."""
         with self._records_lock:
-            queued = self._unwritten.pop(rec, None)
-            if queued is not None and not self._dropped_since(rec, queued[1]):
-                self._write_record(rec, queued[0])
+            queued = self._unwritten.pop(which, None)
+            if queued is not None:
+                self._write_shared(which, queued)
+
+    def _write_shared(self, which: tuple[str, str], queued: tuple) -> None:
+        kind, path = which
+        value, fetched = queued
+        if kind == "info":
+            table = self._shared_table()
+            if table is not None:  # refused if dropped since
+                table.store(self.target.unstrip_protocol(path), value, fetched,
+                            (int(value.get("size") or 0), version_token(value),
+                             value.get("type", "file")))
+            return
+        rec = self._record_path(kind, path)
+        if rec is not None and not self._dropped_since(rec, fetched):
+            self._write_record(rec, pickle.dumps((path, value, fetched),
+                                                 protocol=pickle.HIGHEST_PROTOCOL))
 
     @staticmethod
     def _dropped_since(rec: str, fetched: float) -> bool:
@@ -135,13 +181,25 @@ class MetadataCache:
             pass  # metadata sharing is an optimisation; never fail a read for it
 
     def _drop_shared(self, kind: str, path: str) -> None:
-        rec = self._record_path(kind, path)
-        if rec is not None:
-            with self._records_lock:
-                self._unwritten.pop(rec, None)
-                # a tombstone, not an unlink: a record of older metadata that some process
-                # has yet to write (written behind its reads) must not bring it back
-                self._write_record(rec, pickle.dumps((_DROPPED, time.time())))
+        """A tombstone, not a removal: metadata fetched earlier that some process has yet to
+        write (written behind its reads) must not bring it back."""
+        if self._meta_dir() is None:
+            return
+        with self._records_lock:
+            self._unwritten.pop((kind, path), None)
+            now = time.time()
+            if kind == "info":
+                table = self._shared_table()
+                url = self.target.unstrip_protocol(path)
+                if table is not None and not table.drop(url, now) and not self._warned_drop:
+                    self._warned_drop = True
+                    log.warning("could not mark %s dropped in the node's metadata table %s; "
+                                "other processes may read it at its old version until a read "
+                                "finds the source changed", path, table.dir)
+            else:
+                rec = self._record_path(kind, path)
+                if rec is not None:
+                    self._write_record(rec, pickle.dumps((_DROPPED, now)))
 
     def _ask_source(self, call, path: str, **kwargs):
         """``call(path)`` answered by the store: the target's own caches of ``path`` and of
@@ -157,10 +215,14 @@ class MetadataCache:
         hit = self._infos.get(path)
         if hit is not None and self._fresh(hit[1]):
             return hit[0]
+        found = self._infos[path] = self._lookup(path)
+        return found[0]
+
+    def _lookup(self, path: str) -> tuple[dict, float]:
+        """(info, fetched) from the node's shared metadata, else from the source (shared)."""
         shared = self._load_shared("info", path) if self.validate != "always" else None
         if shared is not None:
-            self._infos[path] = shared
-            return shared[0]
+            return shared
         self.source_calls += 1
         asked = time.time()  # before the call: a drop during it must win (_dropped_since)
         try:
@@ -168,21 +230,36 @@ class MetadataCache:
         except FileNotFoundError:
             self.forget(path)
             raise
-        self._infos[path] = (info, asked)
         self._store_shared("info", path, info, asked)
-        return info
+        return info, asked
 
     def file(self, path: str) -> FileMeta:
-        """The file's metadata for reading; raises FileNotFoundError / IsADirectoryError."""
+        """The file's metadata for reading; raises FileNotFoundError / IsADirectoryError.
+
+        Kept in the process as one FileMeta per file (plain values only); the info it came
+        from is kept only if this process asked the source for it (or called info())."""
         hit = self._files.get(path)
-        if hit is not None and self._fresh(hit[1]):
-            return hit[0]
-        info = self.info(path)
+        if hit is not None and self._fresh(hit.fetched):
+            return hit
+        url = self.target.unstrip_protocol(path)
+        found = self._infos.get(path)
+        if (found is None or not self._fresh(found[1])) and self.validate != "always":
+            table = self._shared_table()
+            shared = None if table is None else table.get(url)
+            if shared is not None and not shared[1] and self._fresh(shared[0]) \
+                    and len(shared[2]) == 3:  # the node knows it: no unpickling of its info
+                size, version, kind = shared[2]
+                if kind == "directory":
+                    raise IsADirectoryError(f"{path}: is a directory")
+                meta = self._files[path] = FileMeta(path, url, size, version, shared[0])
+                return meta
+        if found is None or not self._fresh(found[1]):
+            found = self._lookup(path)
+        info, fetched = found
         if info.get("type", "file") == "directory":
             raise IsADirectoryError(f"{path}: is a directory")
-        meta = FileMeta(path, self.target.unstrip_protocol(path), int(info["size"]),
-                        version_token(info), info)
-        self._files[path] = (meta, self._infos[path][1])
+        meta = self._files[path] = FileMeta(path, url, int(info["size"]), version_token(info),
+                                            fetched)
         return meta
 
     def known_paths(self) -> list[str]:
@@ -192,13 +269,13 @@ class MetadataCache:
         """What this node last knew of a file, fresh or not, without asking the source."""
         hit = self._files.get(path)
         if hit is not None:
-            return hit[0]
+            return hit
         found = self._infos.get(path) or self._load_shared("info", path, fresh_only=False)
         if found is None or found[0].get("type", "file") != "file":
             return None
         info = found[0]
         return FileMeta(path, self.target.unstrip_protocol(path), int(info["size"]),
-                        version_token(info), info)
+                        version_token(info), found[1])
 
     # -- ls --------------------------------------------------------------------------
 
@@ -255,6 +332,8 @@ def _reset_all_in_child() -> None:
     for cache in list(_caches):
         cache._records_lock = threading.Lock()
         cache._unwritten = {}
+        if cache._table is not None:  # its mappings stay valid; its writer lock may not
+            cache._table = cache._table.forked()
 
 
 os.register_at_fork(after_in_child=_reset_all_in_child)
