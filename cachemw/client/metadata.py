@@ -68,7 +68,9 @@ class MetadataCache:
         self.ttl = ttl
         self._meta_dir = meta_dir
         self._infos: dict[str, tuple[dict, float]] = {}
-        self._files: dict[str, FileMeta] = {}
+        # path -> FileMeta packed in a string (_pack): a string is no object the garbage
+        # collector tracks or counts, a tuple per file is (see the module docstring)
+        self._files: dict[str, str] = {}
         self._listings: dict[str, tuple[list[dict], float]] = {}
         self.source_calls = 0
 
@@ -239,8 +241,10 @@ class MetadataCache:
         Kept in the process as one FileMeta per file (plain values only); the info it came
         from is kept only if this process asked the source for it (or called info())."""
         hit = self._files.get(path)
-        if hit is not None and self._fresh(hit.fetched):
-            return hit
+        if hit is not None:
+            meta = _unpack(path, hit)
+            if self._fresh(meta.fetched):
+                return meta
         url = self.target.unstrip_protocol(path)
         found = self._infos.get(path)
         if (found is None or not self._fresh(found[1])) and self.validate != "always":
@@ -251,15 +255,16 @@ class MetadataCache:
                 size, version, kind = shared[2]
                 if kind == "directory":
                     raise IsADirectoryError(f"{path}: is a directory")
-                meta = self._files[path] = FileMeta(path, url, size, version, shared[0])
+                meta = FileMeta(path, url, size, version, shared[0])
+                self._files[path] = _pack(meta)
                 return meta
         if found is None or not self._fresh(found[1]):
             found = self._lookup(path)
         info, fetched = found
         if info.get("type", "file") == "directory":
             raise IsADirectoryError(f"{path}: is a directory")
-        meta = self._files[path] = FileMeta(path, url, int(info["size"]), version_token(info),
-                                            fetched)
+        meta = FileMeta(path, url, int(info["size"]), version_token(info), fetched)
+        self._files[path] = _pack(meta)
         return meta
 
     def known_paths(self) -> list[str]:
@@ -269,7 +274,7 @@ class MetadataCache:
         """What this node last knew of a file, fresh or not, without asking the source."""
         hit = self._files.get(path)
         if hit is not None:
-            return hit
+            return _unpack(path, hit)
         found = self._infos.get(path) or self._load_shared("info", path, fresh_only=False)
         if found is None or found[0].get("type", "file") != "file":
             return None
@@ -324,6 +329,18 @@ class MetadataCache:
             self.forget(up)
             parent = up
         self.forget(self.target.root_marker or "/")
+
+
+def _pack(meta: FileMeta) -> str:
+    """``meta`` (its path aside) as one string: size, fetched, the URL's length, URL,
+    version (a URL or version may hold any character; the length keeps them apart)."""
+    return f"{meta.size}\0{meta.fetched!r}\0{len(meta.url)}\0{meta.url}{meta.version}"
+
+
+def _unpack(path: str, packed: str) -> FileMeta:
+    size, fetched, n, rest = packed.split("\0", 3)
+    n = int(n)
+    return FileMeta(path, rest[:n], int(size), rest[n:], float(fetched))
 
 
 def _reset_all_in_child() -> None:
