@@ -322,6 +322,15 @@ class CacheOptions:
             raise
 
 
+def freeze_gc_in_workers(env: Mapping[str, str] | None = None) -> bool:
+    """``CACHEMW_GC_FREEZE`` (default on): whether a DataLoader worker (any multiprocessing
+    child) that imports the cachemw client first moves the objects it inherited into the
+    garbage collector's permanent generation (``gc.freeze()``; see cachemw/client/__init__)."""
+    env = os.environ if env is None else env
+    value = _bool_or_none(env.get("CACHEMW_GC_FREEZE"), "CACHEMW_GC_FREEZE")
+    return True if value is None else value
+
+
 def _float_or_none(value: str | None, name: str) -> float | None:
     if value is None or value == "":
         return None

@@ -116,3 +116,44 @@ def test_reports_left_in_the_runtime_dir_are_taken_once_and_junk_is_dropped(tmp_
     assert stats["tiers"]["dram"]["hits"] == 2 and stats["tiers"]["dram"]["hit_bytes"] == 10
     assert node.stats()["counters"]["hits"] == 2  # taken once
     assert list((tmp_path / "rt" / "reports").iterdir()) == []
+
+
+_FREEZE_CHECK = r"""
+import gc, json, sys
+import torch.utils.data
+
+class Probe(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        frozen_before = gc.get_freeze_count()
+        import fsspec
+        fsspec.get_filesystem_class("cachemw")  # what a worker's first cachemw:: URL does
+        return frozen_before, gc.get_freeze_count()
+
+if __name__ == "__main__":
+    assert "cachemw" not in sys.modules
+    loader = torch.utils.data.DataLoader(Probe(), batch_size=None, num_workers=1,
+                                         multiprocessing_context=sys.argv[1])
+    print(json.dumps([list(x) for x in loader]))
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_worker_importing_cachemw_freezes_what_it_inherited(tmp_path, method, monkeypatch):
+    """A forked worker starts a young collection or two short of a full one; the import would
+    set it off, walking (and copying) the trainer's whole heap. The worker freezes first,
+    unless CACHEMW_GC_FREEZE=0; the main process never freezes."""
+    script = tmp_path / "probe.py"
+    script.write_text(_FREEZE_CHECK)
+    for setting, frozen in (("", True), ("0", False)):
+        monkeypatch.setenv("CACHEMW_GC_FREEZE", setting)
+        out = subprocess.run([sys.executable, str(script), method], capture_output=True,
+                             text=True, timeout=150)
+        assert out.returncode == 0, out.stderr
+        (before, after), _ = json.loads(out.stdout)
+        assert before == 0
+        assert (after > 0) == frozen, (setting, after)
