@@ -95,7 +95,7 @@ class Samples(torch.utils.data.Dataset):
 
     def __init__(self, paths: list[str], protocol: str | None, options: dict) -> None:
         self.paths = paths
-        self.protocol = protocol  # None: plain open().read()
+        self.protocol = protocol  # None: plain open().read(); "floor": no read at all
         self.options = options
         self._read = None
         self._pid = None
@@ -112,8 +112,12 @@ class Samples(torch.utils.data.Dataset):
     def __getitem__(self, i):
         if self._pid != os.getpid():
             self._pid = os.getpid()
-            self._read = (_plain_read if self.protocol is None else
-                          fsspec.filesystem(self.protocol, **self.options).cat_file)
+            if self.protocol == "floor":  # the DataLoader's own cost: the same bytes each time
+                same = bytes(self.options["size"])
+                self._read = lambda path: same
+            else:
+                self._read = (_plain_read if self.protocol is None else
+                              fsspec.filesystem(self.protocol, **self.options).cat_file)
         return np.frombuffer(self._read(self.paths[i]), dtype=np.uint8)
 
 
@@ -251,6 +255,7 @@ def run_row(row: Row, args, work: str) -> None:
         daemon = start_daemon(rt, max(4 * n * size, 256 * MiB))
         try:
             variants = {
+                "floor": ("floor", {"size": size}),
                 "direct": (None, {}) if row.source == "hot" else (target, target_options),
                 "simplecache": ("simplecache", {"target_protocol": target,
                                                 "target_options": target_options,
@@ -266,7 +271,7 @@ def run_row(row: Row, args, work: str) -> None:
                     kw["worker_init_fn"] = _profile_worker
             loaders = {}
             for name, (protocol, options) in variants.items():
-                if args.profile and name != "cachemw":
+                if (args.profile and name != "cachemw") or (name == "floor" and not args.floor):
                     continue
                 loaders[name] = torch.utils.data.DataLoader(
                     Samples(paths, protocol, options), batch_size=batch, shuffle=True,
@@ -376,6 +381,8 @@ def main() -> int:
                     help="which epoch --profile profiles: 0 is the first (cold) one")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--main-imports-cachemw", action="store_true")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the DataLoader with no read at all (its own cost)")
     ap.add_argument("--check-hits", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
@@ -422,6 +429,9 @@ def main() -> int:
             med = {k: statistics.median(v) for k, v in row.warm.items()}
             first = {k: statistics.median(v) for k, v in row.first.items()}
             names = ("direct", "simplecache", "cachemw")
+            if "floor" in med:
+                print(f"|   floor (no read): warm {med['floor']:.3f} s, epoch 1 "
+                      f"{first['floor']:.3f} s | | | | | | | |")
             print(f"| {row.name} | "
                   + " / ".join(f"{first[k]:.3f}" if k in first else "-" for k in names) + " | "
                   + " / ".join(f"{med[k]:.3f}" if k in med else "-" for k in names) + " | "
