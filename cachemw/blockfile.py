@@ -196,6 +196,45 @@ def write_block(path: str, data: bytes | memoryview, page_size: int = PAGE_SIZE,
     return len(data) + len(tail)
 
 
+def map_block(path: str, length: int) -> memoryview | None:
+    """The data of the whole block at ``path``, verified, as a view of the file mapped into
+    memory; None if absent. For joining blocks into one large read: their bytes go
+    from the page cache straight into the result, instead of through a fresh buffer per
+    block (a fresh 8 MiB buffer costs 2,048 page faults, more than the copy). The mapping
+    lasts as long as the view; the file is immutable under its name, so it holds the
+    verified bytes even if it is evicted meanwhile."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size != length + tail_size(length) or length == 0:
+            raise CorruptBlock(f"{path}: {size} bytes, expected a block of {length}")
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                       prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    whole = memoryview(mm)
+    try:  # the tail as read_block checks it (the page table's own hash included)
+        n = n_pages(length)
+        magic, fmt, dlen, psize, npg, thash, dhash, tag = _TRAILER.unpack_from(whole, length + 8 * n)
+        if magic != MAGIC or fmt != FORMAT_VERSION or (dlen, psize, npg) != (length, PAGE_SIZE, n):
+            raise CorruptBlock(f"{path}: not a cachemw block of {length} bytes (bad trailer)")
+        if _hash(mm[length:length + 8 * n] + tag) != thash:
+            raise CorruptBlock(f"{path}: checksum table corrupted")
+        view = whole[:length]
+        if _hash(view) != dhash:
+            view.release()
+            raise CorruptBlock(f"{path}: checksum mismatch")
+    except CorruptBlock:
+        whole.release()
+        mm.close()
+        raise
+    whole.release()
+    return view
+
+
 class MappedBlock:
     """A block file mapped into memory with its page table verified once, so an open file's
     small random reads (h5py, pyarrow) verify just the pages they touch, with no system call.

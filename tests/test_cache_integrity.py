@@ -260,3 +260,36 @@ def test_open_file_fast_path_catches_a_damaged_page(make_cache_fs, runtime_dir, 
         f.seek(offset)
         assert f.read(4096) == data[offset:offset + 4096]
     assert fs.stats()["corrupt_repaired"] - before["corrupt_repaired"] == 1
+
+
+@pytest.mark.parametrize("name", ["flip data byte", "flip page checksum", "flip trailer magic",
+                                  "flip whole-data checksum", "truncate one byte",
+                                  "garbage of the same size", "append garbage"])
+def test_a_damaged_block_of_a_read_joined_from_mapped_blocks(make_cache_fs, runtime_dir,
+                                                             tmp_path, name):
+    """Reads of several whole blocks of 1 MiB and more are joined straight from the mapped
+    block files (reader.VIEW_MIN): each is verified all the same, and a damaged one is
+    dropped and refetched."""
+    from cachemw.client.reader import VIEW_MIN
+
+    bs = VIEW_MIN
+    fs = make_cache_fs(block_size=bs)
+    dram = DirectoryTier("dram", daemon_stats(runtime_dir)["tiers"]["dram"]["path"])
+    path = str(tmp_path / "big.bin")
+    data = random.Random(name).randbytes(2 * bs + bs // 3)
+    with open(path, "wb") as f:
+        f.write(data)
+    assert fs.cat_file(path) == data
+    published(fs)
+    before = dict(fs.stats())
+    assert fs.cat_file(path) == data  # three hits, two of them joined from mappings
+    assert fs.stats()["hits"] - before["hits"] == 3
+    meta = fs.meta.file(path)
+    DAMAGES[name](dram.block_path(block_key(meta.url, meta.version, 1, bs)), bs)
+    before = dict(fs.stats())
+    assert fs.cat_file(path) == data
+    after = fs.stats()
+    assert after["corrupt_repaired"] - before["corrupt_repaired"] == 1
+    assert after["bytes_from_source"] - before["bytes_from_source"] == bs
+    published(fs)
+    assert fs.cat_file(path, bs - 10, 2 * bs + 10) == data[bs - 10:2 * bs + 10]

@@ -28,6 +28,8 @@ from ..tiers.source import SourceTier
 
 log = logging.getLogger(__name__)
 
+VIEW_MIN = 1 << 20  # blocks from this size are joined from their mappings (see _hit)
+
 
 class _Piece(NamedTuple):
     meta: FileMeta
@@ -77,8 +79,9 @@ class BlockReader:
         for r, (meta, start, end) in enumerate(requests):
             ps = self._pieces(meta, start, end) if end > start else []
             pieces.append(ps)
+            joined = len(ps) > 1  # whole blocks of a joined read: views, copied once
             for j, piece in enumerate(ps):
-                got = self._hit(piece)
+                got = self._hit(piece, joined and piece.lo == 0 and piece.hi == piece.length)
                 if got is None:
                     missing.append(((r, j), piece))
                 else:
@@ -88,11 +91,16 @@ class BlockReader:
                 data[where] = got
         out = []
         for r, ps in enumerate(pieces):
-            parts = [data[(r, j)] for j in range(len(ps))]
+            parts = [data.pop((r, j)) for j in range(len(ps))]
             out.append(parts[0] if len(parts) == 1 else b"".join(parts))
+            for part in parts:  # unmap at once (a view holds its block file's mapping)
+                if type(part) is memoryview:
+                    part.release()
         return out
 
-    def _hit(self, piece: _Piece) -> bytes | None:
+    def _hit(self, piece: _Piece, view: bool = False) -> bytes | memoryview | None:
+        """The piece from a tier (verified), or None. ``view``: a whole block may come as
+        a view of its mapped file, for a read that joins blocks (see blockfile.map_block)."""
         client = self.client
         if piece.key in self.fills.pending:
             # filled by this process, its file not written yet: not served from memory, as
@@ -102,7 +110,8 @@ class BlockReader:
             return None
         for tier in client.tiers():
             try:
-                data = tier.get(piece.key, piece.length, piece.lo, piece.hi)
+                data = (tier.view(piece.key, piece.length) if view and piece.length >= VIEW_MIN
+                        else tier.get(piece.key, piece.length, piece.lo, piece.hi))
             except CorruptBlock as exc:
                 log.warning("corrupt cached block of %s (block %d): %s; refetching",
                             piece.meta.url, piece.index, exc)

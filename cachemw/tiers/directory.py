@@ -73,6 +73,11 @@ class DirectoryTier:
             return blockfile.read_block(path, length)
         return blockfile.read_range(path, length, start, length if end is None else end)
 
+    def view(self, key: str, length: int) -> memoryview | None:
+        """The whole block of ``key``, verified, as a view of its mapped file (see
+        blockfile.map_block); None if absent."""
+        return blockfile.map_block(f"{self.path}/{key[:2]}/{key}", length)
+
     def put(self, key: str, data: bytes, tag: bytes = b"") -> int:
         return blockfile.write_block(self.block_path(key), data, tag=tag)
 
