@@ -33,7 +33,6 @@ import stat
 import threading
 
 import fsspec
-from fsspec.asyn import sync
 from fsspec.implementations.local import LocalFileSystem
 
 from ..keys import block_length, stat_token, version_fields, version_token
@@ -152,6 +151,16 @@ def _read_local(fs, path: str, start: int, end: int | None, version: str) -> byt
         os.close(fd)
 
 
+def _sync(fs, coroutine, *args):
+    """Run ``coroutine(*args)`` on the async filesystem ``fs``'s loop. fsspec.asyn is
+    imported here, not with this module: every reader process imports this module, and
+    only one reading an async store (which imported fsspec.asyn itself) needs it; it is
+    ~600 objects and 1-2 ms more for each DataLoader worker to import."""
+    from fsspec.asyn import sync
+
+    return sync(fs.loop, coroutine, *args)
+
+
 async def _s3_get(fs, bucket: str, key: str, kwargs: dict) -> tuple[str, bytes]:
     resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kwargs)
     try:
@@ -175,7 +184,7 @@ def _read_s3(fs, path: str, start: int, end: int | None, version: str) -> bytes:
     elif start:
         kwargs["Range"] = f"bytes={start}-"
     try:
-        got, data = sync(fs.loop, _s3_get, fs, bucket, key, kwargs)
+        got, data = _sync(fs, _s3_get, fs, bucket, key, kwargs)
     except OSError as exc:
         if _s3_code(exc) in ("PreconditionFailed", "412", "NoSuchVersion"):
             raise _changed(path, version, detail="its ETag or version moved") from exc
@@ -214,7 +223,7 @@ def _read_http(fs, path: str, start: int, end: int | None, version: str) -> byte
         headers["If-Match"] = etag
     if end is not None or start:
         headers["Range"] = f"bytes={start}-" + ("" if end is None else str(end - 1))
-    status, got, data = sync(fs.loop, _http_get, fs, path, headers)
+    status, got, data = _sync(fs, _http_get, fs, path, headers)
     if status == 404:
         raise FileNotFoundError(errno.ENOENT, f"{path}: not found (HTTP 404)", path)
     if status == 412 or (status < 300 and got is not None and got != etag):
