@@ -27,6 +27,7 @@ PAGE_SIZE = 4 * 1024  # a random 4 KiB read verifies 1-2 pages, not a large chun
 _TRAILER = struct.Struct("<4sIQIIQQ16s")
 TRAILER_SIZE = _TRAILER.size
 _hash = xxhash.xxh3_64_intdigest
+SMALL_BLOCK = 64 * 1024  # read_block reads blocks up to this size with their tail at once
 page_hash = _hash  # a page's checksum, the C function itself (for inlined hot paths)
 
 
@@ -66,19 +67,28 @@ def data_length(file_size: int, where: str = "block") -> int:
 def _parse_tail(tail: bytes, length: int, page_size: int, where: str) -> tuple[tuple[int, ...], int]:
     """(page checksums, whole-data checksum) from a block's tail, checked for consistency."""
     n = n_pages(length, page_size)
-    if len(tail) != 8 * n + TRAILER_SIZE:
-        raise CorruptBlock(f"{where}: block has {len(tail) - 8 * n - TRAILER_SIZE:+d} bytes of "
-                           f"unexpected length (truncated or overwritten)")
-    magic, fmt, dlen, psize, npg, thash, dhash, tag = _TRAILER.unpack_from(tail, 8 * n)
+    dhash = _check_tail(tail, 0, length, page_size, where)
+    return struct.unpack(f"<{n}Q", tail[:8 * n]), dhash
+
+
+def _check_tail(buf, at: int, length: int, page_size: int, where: str) -> int:
+    """The whole-data checksum of the block whose tail starts at ``buf[at:]`` (running to its
+    end), once the tail is checked for consistency: its length, the trailer, the hash of
+    the page table (not unpacked: a whole-block read needs none of its entries)."""
+    n = n_pages(length, page_size)
+    if len(buf) - at != 8 * n + TRAILER_SIZE:
+        raise CorruptBlock(f"{where}: block has {len(buf) - at - 8 * n - TRAILER_SIZE:+d} bytes "
+                           f"of unexpected length (truncated or overwritten)")
+    magic, fmt, dlen, psize, npg, thash, dhash, tag = _TRAILER.unpack_from(buf, at + 8 * n)
     if magic != MAGIC or fmt != FORMAT_VERSION:
         raise CorruptBlock(f"{where}: not a cachemw block (bad trailer)")
     if (dlen, psize, npg) != (length, page_size, n):
         raise CorruptBlock(f"{where}: trailer says {dlen} bytes/{psize} pages/{npg}, "
                            f"expected {length}/{page_size}/{n}")
-    table = tail[:8 * n]
+    table = bytes(buf[at:at + 8 * n]) if type(buf) is memoryview else buf[at:at + 8 * n]
     if _hash(table + tag) != thash:
         raise CorruptBlock(f"{where}: checksum table corrupted")
-    return struct.unpack(f"<{n}Q", table), dhash
+    return dhash
 
 
 def _read_exact(fd: int, n: int) -> bytes:
@@ -102,15 +112,20 @@ def read_block(path: str, length: int, page_size: int = PAGE_SIZE) -> bytes | No
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
+    want = tail_size(length, page_size) + 1  # +1: detect trailing garbage
     try:
-        data = _read_exact(fd, length)
-        tail = os.read(fd, tail_size(length, page_size) + 1)  # +1: detect trailing garbage
+        if length <= SMALL_BLOCK:  # one read; copying the data out costs less than a call
+            whole = os.read(fd, length + want)
+            data, tail = whole[:length], whole
+            at = length
+        else:  # read straight into the bytes returned
+            data = _read_exact(fd, length)
+            tail, at = os.read(fd, want), 0
     finally:
         os.close(fd)
     if len(data) != length:
         raise CorruptBlock(f"{path}: block truncated ({len(data)} of {length} bytes)")
-    _, data_hash = _parse_tail(tail, length, page_size, path)
-    if _hash(data) != data_hash:
+    if _hash(data) != _check_tail(tail, at, length, page_size, path):
         raise CorruptBlock(f"{path}: checksum mismatch")
     return data
 
@@ -217,21 +232,13 @@ def map_block(path: str, length: int) -> memoryview | None:
         os.close(fd)
     whole = memoryview(mm)
     try:  # the tail as read_block checks it (the page table's own hash included)
-        n = n_pages(length)
-        magic, fmt, dlen, psize, npg, thash, dhash, tag = _TRAILER.unpack_from(whole, length + 8 * n)
-        if magic != MAGIC or fmt != FORMAT_VERSION or (dlen, psize, npg) != (length, PAGE_SIZE, n):
-            raise CorruptBlock(f"{path}: not a cachemw block of {length} bytes (bad trailer)")
-        if _hash(mm[length:length + 8 * n] + tag) != thash:
-            raise CorruptBlock(f"{path}: checksum table corrupted")
+        dhash = _check_tail(whole, length, length, PAGE_SIZE, path)
         view = whole[:length]
         if _hash(view) != dhash:
             view.release()
             raise CorruptBlock(f"{path}: checksum mismatch")
-    except CorruptBlock:
-        whole.release()
-        mm.close()
-        raise
-    whole.release()
+    finally:
+        whole.release()  # the mapping is closed with the last view of it
     return view
 
 

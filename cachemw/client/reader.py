@@ -65,8 +65,13 @@ class BlockReader:
         """Bytes ``[start, end)`` of the file (already clipped to its size)."""
         if end <= start:
             return b""
-        if start // self.block_size == (end - 1) // self.block_size:  # the common case
-            piece = self._pieces(meta, start, end)[0]
+        bs = self.block_size
+        index = start // bs
+        if index == (end - 1) // bs:  # the common case: one block
+            base = index * bs
+            piece = _Piece(meta, index, start - base, end - base,
+                           block_key(meta.url, meta.version, index, bs),
+                           block_length(meta.size, index, bs))
             data = self._hit(piece)
             return data if data is not None else self._misses([piece])[0]
         return self.read_many([(meta, start, end)])[0]
