@@ -234,11 +234,14 @@ class Row:
         return [a / b for a, b in zip(table.get(num, []), table.get(den, []))]
 
     def over_floor(self) -> list[float]:
-        """Per run, what simplecache adds to the DataLoader's own time (the floor: the
-        same loader returning the same bytes without reading) over what cachemw adds."""
+        """What simplecache adds to the DataLoader's own time (the floor: the same loader
+        returning the same bytes without reading) over what cachemw adds, from the medians
+        over runs (per run, a difference of two noisy times is mostly noise)."""
         w = self.warm
-        return [(s - f) / max(c - f, 1e-9) for f, s, c in
-                zip(w.get("floor", []), w.get("simplecache", []), w.get("cachemw", []))]
+        if not all(w.get(k) for k in ("floor", "simplecache", "cachemw")):
+            return []
+        f, s, c = (statistics.median(w[k]) for k in ("floor", "simplecache", "cachemw"))
+        return [(s - f) / (c - f)] if c > f else []
 
 
 def _size(n: int) -> str:
@@ -431,7 +434,7 @@ def main() -> int:
           f"figures: min / median / max over runs\n", flush=True)
     print("| samples | workers | source | epoch 1 s: direct / simplecache / cachemw | "
           "warm s: floor / direct / simplecache / cachemw | warm: cachemw vs simplecache | "
-          "warm, over the floor: cachemw vs simplecache | warm: simplecache vs direct | "
+          "warm, over the floor (medians): cachemw vs simplecache | warm: simplecache vs direct | "
           "warm: cachemw vs direct | epoch 1: cachemw / direct |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     try:
