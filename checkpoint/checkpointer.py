@@ -290,7 +290,7 @@ class Checkpointer:
     def _publish(self, tier: CheckpointDir, name: str, step: int, level: str, keep_last: int | None) -> None:
         """After a commit in ``tier``: move ``latest``, apply retention, tell the watchers."""
         tier.mark_latest(name)
-        removed = tier.retain(keep_last)
+        removed = tier.retain(keep_last, just_committed=name)
         if removed:
             log.info("retention removed %s from %s", removed, tier.location.url)
         watch_channel.notify(self._channel, {"step": step, "name": name, "level": level})
