@@ -179,17 +179,22 @@ def test_dlio_reads_through_cachemw_and_checkpoints_with_the_checkpointer(
     assert service_procs(runtime_dir) == []  # only the spawned daemon (not a service) serves it
 
 
-@pytest.mark.timeout(900)
-def test_dlio_reader_reads_hdf5_by_range_and_names_formats_it_cannot_read(
+@pytest.mark.timeout(1200)
+def test_dlio_reader_reads_its_other_formats_and_names_those_it_cannot_read(
         dlio_python, tmp_path, runtime_dir, spawn_daemon):
     spawn_daemon(runtime_dir, dram_capacity="256MiB")
     dlio = Dlio(dlio_python, tmp_path, runtime_dir)
     common = [*TINY, "++workload.workflow.generate_data=True", "++workload.workflow.checkpoint=False",
-              "++workload.dataset.num_samples_per_file=4", "++workload.reader.read_threads=1"]
-    h5 = dlio("cachemw_unet3d", *common, "++workload.dataset.format=hdf5",
-              f"++workload.dataset.data_folder={tmp_path / 'h5'}")
-    assert len(_summary(h5)["metric"]["train_au_percentage"]) == 2
-    assert daemon_stats(runtime_dir)["tiers"]["dram"]["blocks"] == 8
+              "++workload.reader.read_threads=1"]
+    # hdf5 with 4 samples a file, read by range through an open file; npy and png whole
+    for n, (fmt, samples) in enumerate([("hdf5", 4), ("npy", 1), ("png", 1)], start=1):
+        run = dlio("cachemw_unet3d", *common, f"++workload.dataset.format={fmt}",
+                   f"++workload.dataset.num_samples_per_file={samples}",
+                   f"++workload.dataset.data_folder={tmp_path / fmt}")
+        assert len(_summary(run)["metric"]["train_au_percentage"]) == 2
+        stats = daemon_stats(runtime_dir)
+        assert stats["tiers"]["dram"]["blocks"] == 8 * n, (fmt, stats)
+        assert stats["counters"]["misses"] == 8 * n and stats["counters"]["fallbacks"] == 0, (fmt, stats)
 
     csv = dlio("cachemw_unet3d", *common, "++workload.dataset.format=csv",
                f"++workload.dataset.data_folder={tmp_path / 'csv'}", ok=False)
