@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "count under srun, else 1: this node reads everything)")
     s.add_argument("--ring-wait", type=float, metavar="SECONDS", help="how long to wait for "
                    "this node's daemon to see every node of its cluster (default 60)")
-    s.add_argument("--threads", type=int, help="batches of block reads in flight (default 4)")
+    s.add_argument("--threads", type=int, help="batches of block reads in flight (default 8)")
     s.add_argument("--json", action="store_true", help="print this node's report as JSON")
     s.add_argument("--quiet", action="store_true", help="no progress display")
     s.set_defaults(func=cmd_warm)

@@ -330,7 +330,7 @@ class WarmConfig:
     nodes: int = 1
     local_task: int = 0
     ring_wait: float = 60.0
-    threads: int = 4
+    threads: int = 8
 
     def __post_init__(self) -> None:
         for name, low in (("nodes", 1), ("local_task", 0), ("threads", 1)):

@@ -37,8 +37,9 @@ from .launch import START_WAIT, spawn_detached
 from .protocol import lock_holder, lookup
 from .ring import HashRing
 
-BATCH_BLOCKS = 64  # block reads handed to the cache at once (one lease request per batch)
-BATCH_BYTES = 32 << 20
+BATCH_BLOCKS = 64  # block reads handed to the cache at once (one lease request per batch),
+BATCH_BYTES = 32 << 20  # at most; fewer when that gives each thread several batches (the
+BATCHES_PER_THREAD = 4  # blocks of one batch are fetched one after the other)
 UNCACHED = ("fallbacks", "bypassed", "fill_errors")  # client counters of reads not cached
 
 
@@ -161,10 +162,14 @@ def plan(metas: list[FileMeta], share: Share, block_size: int) -> list[tuple[Fil
     return out
 
 
-def batches(pieces: list[tuple[FileMeta, int, int]]) -> list[list[tuple[FileMeta, int, int]]]:
+def batches(pieces: list[tuple[FileMeta, int, int]],
+            threads: int = 1) -> list[list[tuple[FileMeta, int, int]]]:
+    """``pieces`` in batches: each batch's misses go to the daemon in one request and are
+    fetched one after the other, so there are enough batches to keep ``threads`` busy."""
+    most = max(1, min(BATCH_BLOCKS, -(-len(pieces) // (threads * BATCHES_PER_THREAD))))
     out, batch, size = [], [], 0
     for piece in pieces:
-        if batch and (len(batch) >= BATCH_BLOCKS or size + piece[2] - piece[1] > BATCH_BYTES):
+        if batch and (len(batch) >= most or size + piece[2] - piece[1] > BATCH_BYTES):
             out.append(batch)
             batch, size = [], 0
         batch.append(piece)
@@ -224,7 +229,7 @@ def run(urls: list[str], config: WarmConfig, *, progress=None) -> Report:
                 report.errors[p] = f"{type(exc).__name__}: {exc}"
         report.files += len(metas)
         pieces = plan(metas, share, fs.options.block_size)
-        work += [(fs, b) for b in batches(pieces)]
+        work += [(fs, b) for b in batches(pieces, config.threads)]
         report.blocks += len(pieces)
     filesystems = list({id(fs): fs for _, fs, _ in opened}.values())
     before = {id(fs): dict(fs.stats()) for fs in filesystems}

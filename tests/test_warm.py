@@ -119,7 +119,7 @@ class _FailingDisk(LocalFileSystem):
 def test_a_source_error_midway_fails_that_file_only_and_caches_no_wrong_bytes(
         runtime_dir, make_tree, tmp_path, monkeypatch, stop_daemon):
     fsspec.register_implementation("faildisk", _FailingDisk, clobber=True)
-    files = make_tree([20_000 + i for i in range(150)] + [3 * BS], name="data")  # 3 batches
+    files = make_tree([20_000 + i for i in range(150)] + [3 * BS], name="data")
     paths = sorted(files)
     _FailingDisk.bad = paths[100]
     monkeypatch.setenv("CACHEMW_BLOCK_SIZE", str(BS))
