@@ -394,7 +394,9 @@ def test_warm_on_every_node_reads_each_block_once_and_the_next_job_starts_warm(s
     assert source_reads(str(log)) == reads, "the second job read from the source"
     client = result["client"]
     assert client["bytes_from_source"] == 0 and client["fallbacks"] == 0, client
-    assert client["remote_hits"] > 0 and client["hits"] > 0, client
+    # from this node's tiers and from the other nodes' (straight from their block servers,
+    # or through their daemons while this reader's view of the ring is still forming)
+    assert client["hits"] > 0 and client["remote_hits"] + client["remote_reads"] > 0, client
     assert wait_for(lambda: not slurm.leftovers(), 30), slurm.leftovers()
     for name in slurm.names:  # the NVMe tiers stay (they are meant to): remove them
         slurm.on_node(name, "rm", "-rf", os.path.join(slurm.nvme, "cachemw"))
