@@ -4,13 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
+import socket
 import sys
 
-from . import bench
+from . import bench, warm
 from .client.link import DaemonClient
 from .cluster import actor as daemon
-from .config import format_size, parse_size, resolve_runtime_dir
+from .config import WarmConfig, format_size, parse_size, resolve_runtime_dir
 from .protocol import lock_holder, lookup
 from .report import format_stats
 
@@ -98,18 +98,28 @@ def cmd_stats(args) -> int:
 
 
 def cmd_warm(args) -> int:
-    import fsspec
-    from tqdm import tqdm
-
-    total = 0
-    for url in args.urls:
-        local = "://" not in url and "::" not in url  # a path; cachemw:// URLs are absolute
-        fs, path = fsspec.core.url_to_fs(f"cachemw://{os.path.abspath(url)}" if local else url)
-        files = fs.find(path) if fs.isdir(path) else [path]
-        for f in tqdm(files, desc=f"warming {url}", unit="file", disable=args.quiet):
-            total += len(fs.cat_file(f))
-    print(f"warmed {format_size(total)}")
-    return 0
+    """Exit status: 0 every block of this node's share is cached; 1 some are not (each
+    reason said); 2 nothing was read (bad arguments, no daemon, a cluster of other size)."""
+    config = WarmConfig.build(nodes=args.nodes, ring_wait=args.ring_wait, threads=args.threads)
+    node = socket.gethostname()
+    progress = None if args.quiet or args.json else warm.progress_printer(node)
+    try:
+        report = warm.run(args.urls, config, progress=progress)
+    except warm.WarmError as exc:
+        print(f"cachemw warm: {node}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.as_dict()), flush=True)
+    else:
+        print(report.summary(), flush=True)
+    for path, why in list(report.errors.items())[:10]:
+        print(f"cachemw warm: {report.node}: not warmed: {path}: {why}", file=sys.stderr)
+    if len(report.errors) > 10:
+        print(f"cachemw warm: {report.node}: ... and {len(report.errors) - 10} more files "
+              f"not warmed", file=sys.stderr)
+    for note in report.notes:
+        print(f"cachemw warm: {report.node}: {note}", file=sys.stderr)
+    return 0 if report.ok else 1
 
 
 def cmd_bench(args) -> int:
@@ -146,9 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_stats)
 
-    s = sub.add_parser("warm", help="read files or directories through the cache")
+    s = sub.add_parser("warm", help="read files or directories into the cache (on every "
+                       "node of a job at once: each node its own share)")
     s.add_argument("urls", nargs="+", help="cachemw::URL, any fsspec URL, or a local path")
-    s.add_argument("--quiet", action="store_true")
+    s.add_argument("--nodes", type=int, help="nodes warming together, one task each: each "
+                   "reads only the blocks its node owns (default: the Slurm step's node "
+                   "count under srun, else 1: this node reads everything)")
+    s.add_argument("--ring-wait", type=float, metavar="SECONDS", help="how long to wait for "
+                   "this node's daemon to see every node of its cluster (default 60)")
+    s.add_argument("--threads", type=int, help="batches of block reads in flight (default 8)")
+    s.add_argument("--json", action="store_true", help="print this node's report as JSON")
+    s.add_argument("--quiet", action="store_true", help="no progress display")
     s.set_defaults(func=cmd_warm)
 
     s = sub.add_parser("bench", help="the DLIO-style read benchmark (the main job)")

@@ -321,6 +321,48 @@ class CacheOptions:
             raise
 
 
+@dataclass(frozen=True)
+class WarmConfig:
+    """``cachemw warm``: how many nodes warm together (each then reads only the blocks its
+    node owns), which task of its node this one is (only the first of a node works), how
+    long to wait for the node's daemon to see the whole cache cluster, and reads in flight."""
+
+    nodes: int = 1
+    local_task: int = 0
+    ring_wait: float = 60.0
+    threads: int = 8
+
+    def __post_init__(self) -> None:
+        for name, low in (("nodes", 1), ("local_task", 0), ("threads", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: must be a whole number >= {low}, got {value!r}")
+        object.__setattr__(self, "ring_wait", check_seconds(self.ring_wait, "ring_wait",
+                                                            zero_ok=True))
+
+    @classmethod
+    def build(cls, *, nodes: int | None = None, ring_wait: float | None = None,
+              threads: int | None = None, env: Mapping[str, str] | None = None) -> "WarmConfig":
+        """Keywords win; inside a Slurm step (``srun``) the step's node count
+        (``SLURM_STEP_NUM_NODES``) is the default of ``nodes`` and ``SLURM_LOCALID`` says
+        which task of its node this is; elsewhere one node warms alone."""
+        env = os.environ if env is None else env
+        step_nodes = _int_or_none(env.get("SLURM_STEP_NUM_NODES"), "SLURM_STEP_NUM_NODES")
+        local = _int_or_none(env.get("SLURM_LOCALID"), "SLURM_LOCALID")
+        options = {"nodes": nodes if nodes is not None else step_nodes,
+                   "local_task": local, "ring_wait": ring_wait, "threads": threads}
+        return cls(**{k: v for k, v in options.items() if v is not None})
+
+
+def _int_or_none(value: str | None, name: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}: expected a whole number, got {value!r}") from None
+
+
 def _float_or_none(value: str | None, name: str) -> float | None:
     if value is None or value == "":
         return None

@@ -75,7 +75,8 @@ OPS: dict[str, Op] = {
     DROP: Op(False, "key, reason ('corrupt', 'missing')", "-"),
     INVALIDATE: Op(True, "source url (written through the cache)",
                    "('ok', blocks dropped): answered once no block of it can be read"),
-    RING: Op(True, "-", "('ok', {members, vnodes, blocks, secret, timeout} or None)"),
+    RING: Op(True, "-", "('ok', {self, members, vnodes, blocks, secret, timeout, alive} "
+                        "or None: not in a cluster)"),
     STATS: Op(True, "-", "('ok', stats dict)"),
     PING: Op(True, "-", "('pong',)"),
     SHUTDOWN: Op(True, "-", "('ok',), then the daemon stops"),

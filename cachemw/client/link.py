@@ -149,7 +149,7 @@ class DaemonClient:
 
     def ring(self) -> dict | None:
         """Who owns which block and where to fetch it directly (None: no daemon, or one
-        not part of a cluster)."""
+        not in a Ray cluster; a cluster of one node has a ring of one)."""
         reply = self._call(ops.RING)
         return None if reply is None else reply[1]
 

@@ -100,7 +100,8 @@ class DaemonActor:
 
     def stats(self) -> dict:
         stats = self.service.node.stats()
-        stats["peers"] = dict(self.peers.counters, ring=list(self.peers.ring.nodes))
+        stats["peers"] = dict(self.peers.counters, ring=list(self.peers.members),
+                              names=list(self.peers.ring.nodes))
         return stats
 
     def serve_blocks(self, requests: list[tuple]):

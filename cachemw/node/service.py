@@ -77,14 +77,17 @@ class NodeService:
         log.info("cachemw %s daemon for node %s serving %s", kind, config.node_id, sock)
 
     def close(self) -> None:
-        """Stop serving; an autostarted daemon frees its DRAM tier before it lets go of the
-        lock (a successor re-indexes the tier as soon as it has the lock)."""
+        """Stop serving; with an NVMe tier, copy what DRAM holds down to it (the next daemon
+        on the node, of this job or the next, starts warm); an autostarted daemon then frees
+        its DRAM tier, before it lets go of the lock (a successor re-indexes the tiers as
+        soon as it has the lock)."""
         if self.stopped.is_set():
             return
         self.stopped.set()
         unpublish(self.config.runtime_dir, os.getpid())
         self.server.close()
         self.node.close()
+        self.node.keep_on_stop()
         if self.free_dram_at_exit:  # /dev/shm is the node's RAM, shared with other jobs
             for tier in self.config.tiers:
                 if tier.name == "dram":
