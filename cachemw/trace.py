@@ -156,6 +156,8 @@ class span:
 def _emit(records) -> None:
     if _closed:
         return
+    if _hooked_pid != os.getpid():  # a child (DataLoader worker): its exit hook, now
+        _ensure_exit_hook()
     with _lock:
         _buffer.extend(records)
         due = len(_buffer) >= FLUSH_EVENTS or time.perf_counter() - _last_flush > FLUSH_SECONDS
@@ -227,7 +229,9 @@ def _close_file_locked() -> None:
 
 def _ensure_exit_hook() -> None:
     """Close the file at exit, in every kind of process: multiprocessing children
-    (DataLoader workers) skip atexit, so they get a multiprocessing finalizer too."""
+    (DataLoader workers) skip atexit, so they get a multiprocessing finalizer too, made
+    on their first event (a child clears the finalizers it inherited once it runs, after
+    any fork hook: registering at fork would be undone)."""
     global _hooked_pid
     if _hooked_pid != os.getpid():
         _hooked_pid = os.getpid()
@@ -250,7 +254,6 @@ def _after_fork_in_child() -> None:
     _local = threading.local()
     if ENABLED:
         _closed = False
-        _ensure_exit_hook()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
