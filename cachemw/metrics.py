@@ -200,7 +200,9 @@ class StatsCollector:
 
 class MetricsServer:
     """A daemon's endpoint: ``http://<host>:<port>/metrics`` (port 0: any free port; the
-    one taken is in ``url``). Binding fails with an OSError naming the address."""
+    one taken is in ``url``). Listening on every address, it is advertised under
+    ``advertise`` (the node's IP in a Ray cluster) or the hostname. Binding fails with an
+    OSError naming the address."""
 
     def __init__(self, stats: Callable[[], dict], host: str, port: int,
                  advertise: str | None = None) -> None:
@@ -213,8 +215,10 @@ class MetricsServer:
                                      f"({exc.strerror or exc}); choose another port, or 0 "
                                      f"for any free one") from None
         self.port = self._httpd.server_address[1]
-        if advertise is None:
-            advertise = host if host not in ("", "0.0.0.0", "::") else socket.gethostname()
+        if host not in ("", "0.0.0.0", "::"):  # one address: the one to reach it at
+            advertise = host
+        elif advertise is None:
+            advertise = socket.gethostname()
         if ":" in advertise:  # an IPv6 address
             advertise = f"[{advertise}]"
         self.url = f"http://{advertise}:{self.port}/metrics"
