@@ -27,13 +27,16 @@ floored to the microsecond, which keeps containment and order.
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import logging
+import math
 import multiprocessing.util
 import os
 import socket
 import threading
 import time
+from json.encoder import encode_basestring_ascii as _quote
 
 from .config import check_trace_dir, trace_dir
 
@@ -49,16 +52,19 @@ FLUSH_EVENTS = 512
 FLUSH_SECONDS = 1.0
 
 _OFFSET_US = int((time.time() - time.perf_counter()) * 1e6)  # perf_counter -> epoch
+_now = time.perf_counter
+_thread_id = threading.get_native_id
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # the file, and whoever writes a batch into it
 _dir: str | None = None
 _fd: int | None = None
-_pid = 0
-_buffer: list[tuple] = []
+_buffer: collections.deque = collections.deque()  # appended without a lock (atomic)
+_pending: dict[int, list] = {}  # thread -> the events of its open outermost span
+_pid = os.getpid()  # this process (kept by the fork hook: no system call per event)
+_file_pid = 0  # the process the open file is for
 _next_id = 1
 _last_flush = 0.0
 _closed = False
-_local = threading.local()
 _hooked_pid = 0
 _warned = False
 
@@ -103,14 +109,35 @@ def event(name: str, cat: str, start: float, end: float | None = None,
     """A complete event of this thread from ``start`` to ``end`` (``time.perf_counter()``
     values; ``end`` None: now). Call it only when ENABLED (its caller checks)."""
     if end is None:
-        end = time.perf_counter()
+        end = _now()
     ts = int(start * 1e6)
-    record = (name, cat, threading.get_native_id(), ts + _OFFSET_US, int(end * 1e6) - ts, args)
-    pending = getattr(_local, "pending", None)
+    tid = _thread_id()
+    record = (name, cat, tid, ts + _OFFSET_US, int(end * 1e6) - ts, args)
+    pending = _pending.get(tid)
     if pending is not None:  # inside a span of this thread: emitted with its outermost one
         pending.append(record)
-    else:
-        _emit((record,))
+        return
+    _buffer.append(record)
+    if len(_buffer) >= FLUSH_EVENTS or end - _last_flush > FLUSH_SECONDS or _hooked_pid != _pid:
+        _due()
+
+
+def block_event(name: str, start: float, end: float, tier: str, path: str, block: int,
+                nbytes: int) -> None:
+    """A read of one block (``hit``, ``source_fetch``): the events of the hit path, their
+    args (``tier``, ``file``, ``block``, ``bytes``) kept as a tuple and written from a fixed
+    template (a dict per event, and encoding it, cost as much as the rest of the event).
+    Call it only when ENABLED."""
+    ts = int(start * 1e6)
+    tid = _thread_id()
+    record = (name, READ, tid, ts + _OFFSET_US, int(end * 1e6) - ts, (tier, path, block, nbytes))
+    pending = _pending.get(tid)
+    if pending is not None:
+        pending.append(record)
+        return
+    _buffer.append(record)
+    if len(_buffer) >= FLUSH_EVENTS or end - _last_flush > FLUSH_SECONDS or _hooked_pid != _pid:
+        _due()
 
 
 class span:
@@ -127,10 +154,11 @@ class span:
 
     def __enter__(self) -> "span":
         if ENABLED:
-            if getattr(_local, "pending", None) is None:
-                _local.pending = []
+            tid = _thread_id()
+            if tid not in _pending:
+                _pending[tid] = []
                 self.outermost = True
-            self.start = time.perf_counter()
+            self.start = _now()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -138,54 +166,81 @@ class span:
             return
         if exc_type is not None:
             self.args["error"] = exc_type.__name__
-        end = time.perf_counter()
+        end = _now()
         ts = int(self.start * 1e6)
-        record = (self.name, self.cat, threading.get_native_id(), ts + _OFFSET_US,
-                  int(end * 1e6) - ts, self.args)
-        pending = getattr(_local, "pending", None)
-        if pending is None:  # tracing was turned on/off inside the span: emit it alone
-            _emit((record,))
-            return
-        pending.append(record)
-        if self.outermost:
-            _local.pending = None
+        tid = _thread_id()
+        record = (self.name, self.cat, tid, ts + _OFFSET_US, int(end * 1e6) - ts, self.args)
+        pending = _pending.get(tid)
+        if pending is None:  # the process forked inside the span: emit it alone
+            _buffer.append(record)
+        else:
+            pending.append(record)
+            if not self.outermost:
+                return
+            del _pending[tid]
             pending.sort(key=lambda r: (r[3], -r[4]))
-            _emit(pending)
+            _buffer.extend(pending)
+        if len(_buffer) >= FLUSH_EVENTS or end - _last_flush > FLUSH_SECONDS or _hooked_pid != _pid:
+            _due()
 
 
-def _emit(records) -> None:
-    if _closed:
-        return
-    if _hooked_pid != os.getpid():  # a child (DataLoader worker): its exit hook, now
+def _due() -> None:
+    if _hooked_pid != _pid:  # a child (DataLoader worker): its exit hook, now
         _ensure_exit_hook()
     with _lock:
-        _buffer.extend(records)
-        due = len(_buffer) >= FLUSH_EVENTS or time.perf_counter() - _last_flush > FLUSH_SECONDS
-        if due:
-            _flush_locked()
+        _flush_locked()
+
+
+def _args(args: dict | None) -> str:
+    """``args`` as a JSON object (keys are identifiers: code's own names)."""
+    if not args:
+        return "{}"
+    parts = []
+    for k, v in args.items():
+        t = type(v)
+        if t is int or (t is float and math.isfinite(v)):
+            parts.append(f'"{k}":{v!r}')
+        elif t is str:
+            parts.append(f'"{k}":{_quote(v)}')
+        else:
+            parts.append(f'"{k}":{json.dumps(v, default=str)}')
+    return "{" + ",".join(parts) + "}"
 
 
 def _flush_locked() -> None:
-    global _buffer, _next_id, _last_flush
-    _last_flush = time.perf_counter()
-    if not _buffer:
+    global _next_id, _last_flush
+    _last_flush = _now()
+    if _closed:
+        _buffer.clear()
         return
-    records, _buffer = _buffer, []
-    if _fd is None and not _open_locked():
+    if not _buffer or (_fd is None and not _open_locked()):
         return
-    pid, first = _pid, _next_id
-    _next_id += len(records)
-    dumps = json.JSONEncoder(separators=(",", ":")).encode
-    lines = [f'{{"id":{first + i},"name":"{name}","cat":"{cat}","pid":{pid},"tid":{tid},'
-             f'"ts":{ts},"dur":{dur},"ph":"X","args":{dumps(args) if args else "{}"}}}\n'
-             for i, (name, cat, tid, ts, dur, args) in enumerate(records)]
+    n, lines, heads = _next_id, [], {}
+    pop = _buffer.popleft
+    while True:  # what other threads append meanwhile is written now or next time
+        try:
+            name, cat, tid, ts, dur, args = pop()
+        except IndexError:
+            break
+        head = heads.get((name, cat))
+        if head is None:
+            head = heads[(name, cat)] = f'"name":"{name}","cat":"{cat}","pid":{_pid},"tid":'
+        if type(args) is tuple:  # block_event's
+            tier, path, block, nbytes = args
+            lines.append(f'{{"id":{n},{head}{tid},"ts":{ts},"dur":{dur},"ph":"X","args":'
+                         f'{{"tier":"{tier}","file":{_quote(path)},"block":{block},'
+                         f'"bytes":{nbytes}}}}}\n')
+        else:
+            lines.append(f'{{"id":{n},{head}{tid},"ts":{ts},"dur":{dur},"ph":"X","args":'
+                         f'{_args(args)}}}\n')
+        n += 1
+    _next_id = n
     _write("".join(lines).encode())
 
 
 def _open_locked() -> bool:
     """Open this process's trace file; on failure tracing stops here, said once."""
-    global _fd, _pid, ENABLED, _warned, _next_id
-    _pid = os.getpid()
+    global _fd, _file_pid, ENABLED, _warned, _next_id
     path = os.path.join(_dir, f"cachemw-{socket.gethostname()}-{_pid}.pfw")
     try:
         if not os.path.isdir(_dir):
@@ -194,20 +249,21 @@ def _open_locked() -> bool:
                       0o600)
     except OSError as exc:
         ENABLED = False
+        _buffer.clear()
         if not _warned:
             _warned = True
             log.warning("cannot write the trace file %s (%s): not tracing this process",
                         path, exc)
         return False
-    _next_id = 1
+    _file_pid, _next_id = _pid, 1
     name = json.dumps(f"cachemw {multiprocessing.current_process().name} ({_pid})")
     _write(f'[\n{{"id":0,"name":"process_name","cat":"dftracer","pid":{_pid},'
-           f'"tid":{threading.get_native_id()},"ph":"M","args":{{"name":{name}}}}}\n'.encode())
+           f'"tid":{_thread_id()},"ph":"M","args":{{"name":{name}}}}}\n'.encode())
     return True
 
 
 def _write(data: bytes) -> None:
-    global _fd, ENABLED
+    global ENABLED
     try:
         while data:
             data = data[os.write(_fd, data):]
@@ -233,8 +289,8 @@ def _ensure_exit_hook() -> None:
     on their first event (a child clears the finalizers it inherited once it runs, after
     any fork hook: registering at fork would be undone)."""
     global _hooked_pid
-    if _hooked_pid != os.getpid():
-        _hooked_pid = os.getpid()
+    if _hooked_pid != _pid:
+        _hooked_pid = _pid
         atexit.register(_at_exit)
         multiprocessing.util.Finalize(None, _at_exit, exitpriority=0)
 
@@ -247,11 +303,12 @@ def _at_exit() -> None:
 def _after_fork_in_child() -> None:
     """A forked child traces into a file of its own; the parent's buffered events stay the
     parent's to write."""
-    global _lock, _buffer, _fd, _local, _closed
+    global _lock, _buffer, _fd, _pending, _pid, _closed
+    _pid = os.getpid()
     _lock = threading.Lock()
-    _buffer = []
+    _buffer = collections.deque()
     _fd = None  # the parent's descriptor (inherited) is not ours to write or close
-    _local = threading.local()
+    _pending = {}
     if ENABLED:
         _closed = False
 

@@ -243,8 +243,7 @@ class BlockReader:
         now = time.perf_counter()
         self.client.hit(piece.key, tier, len(data), now - started)
         if trace.ENABLED:
-            trace.event("hit", trace.READ, started, now, {
-                "tier": tier, "file": piece.meta.path, "block": piece.index, "bytes": len(data)})
+            trace.block_event("hit", started, now, tier, piece.meta.path, piece.index, len(data))
 
     def _took(self, counter: str, name: str, started: float, blocks: int) -> float:
         """Add the time since ``started`` to ``counter``; trace it as ``name``. Now."""
@@ -260,8 +259,8 @@ class BlockReader:
         self.client.count("source_seconds", now - started)
         self.client.count("source_reads")
         if trace.ENABLED:
-            trace.event("source_fetch", trace.READ, started, now, {
-                "file": piece.meta.path, "block": piece.index, "bytes": nbytes})
+            trace.block_event("source_fetch", started, now, "source", piece.meta.path,
+                              piece.index, nbytes)
 
     def _missed(self, started: float, now: float) -> None:
         """One block not in the node's tiers had its bytes ``now``: the miss latency."""
