@@ -14,9 +14,11 @@ handlers that call ``sys.exit`` (a daemon's clean stop, a Ray actor's, depend on
 own). The file format is the contract; writing it takes the small writer below.
 
 Cost: off, a caller checks ``ENABLED`` (a module attribute) once per read and allocates
-nothing. On, an event is a tuple appended under a lock; lines are formatted and written
-in batches (every 512 events or second), each batch whole lines with one ``write``, so a
-killed process leaves a file that still parses.
+nothing. On, an event is a tuple appended to a deque (no lock); lines are formatted and
+written in batches (every 512 events, or at the first event a second after the last
+batch), each batch whole lines with one ``write``, so a killed process leaves a file whose
+lines all parse. The events of the hit path (``block_event``) skip the dict of a general
+event.
 
 Nesting: Perfetto's JSON importer needs the X events of a thread properly nested, and
 reads a parent before its children when both start in the same microsecond only if it
@@ -63,7 +65,7 @@ _pending: dict[int, list] = {}  # thread -> the events of its open outermost spa
 _pid = os.getpid()  # this process (kept by the fork hook: no system call per event)
 _file_pid = 0  # the process the open file is for
 _next_id = 1
-_last_flush = 0.0
+_flush_at = 0.0  # perf_counter time of the next flush by time (0: at the next event)
 _closed = False
 _hooked_pid = 0
 _warned = False
@@ -110,33 +112,31 @@ def event(name: str, cat: str, start: float, end: float | None = None,
     values; ``end`` None: now). Call it only when ENABLED (its caller checks)."""
     if end is None:
         end = _now()
-    ts = int(start * 1e6)
     tid = _thread_id()
-    record = (name, cat, tid, ts + _OFFSET_US, int(end * 1e6) - ts, args)
-    pending = _pending.get(tid)
+    record = (name, cat, tid, start, end, args)
+    pending = _pending.get(tid) if _pending else None
     if pending is not None:  # inside a span of this thread: emitted with its outermost one
         pending.append(record)
         return
     _buffer.append(record)
-    if len(_buffer) >= FLUSH_EVENTS or end - _last_flush > FLUSH_SECONDS or _hooked_pid != _pid:
+    if len(_buffer) >= FLUSH_EVENTS or end > _flush_at:
         _due()
 
 
 def block_event(name: str, start: float, end: float, tier: str, path: str, block: int,
                 nbytes: int) -> None:
     """A read of one block (``hit``, ``source_fetch``): the events of the hit path, their
-    args (``tier``, ``file``, ``block``, ``bytes``) kept as a tuple and written from a fixed
-    template (a dict per event, and encoding it, cost as much as the rest of the event).
-    Call it only when ENABLED."""
-    ts = int(start * 1e6)
+    args (``tier``, ``file``, ``block``, ``bytes``) kept flat in the record and written from
+    a fixed template (a dict per event, and encoding it, cost as much as the rest of the
+    event; all conversion is left to the batch). Call it only when ENABLED."""
     tid = _thread_id()
-    record = (name, READ, tid, ts + _OFFSET_US, int(end * 1e6) - ts, (tier, path, block, nbytes))
-    pending = _pending.get(tid)
+    record = (name, tid, start, end, tier, path, block, nbytes)
+    pending = _pending.get(tid) if _pending else None
     if pending is not None:
         pending.append(record)
         return
     _buffer.append(record)
-    if len(_buffer) >= FLUSH_EVENTS or end - _last_flush > FLUSH_SECONDS or _hooked_pid != _pid:
+    if len(_buffer) >= FLUSH_EVENTS or end > _flush_at:
         _due()
 
 
@@ -167,9 +167,8 @@ class span:
         if exc_type is not None:
             self.args["error"] = exc_type.__name__
         end = _now()
-        ts = int(self.start * 1e6)
         tid = _thread_id()
-        record = (self.name, self.cat, tid, ts + _OFFSET_US, int(end * 1e6) - ts, self.args)
+        record = (self.name, self.cat, tid, self.start, end, self.args)
         pending = _pending.get(tid)
         if pending is None:  # the process forked inside the span: emit it alone
             _buffer.append(record)
@@ -178,14 +177,22 @@ class span:
             if not self.outermost:
                 return
             del _pending[tid]
-            pending.sort(key=lambda r: (r[3], -r[4]))
+            pending.sort(key=_start_first)
             _buffer.extend(pending)
-        if len(_buffer) >= FLUSH_EVENTS or end - _last_flush > FLUSH_SECONDS or _hooked_pid != _pid:
+        if len(_buffer) >= FLUSH_EVENTS or end > _flush_at:
             _due()
 
 
+def _start_first(record: tuple) -> tuple:
+    """Sort key: by start, the longer first (a parent before the children it starts with);
+    times as written (floored microseconds), so ties are seen as the file shows them."""
+    start, end = record[2:4] if len(record) == 8 else record[3:5]
+    ts = int(start * 1e6)
+    return ts, ts - int(end * 1e6)
+
+
 def _due() -> None:
-    if _hooked_pid != _pid:  # a child (DataLoader worker): its exit hook, now
+    if _hooked_pid != _pid:  # a child's first event (a DataLoader worker): its exit hook
         _ensure_exit_hook()
     with _lock:
         _flush_locked()
@@ -208,31 +215,35 @@ def _args(args: dict | None) -> str:
 
 
 def _flush_locked() -> None:
-    global _next_id, _last_flush
-    _last_flush = _now()
+    global _next_id, _flush_at
+    _flush_at = _now() + FLUSH_SECONDS
     if _closed:
         _buffer.clear()
         return
     if not _buffer or (_fd is None and not _open_locked()):
         return
-    n, lines, heads = _next_id, [], {}
+    n, lines, heads, offset = _next_id, [], {}, _OFFSET_US
     pop = _buffer.popleft
     while True:  # what other threads append meanwhile is written now or next time
         try:
-            name, cat, tid, ts, dur, args = pop()
+            record = pop()
         except IndexError:
             break
-        head = heads.get((name, cat))
-        if head is None:
-            head = heads[(name, cat)] = f'"name":"{name}","cat":"{cat}","pid":{_pid},"tid":'
-        if type(args) is tuple:  # block_event's
-            tier, path, block, nbytes = args
-            lines.append(f'{{"id":{n},{head}{tid},"ts":{ts},"dur":{dur},"ph":"X","args":'
-                         f'{{"tier":"{tier}","file":{_quote(path)},"block":{block},'
-                         f'"bytes":{nbytes}}}}}\n')
+        if len(record) == 8:  # block_event's
+            name, tid, start, end, tier, path, block, nbytes = record
+            ts = int(start * 1e6)
+            head = heads.get(name)
+            if head is None:
+                head = heads[name] = f'"name":"{name}","cat":"{READ}","pid":{_pid},"tid":'
+            lines.append(f'{{"id":{n},{head}{tid},"ts":{ts + offset},"dur":{int(end * 1e6) - ts},'
+                         f'"ph":"X","args":{{"tier":"{tier}","file":{_quote(path)},'
+                         f'"block":{block},"bytes":{nbytes}}}}}\n')
         else:
-            lines.append(f'{{"id":{n},{head}{tid},"ts":{ts},"dur":{dur},"ph":"X","args":'
-                         f'{_args(args)}}}\n')
+            name, cat, tid, start, end, args = record
+            ts = int(start * 1e6)
+            lines.append(f'{{"id":{n},"name":"{name}","cat":"{cat}","pid":{_pid},"tid":{tid},'
+                         f'"ts":{ts + offset},"dur":{int(end * 1e6) - ts},"ph":"X",'
+                         f'"args":{_args(args)}}}\n')
         n += 1
     _next_id = n
     _write("".join(lines).encode())
@@ -303,8 +314,9 @@ def _at_exit() -> None:
 def _after_fork_in_child() -> None:
     """A forked child traces into a file of its own; the parent's buffered events stay the
     parent's to write."""
-    global _lock, _buffer, _fd, _pending, _pid, _closed
+    global _lock, _buffer, _fd, _pending, _pid, _closed, _flush_at
     _pid = os.getpid()
+    _flush_at = 0.0  # its first event flushes: its exit hook is made there
     _lock = threading.Lock()
     _buffer = collections.deque()
     _fd = None  # the parent's descriptor (inherited) is not ours to write or close
