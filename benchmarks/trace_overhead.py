@@ -1,6 +1,6 @@
 """What tracing costs on the hit path (issue 15): hits/s of ``cat_file`` on cached files
-with tracing off and on (``CACHEMW_TRACE``), and, with ``--baseline-rev``, with the code of
-that revision (before the trace and read-time hooks), all in the same run.
+with tracing (cachemw.trace) off and on, and, with ``--baseline-rev``, with the code of that
+revision (before the trace and read-time hooks), all in the same run.
 
     python benchmarks/trace_overhead.py                        # off vs on
     python benchmarks/trace_overhead.py --baseline-rev afcb71c # also off vs that revision
@@ -15,14 +15,15 @@ events all written within it; the trace file in /dev/shm), the baseline's plain,
 alternating order. On / off compares passes of the same process; off / baseline
 passes of two processes, fresh ones per session, so one process's luck (its core, its memory
 layout) does not bias a variant. A session's ratio is the median of its per-pass ratios;
-printed: the min / median / max over sessions. Passes are timed in the reader's CPU time (the hit path
-does no waiting: the daemon takes no part in a hit, so on a machine shared with other work
-this is the steadier measure of what the code costs) and in wall time. Targets: off /
-baseline within noise, on / off >= 0.90.
+printed: the min / median / max over sessions. Passes are timed in the reader's CPU time
+(the hit path does no waiting: the daemon takes no part in a hit, so on a machine shared
+with other work this is the steadier measure of what the code costs) and in wall time.
+Targets: off / baseline within noise, on / off >= 0.90.
 """
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import statistics
@@ -31,7 +32,8 @@ import sys
 import tarfile
 import tempfile
 import time
-import io
+
+from cachemw.launch import stop_local
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,6 +95,7 @@ def reader(variant: str, src: str, work: str, baseline: str | None) -> subproces
     runtime_dir = tempfile.mkdtemp(prefix=f"rt-{variant}-", dir=work)
     proc = subprocess.Popen([sys.executable, "-c", READER, src, runtime_dir, trace_dir], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc.runtime_dir = runtime_dir
     if proc.stdout.readline().strip() != "ready":
         raise RuntimeError(f"the {variant} reader did not start")
     return proc
@@ -108,8 +111,12 @@ def one_pass(proc: subprocess.Popen, command: str) -> tuple[float, float]:
 
 
 def finish(proc: subprocess.Popen) -> None:
+    """End a reader and its daemon (which would otherwise outlive it by up to a second,
+    long enough to make its tier directory again under a removed work dir)."""
     proc.stdin.close()
-    if proc.wait(timeout=120) != 0:
+    code = proc.wait(timeout=120)
+    stop_local(proc.runtime_dir)
+    if code != 0:
         raise RuntimeError("a reader failed")
 
 
