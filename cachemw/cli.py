@@ -1,4 +1,4 @@
-"""The ``cachemw`` command: start/stop/status of daemons, stats, warm, bench."""
+"""The ``cachemw`` command: start/stop/status of daemons, stats, top, warm, bench."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import logging
 import socket
 import sys
 
-from . import bench, warm
+from . import bench, top, warm
 from .client.link import DaemonClient
 from .cluster import actor as daemon
 from .config import WarmConfig, format_size, parse_size, resolve_runtime_dir
@@ -30,12 +30,17 @@ def cmd_start(args) -> int:
     options = {k: v for k, v in {
         "dram_dir": args.dram_dir, "dram_capacity": args.dram_capacity,
         "nvme_dir": args.nvme_dir, "nvme_capacity": args.nvme_capacity,
-        "peer_timeout": args.peer_timeout}.items() if v is not None}
+        "peer_timeout": args.peer_timeout, "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host, "trace_dir": args.trace}.items() if v is not None}
     addresses = daemon.start(args.address, runtime_dir=_runtime_dir(args), **options)
     for a in addresses:
         tiers = ", ".join(f"{t['name']}={t['path']} ({format_size(t['capacity'])})" for t in a["tiers"])
         print(f"daemon on node {a['node_id']}: {a['socket']}  tiers: {tiers}")
     return 0
+
+
+def _metrics(stats: dict) -> str:
+    return f", metrics {stats['metrics']}" if stats.get("metrics") else ""
 
 
 def cmd_stop(args) -> int:
@@ -63,12 +68,13 @@ def cmd_status(args) -> int:
         else:
             tiers = ", ".join(f"{k} {format_size(t['used_bytes'])}/{format_size(t['capacity_bytes'])}"
                               for k, t in s["tiers"].items())
-            print(f"node {n['node_id']}: daemon pid {s['pid']}, {tiers}")
+            print(f"node {n['node_id']}: daemon pid {s['pid']}, {tiers}{_metrics(s)}")
     if not nodes:
         if local is None:
             print("no cachemw daemon runs (start one with `cachemw start`)")
             return 1
-        print(f"local {local['node_id']} daemon (not Ray-managed), pid {local['pid']}")
+        print(f"local {local['node_id']} daemon (not Ray-managed), pid {local['pid']}"
+              f"{_metrics(local)}")
     return 0
 
 
@@ -95,6 +101,12 @@ def cmd_stats(args) -> int:
         return 1
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
     return 0
+
+
+def cmd_top(args) -> int:
+    logging.getLogger("cachemw.client.link").setLevel(logging.ERROR)
+    return top.main(args.address, _runtime_dir(args), as_json=args.json,
+                    interval=args.interval)
 
 
 def cmd_warm(args) -> int:
@@ -141,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--peer-timeout", type=float, metavar="SECONDS",
                    help="how long a silent peer daemon may hold up a read before it is "
                         "read from the source instead (default 10)")
+    s.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on this port on every node (0: any free "
+                        "port, shown by `cachemw status`; default: none)")
+    s.add_argument("--metrics-host", metavar="ADDRESS",
+                   help="the address the metrics endpoint listens on (default 0.0.0.0)")
+    s.add_argument("--trace", metavar="DIR",
+                   help="the daemons write DFTracer traces (.pfw) into DIR")
     s.set_defaults(func=cmd_start)
 
     s = sub.add_parser("stop", help="stop the daemons (and the local Ray cachemw started)")
@@ -155,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="this node's cache statistics")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_stats)
+
+    s = sub.add_parser("top", help="live view of every node: tiers, hit ratio, MB/s, checkpoints")
+    s.add_argument("--address")
+    s.add_argument("--json", action="store_true", help="print one sample as JSON and exit")
+    s.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                   help="refresh period, and the span of the rates (default 1)")
+    s.set_defaults(func=cmd_top)
 
     s = sub.add_parser("warm", help="read files or directories into the cache (on every "
                        "node of a job at once: each node its own share)")

@@ -61,6 +61,7 @@ RING = "ring"
 STATS = "stats"
 PING = "ping"
 SHUTDOWN = "shutdown"
+CHECKPOINT = "checkpoint"
 BUSY = "busy"  # sent by the daemon, never by a client (see above)
 
 OPS: dict[str, Op] = {
@@ -80,6 +81,8 @@ OPS: dict[str, Op] = {
     STATS: Op(True, "-", "('ok', stats dict)"),
     PING: Op(True, "-", "('pong',)"),
     SHUTDOWN: Op(True, "-", "('ok',), then the daemon stops"),
+    CHECKPOINT: Op(False, "{event: begin|end, pid, start, step, stall | ok, bytes, durable}: "
+                          "a trainer's save, for the daemon's metrics (node/checkpoints.py)", "-"),
 }
 
 ANSWERED = frozenset(name for name, op in OPS.items() if op.answered)

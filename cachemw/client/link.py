@@ -415,14 +415,16 @@ class DaemonClient:
             self.counters[name] += n
             self._unsent[name] += n
 
-    def hit(self, key: str, tier: str, nbytes: int) -> None:
+    def hit(self, key: str, tier: str, nbytes: int, seconds: float = 0.0) -> None:
         if _exit_hook_pid != self._pid:
             _ensure_exit_hook()
         with self._lock:
             self.counters["hits"] += 1
             self.counters["hit_bytes"] += nbytes
+            self.counters["hit_seconds"] += seconds
             self._unsent["hits"] += 1
             self._unsent["hit_bytes"] += nbytes
+            self._unsent["hit_seconds"] += seconds
             self._tier_hit_bytes[tier] = self._tier_hit_bytes.get(tier, 0) + nbytes
             self._accesses.append((key, tier))
             due = len(self._accesses) >= 4096

@@ -12,7 +12,7 @@ import os
 import stat
 import time
 
-from .. import blockfile
+from .. import blockfile, trace
 from ..placement import Admit, Demote, Evict, Promote
 from .prefetch import run_prefetch
 
@@ -83,6 +83,7 @@ class MoveRunner:
         back to the engine (drop), never retried blindly."""
         with self._moves_lock:
             for move in moves:
+                started = time.perf_counter()
                 try:
                     self._run_one(move)
                 except OSError as exc:  # a failing tier: forget the block, never stop
@@ -90,6 +91,9 @@ class MoveRunner:
                     self.placer.drop(move.key)
                     with self._lock:
                         self._remove_locked(move.key)
+                if trace.ENABLED:
+                    trace.event(type(move).__name__.lower(), trace.PLACEMENT, started, None,
+                                {k: v for k, v in vars(move).items() if k != "key"})
 
     def _run_one(self, move) -> None:
         if isinstance(move, Evict):

@@ -9,7 +9,9 @@ is finished or released here.
 from __future__ import annotations
 
 import logging
+import time
 
+from .. import trace
 from ..keys import url_tag
 from ..tiers.source import ChangedSourceError, source_for
 
@@ -35,6 +37,7 @@ def _fetch_one(node, move, url, source, fill) -> None:
     the node lock unless evicted or invalidated meanwhile (NodeCache.land); if a reader
     waiting on it has published it already, nothing is left to do."""
     target_json, path, index, block_size, file_size, version = source
+    started = time.perf_counter()
     try:
         # the announced version or nothing: a block is kept under its version's key
         block = source_for(target_json).read_block(path, index, block_size, file_size, version)
@@ -47,6 +50,9 @@ def _fetch_one(node, move, url, source, fill) -> None:
         log.warning("prefetch of %s block %d failed: %s", url, index, exc)
     else:
         node.land(move.key, fill, stored)
+        if trace.ENABLED:
+            trace.event("prefetch", trace.PLACEMENT, started, None,
+                        {"file": path, "block": index, "tier": move.tier, "bytes": len(block)})
         node.count("prefetched")
         node.count("bytes_from_source", len(block))
         return
