@@ -218,8 +218,10 @@ class MetadataCache:
         for entry in listing:  # prime per-file info: listing a dataset costs one call
             name = entry.get("name")
             # not from a symlink's entry: fsspec's local listing gives the link's own
-            # mtime and inode there, not its target's (the version a read would see)
-            if name and entry.get("type") == "file" and name != path and not entry.get("islink"):
+            # mtime and inode there, not its target's (the version a read would see); nor
+            # from one without a size (fsspec's HTTP listing: links only), which is no version
+            if name and entry.get("type") == "file" and name != path and not entry.get("islink") \
+                    and isinstance(entry.get("size"), int):
                 self._infos.setdefault(name, (entry, fetched))
         return listing
 
