@@ -174,3 +174,35 @@ def test_storefs_writes_streams_and_manages_files(store_root):
         fs.rm(base, recursive=True)
         assert not (store_root / "ckpt").exists()
         assert s.stats()["bytes_received"] == len(payload)
+
+
+@pytest.mark.timeout(90)
+def test_an_announced_epoch_asks_for_metadata_and_prefetches_concurrently(tmp_path, runtime_dir):
+    """cachemw over a store whose listing gives no versions (HTTP): announcing an epoch asks
+    for each file's metadata (a HEAD each) and the daemon prefetches the announced blocks.
+    One request at a time, a 2,048-file epoch's announcement held the trainer for seconds
+    and the prefetcher was no faster than one reader (readers wait on planned fills)."""
+    from conftest import daemon_stats, wait_for
+
+    root = tmp_path / "store"
+    (root / "train").mkdir(parents=True)
+    for i in range(12):
+        (root / "train" / f"f{i:02d}.bin").write_bytes(os.urandom(8192) + bytes([i]))
+    profile = StoreProfile(latency=0.05, bandwidth=0, meta_latency=0.05)
+    with EmulatedStore(str(root), profile) as s:
+        try:
+            fs = fsspec.filesystem("cachemw", target_protocol="http", runtime_dir=runtime_dir,
+                                   validate="immutable", skip_instance_cache=True)
+            assert fs.client.connected()
+            urls = [f"{s.url}/train/f{i:02d}.bin" for i in range(12)]
+            assert fs.announce(urls) == 12
+            assert s.stats()["requests"]["head"] == 12
+            assert s.stats()["peak_in_flight"]["meta"] > 1
+            wait_for(lambda: daemon_stats(runtime_dir)["counters"].get("prefetched", 0) == 12,
+                     timeout=30, what="the 12 announced files prefetched")
+            assert s.stats()["peak_in_flight"]["data"] > 1
+            for i, url in enumerate(urls):  # and they are hits, with the right bytes
+                assert fs.cat_file(url)[-1] == i
+            assert fs.stats()["hits"] == 12 and s.stats()["requests"]["get_range"] == 12
+        finally:
+            stop_local(runtime_dir)

@@ -23,7 +23,8 @@ It speaks what cachemw's HTTP source needs to pin a read to one version of a fil
 (206), ``If-Match`` (412 when the file has another ETag). Writes (for checkpoints, through
 ``storefs.StoreFileSystem``): ``PUT`` (written under a temp name, fsynced, renamed),
 ``DELETE``, ``POST ?op=mkdir``, ``POST ?op=mv&to=PATH``; ``GET DIR?list=json`` lists with
-sizes. ``GET /_store/stats`` returns request and byte counters (no latency).
+sizes. ``GET /_store/stats`` returns request and byte counters and the most requests seen
+in flight at once (no latency).
 
 Run: ``python -m cachemw.job.store --root DIR [--port 0] [--latency-ms 10] ...``; it prints
 ``listening on http://HOST:PORT`` and exits when its standard input closes (so it never
@@ -45,32 +46,10 @@ import uuid
 
 from aiohttp import web
 
+from .settings import StoreProfile
+
 PIECE = 64 * 1024  # bytes per reservation on the shared link
 STATS_PATH = "/_store/stats"
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreProfile:
-    """How slow the emulated store is. Seconds and bytes per second; 0 = no limit."""
-
-    latency: float = 0.010
-    bandwidth: float = 200 * 1024 * 1024
-    meta_latency: float = 0.004
-
-    def __post_init__(self) -> None:
-        for name in ("latency", "bandwidth", "meta_latency"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"store profile: {name} must be a number >= 0, got {value!r}")
-
-    def describe(self) -> str:
-        bw = f"{self.bandwidth / 2**20:.0f} MiB/s shared" if self.bandwidth else "unlimited bandwidth"
-        return (f"{self.latency * 1e3:g} ms per data request, {self.meta_latency * 1e3:g} ms "
-                f"per metadata request, {bw}")
-
-    def arguments(self) -> list[str]:
-        return ["--latency-ms", repr(self.latency * 1e3), "--meta-latency-ms",
-                repr(self.meta_latency * 1e3), "--bandwidth", repr(float(self.bandwidth))]
 
 
 def etag_of(st: os.stat_result) -> str:
@@ -124,9 +103,12 @@ class Store:
         self.profile = profile
         self.link = Link(profile.bandwidth)
         self.counts = {k: 0 for k in ("get", "get_range", "head", "list", "put", "delete",
-                                      "mkdir", "mv", "precondition_failed", "not_found")}
+                                      "mkdir", "mv", "precondition_failed", "not_found",
+                                      "aborted")}
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.in_flight = {"data": 0, "meta": 0}
+        self.peak_in_flight = {"data": 0, "meta": 0}
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -149,8 +131,19 @@ class Store:
     # -- handlers ----------------------------------------------------------------------
 
     async def handle(self, request):
+        """Dispatch; counts the requests in flight at once, data (GET, PUT) and metadata
+        (the rest) apart: how much concurrency a client really gets from the store."""
         if request.path == STATS_PATH:
             return self.stats_response()
+        kind = "data" if request.method in ("GET", "PUT") else "meta"
+        self.in_flight[kind] += 1
+        self.peak_in_flight[kind] = max(self.peak_in_flight[kind], self.in_flight[kind])
+        try:
+            return await self.dispatch(request)
+        finally:
+            self.in_flight[kind] -= 1
+
+    async def dispatch(self, request):
         try:
             path = self.local(request.path)
         except PermissionError:
@@ -180,6 +173,7 @@ class Store:
     def stats_response(self):
         return web.json_response({"requests": dict(self.counts), "bytes_sent": self.bytes_sent,
                                   "bytes_received": self.bytes_received,
+                                  "peak_in_flight": dict(self.peak_in_flight),
                                   "profile": dataclasses.asdict(self.profile)})
 
     def listing(self, request, path: str):
@@ -244,15 +238,18 @@ class Store:
             resp = web.StreamResponse(status=206 if rng is not None else 200, headers=headers)
             await resp.prepare(request)
             pos = start
-            while pos < end:
-                piece = os.pread(f.fileno(), min(PIECE, end - pos), pos)
-                if not piece:
-                    break
-                await self.link.take(len(piece))
-                await resp.write(piece)
-                pos += len(piece)
-                self.bytes_sent += len(piece)
-            await resp.write_eof()
+            try:
+                while pos < end:
+                    piece = os.pread(f.fileno(), min(PIECE, end - pos), pos)
+                    if not piece:
+                        break
+                    await self.link.take(len(piece))
+                    await resp.write(piece)
+                    pos += len(piece)
+                    self.bytes_sent += len(piece)
+                await resp.write_eof()
+            except ConnectionResetError:  # the client stopped reading (fsspec's HTTP
+                self.counts["aborted"] += 1  # exists() is a GET it closes after the headers)
             return resp
 
     async def put(self, request, path: str):
