@@ -17,7 +17,7 @@ TINY = ["--set", "dataset.num_files_train=24", "--set", "reader.batch_size=4",
         "--set", "reader.read_threads=1", "--set", "train.epochs=2",
         "--set", "train.computation_time=0.005", "--set", "model.model_size_bytes=1048576",
         "--set", "checkpoint.steps_between_checkpoints=3",
-        "--set", "dataset.record_length_bytes=4096", "--quiet"]
+        "--set", "dataset.record_length_bytes=4096", "--checkpoint-saves", "2", "--quiet"]
 
 
 def _job_dirs() -> set:

@@ -32,8 +32,9 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoints", default=",".join(METHODS), metavar="LIST",
                    help="checkpoint methods to compare, comma-separated, or none "
                         f"(default: all: {','.join(METHODS)})")
-    p.add_argument("--checkpoint-epochs", type=int, default=1, metavar="N",
-                   help="epochs trained per checkpoint method (default 1)")
+    p.add_argument("--checkpoint-saves", type=int, default=3, metavar="N",
+                   help="checkpoints per method, on the workload's schedule (checkpoint.*); "
+                        "as many epochs are trained as that takes (default 3)")
     p.add_argument("--out", default="cachemw-job", metavar="DIR",
                    help="where results.json, results.png and results.txt go (default ./cachemw-job)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

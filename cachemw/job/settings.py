@@ -59,7 +59,7 @@ class JobSettings:
     source_options: dict = dataclasses.field(default_factory=dict)
     systems: tuple = SYSTEMS
     methods: tuple = METHODS
-    checkpoint_epochs: int = 1
+    checkpoint_saves: int = 3  # saves per checkpoint method (whole epochs are trained)
     out_dir: str = "cachemw-job"
     progress: bool = True
 
@@ -72,5 +72,5 @@ class JobSettings:
         if unknown:
             raise ValueError(f"checkpoint methods: expected some of {', '.join(METHODS)}, "
                              f"got {', '.join(unknown)}")
-        if self.checkpoint_epochs < 1:
-            raise ValueError(f"checkpoint_epochs: must be >= 1, got {self.checkpoint_epochs}")
+        if self.checkpoint_saves < 1:
+            raise ValueError(f"checkpoint_saves: must be >= 1, got {self.checkpoint_saves}")

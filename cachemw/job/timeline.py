@@ -70,7 +70,10 @@ class Epoch:
                 "io_wait_s": self.io_wait, "compute_s": self.compute,
                 "checkpoint_stall_s": self.checkpoint_stall,
                 "au": self.au(exclude_start, exclude_end),
-                "first_step_s": (self.steps[0].end if self.steps else math.nan)}
+                "first_step_s": (self.steps[0].end if self.steps else math.nan),
+                # every step: [load, compute, checkpoint, end] in seconds
+                "steps_s": [[round(s.load, 6), round(s.compute, 6), round(s.checkpoint, 6),
+                             round(s.end, 6)] for s in self.steps]}
 
 
 def accelerator_utilisation(steps, exclude_start: int = 1, exclude_end: int = 0) -> float:

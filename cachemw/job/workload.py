@@ -232,6 +232,14 @@ class Workload:
                 (epoch - self.checkpoint_after_epoch) % self.epochs_between_checkpoints == 0)
 
 
+    def epochs_for_saves(self, saves: int) -> int:
+        """Whole epochs to train for ``saves`` checkpoints on the workload's schedule."""
+        if self.steps_between_checkpoints > 0:
+            steps = saves * self.steps_between_checkpoints
+            return max(1, -(-steps // max(1, self.steps_per_epoch)))
+        return self.checkpoint_after_epoch + (saves - 1) * self.epochs_between_checkpoints
+
+
 def _key_of(field: str) -> str:
     for key, (f, _) in EMULATED.items():
         if f == field:
