@@ -88,3 +88,23 @@ def test_the_job_against_a_directory(tmp_path):
     assert not (source / "cachemw-job" / "checkpoints").exists()  # removed after the run
     second = _job(args, tmp_path)  # the dataset is found complete and read again
     assert "wrote" not in second.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_job_against_an_object_store_url(tmp_path, s3_server):
+    """``--source s3://...`` (moto): the dataset written there through s3fs, read directly
+    and through cachemw::s3, checkpoints written there by each method and removed after."""
+    url = f"s3://{s3_server['bucket']}/jobrun"
+    run = _job([*TINY, "--source", url, "--source-options", json.dumps(s3_server["target_options"]),
+                "--systems", "direct,cachemw", "--out", str(tmp_path / "out")], tmp_path)
+    assert "wrote 24 dataset files" in run.stderr
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [len(s["epochs"]) for s in res["systems"].values()] == [2, 2]
+    for key in ("torch.save", "dcp.async_save", "Checkpointer"):
+        saves = res["checkpoints"]["methods"][key]["saves"]
+        assert len(saves) == 2 and all(s["error"] is None for s in saves), (key, saves)
+    keys = [o["Key"] for o in s3_server["boto3"]().list_objects_v2(
+        Bucket=s3_server["bucket"], Prefix="jobrun/").get("Contents", [])]
+    assert len([k for k in keys if "/train/" in k]) == 24
+    assert not [k for k in keys if "/checkpoints/" in k]

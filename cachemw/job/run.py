@@ -56,6 +56,11 @@ def _prepare(settings: JobSettings, work: str, bar):
         src = sources.local_source(settings.source, wl)
     else:
         src = sources.url_source(settings.source, settings.source_options, wl)
+        # the store's options as fsspec's defaults for its protocol, in this process and
+        # its workers: checkpoint methods open their root by URL alone (the Checkpointer,
+        # DCP), as a user's job would with a configured fsspec
+        fsspec.config.conf[src.protocol] = {**fsspec.config.conf.get(src.protocol, {}),
+                                            **settings.source_options}
     if src.protocol in ("http", "https"):  # read-only: the dataset must be there already
         return src, None
     written = sources.generate(src.fs(), src.train_dir, wl)
