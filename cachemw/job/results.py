@@ -182,7 +182,7 @@ def write_png(results: dict, path: str) -> None:
     for ax in axes[:2]:
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8, loc="lower right")
+    axes[0].legend(fontsize=8, loc="best")
     if ck:
         names = [k for k in ck["methods"] if k != "none"]
         stalls = [_median_stall(ck, k) or 0.0 for k in names]
