@@ -2,8 +2,8 @@
 process of its own, read through fsspec's own HTTP filesystem and through cachemw::http.
 
 Timing checks are lower bounds with a margin (the server's waits are sleeps and its link a
-reservation, so they cannot come out shorter) plus one generous upper bound that tells
-overlapping latencies from serialised ones."""
+reservation, so they cannot come out shorter); that requests overlap is read from the
+server's count of requests in flight, not from a clock."""
 from __future__ import annotations
 
 import multiprocessing
@@ -44,10 +44,9 @@ def test_each_data_request_waits_the_latency_and_requests_in_flight_wait_side_by
         for _ in range(5):
             fs.cat_file(url)
         assert time.perf_counter() - t >= 5 * 0.1 * 0.9
-        # 8 at once: about one latency, not eight (a thread each, fsspec's loop overlaps them)
-        t = time.perf_counter()
+        # 8 at once (fsspec's loop sends them together): they wait side by side
         fs.cat([f"{s.url}/train/f{i % 4}.bin" for i in range(8)])
-        assert time.perf_counter() - t < 8 * 0.1 * 0.75
+        assert s.stats()["peak_in_flight"]["data"] >= 2
 
 
 @pytest.mark.timeout(60)
