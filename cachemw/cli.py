@@ -1,4 +1,4 @@
-"""The ``cachemw`` command: start/stop/status of daemons, stats, top, warm, bench."""
+"""The ``cachemw`` command: start/stop/status of daemons, stats, top, warm, job, bench."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ from . import bench, top, warm
 from .client.link import DaemonClient
 from .cluster import actor as daemon
 from .config import WarmConfig, format_size, parse_size, resolve_runtime_dir
+from .job import command as job
 from .protocol import lock_holder, lookup
 from .report import format_stats
 
@@ -138,6 +139,10 @@ def cmd_bench(args) -> int:
     return bench.main(args)
 
 
+def cmd_job(args) -> int:
+    return job.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cachemw", description=__doc__)
     p.add_argument("--runtime-dir", help="where the daemon publishes its socket "
@@ -195,7 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress display")
     s.set_defaults(func=cmd_warm)
 
-    s = sub.add_parser("bench", help="the DLIO-style read benchmark (the main job)")
+    s = sub.add_parser("job", help="the main job: DLIO-style training on an emulated slow "
+                       "shared store, read paths and checkpoint methods side by side")
+    job.add_arguments(s)
+    s.set_defaults(func=cmd_job)
+
+    s = sub.add_parser("bench", help="read 2,000 local files directly and through the cache "
+                       "(a quick node-cache check; the main job is `cachemw job`)")
     bench.add_arguments(s)
     s.set_defaults(func=cmd_bench)
     return p

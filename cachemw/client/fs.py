@@ -366,10 +366,10 @@ class CacheFileSystem(_Base):
         """Tell this node's daemon the files (or (path, start, end) ranges) about to be
         read, in order: placement turns clairvoyant and prefetches ahead of the reader.
         Returns the number of blocks announced; 0 if no daemon is reachable."""
+        entries = [(entry, None, None) if isinstance(entry, str) else entry for entry in paths]
+        metas = self.meta.files([self._strip_protocol(path) for path, _, _ in entries])
         items = []
-        for entry in paths:
-            path, start, end = (entry, None, None) if isinstance(entry, str) else entry
-            meta = self.meta.file(self._strip_protocol(path))
+        for (path, start, end), meta in zip(entries, metas):
             start, end = clip(start, end, meta.size)
             items.extend(self.reader.announce_items(meta, start, end))
         sent = 0
