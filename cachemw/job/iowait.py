@@ -26,8 +26,6 @@ KINDS = (
     ("source", "source_seconds", "source_reads"),
     ("lease_wait", "lease_seconds", "lease_requests"),
 )
-FIELDS = tuple(f"{kind}_s" for kind, _, _ in KINDS) + tuple(
-    f"{kind}_reads" for kind, _, _ in KINDS)
 
 
 def breakdown(before: dict | None, after: dict | None, complete: bool) -> dict | None:
