@@ -1,9 +1,9 @@
 """What a run of the job reports: the table, the JSON file of every figure, the PNG, and
 the targets of the main job checked against this run (ratios within the run).
 
-``READ_TIME_BREAKDOWN`` is the place, per cachemw epoch, for where the readers' time went
-(local hits, remote hits, the source, waiting on another process's fill); the daemon's
-per-source read-time counters fill it once they exist, until then it holds None.
+Per cachemw epoch, ``read_time_breakdown`` (iowait.py) says where the readers' time went:
+local hits, remote hits, the source, waiting on the daemon (leases); the table shows it
+as shares of the readers' seconds, which are summed over the workers reading at once.
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import statistics
 
 import matplotlib
 
+from .iowait import KINDS, shares
+
 matplotlib.use("Agg")  # files only, never a display
 import matplotlib.pyplot as plt  # noqa: E402
-
-READ_TIME_BREAKDOWN = ("hit_s", "remote_s", "source_s", "lease_wait_s")
 
 # (key, description, threshold): the issue's targets for the default profile
 TARGETS = (
@@ -119,6 +119,7 @@ def table(results: dict) -> str:
                 f"{_f(e['samples_per_s'], '.0f', 9)} {_f(e['mib_per_s'], '.1f', 7)} "
                 f"{_f(e['io_wait_s'], '.2f', 10)} {_f(100 * e['au'], '.1f', 6)} "
                 f"{_f(None if store is None else store / 2**20, '.1f', 9)}")
+    lines += _read_time_table(results)
     ck = results.get("checkpoints")
     if ck:
         lines += ["", f"checkpoints: {ck['state_mib']:.0f} MiB state, {ck['schedule']}, "
@@ -146,6 +147,27 @@ def table(results: dict) -> str:
         lines.append(f"  {t['what']}: {_f(t['value'], '.3f', 0).strip()} "
                      f"(target {t['threshold']}): {state}")
     return "\n".join(lines)
+
+
+def _read_time_table(results: dict) -> list[str]:
+    """Where cachemw's readers spent their time, per epoch: shares of their seconds."""
+    rows = [(system["label"], e) for system in results.get("systems", {}).values()
+            for e in system["epochs"] if e.get("read_time_breakdown")]
+    if not rows:
+        return []
+    lines = ["", "where cachemw's I/O wait went: shares of the readers' seconds (summed over "
+                 "the DataLoader workers reading at once: not wall time)",
+             f"{'system':<30} {'epoch':>5} {'reader s':>8} {'hit %':>6} {'remote %':>8} "
+             f"{'source %':>8} {'lease %':>7}  reads hit/remote/source/lease"]
+    for label, e in rows:
+        b = e["read_time_breakdown"]
+        share = shares(b) or {}
+        cells = " ".join(_f(None if kind not in share else 100 * share[kind], ".1f", width)
+                         for (kind, _, _), width in zip(KINDS, (6, 8, 8, 7)))
+        reads = "/".join(str(b[f"{kind}_reads"]) for kind, _, _ in KINDS)
+        lines.append(f"{label:<30} {e['epoch']:>5} {_f(b['readers_s'], '.2f', 8)} {cells}  "
+                     f"{reads}" + ("" if b["complete"] else "  (a worker's counts missing)"))
+    return lines
 
 
 # -- the files -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from ..checkpoint import quiet
 from ..config import parse_size
 from . import checkpoints as ck
+from . import iowait
 from . import results as report
 from . import source as sources
 from . import storefs
@@ -80,16 +81,15 @@ def _delta(after: dict | None, before: dict | None, keys) -> dict | None:
 
 
 def _epoch_record(epoch, wl: Workload, store_before, store_after, counters_before, counters_after,
-                  cachemw: bool) -> dict:
+                  complete: bool) -> dict:
     out = epoch.summary(wl.exclude_start_steps, wl.exclude_end_steps)
     if store_before is not None:
         out["store_bytes"] = store_after["bytes_sent"] - store_before["bytes_sent"]
         out["store_requests"] = _delta(store_after["requests"], store_before["requests"],
                                        store_after["requests"])
     out["daemon"] = _delta(counters_after, counters_before, COUNTERS)
-    # where cachemw's readers spent their time: wired to the daemon's per-source
-    # read-time counters once it has them
-    out["read_time_breakdown"] = dict.fromkeys(report.READ_TIME_BREAKDOWN) if cachemw else None
+    # where cachemw's readers spent their time (None for the other systems)
+    out["read_time_breakdown"] = iowait.breakdown(counters_before, counters_after, complete)
     return out
 
 
@@ -100,8 +100,10 @@ def _train(system, loader, wl: Workload, store, bar, epochs, label, checkpoint=N
         bar.set_description(f"{label} epoch {e}/{epochs}")
         s0, c0 = _store_counts(store), system.daemon_counters()
         epoch, step = train_epoch(loader, wl, e, step, compute, checkpoint, on_step=bar.update)
+        flusher = loader.dataset.flusher  # the workers' last counts, before the snapshot
+        complete = flusher.flush() if flusher is not None else True
         s1, c1 = _store_counts(store), system.daemon_counters()
-        rec = _epoch_record(epoch, wl, s0, s1, c0, c1, system.cachemw)
+        rec = _epoch_record(epoch, wl, s0, s1, c0, c1, complete)
         out.append(rec)
         _say(bar, f"{label:<34} epoch {e}: {rec['wall_s']:6.2f} s, "
                   f"{rec['samples_per_s']:7.0f} samples/s, AU {100 * rec['au']:5.1f} %, "
@@ -117,6 +119,8 @@ def _run_system(system, src, wl: Workload, store, bar) -> tuple[dict, object]:
     listed = time.perf_counter()
     entries = sources.entries(names, wl)
     dataset = SampleDataset(system.opener, entries)
+    if system.cachemw and wl.read_threads > 0:
+        dataset.flusher = iowait.WorkerFlush(wl.multiprocessing_context, wl.read_threads)
     loader = make_loader(dataset, wl, system.sampler(base_sampler(wl, len(entries)), entries))
     epochs = _train(system, loader, wl, store, bar, wl.epochs, system.label)
     return {"label": system.label, "start_s": started - t0, "listing_s": listed - started,

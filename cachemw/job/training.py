@@ -53,6 +53,7 @@ class SampleDataset(torch.utils.data.Dataset):
     def __init__(self, opener: Opener, entries: Sequence[Entry]) -> None:
         self.opener = opener
         self.entries = list(entries)
+        self.flusher = None  # an iowait.WorkerFlush, for cachemw's per-epoch counts
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -89,12 +90,21 @@ def base_sampler(workload: Workload, n: int):
     return torch.utils.data.RandomSampler(range(n), generator=g)
 
 
+def worker_init(worker_id: int) -> None:
+    """The loader's worker_init_fn: start the dataset's flush thread (iowait.WorkerFlush)."""
+    info = torch.utils.data.get_worker_info()
+    flusher = getattr(info.dataset, "flusher", None)
+    if flusher is not None:
+        flusher.start_in_worker(worker_id, info.dataset.opener.fs)
+
+
 def make_loader(dataset, workload: Workload, sampler) -> torch.utils.data.DataLoader:
     workers = workload.read_threads
     extra = {}
     if workers > 0:
         extra = {"persistent_workers": True, "prefetch_factor": workload.prefetch_factor,
-                 "multiprocessing_context": workload.multiprocessing_context}
+                 "multiprocessing_context": workload.multiprocessing_context,
+                 "worker_init_fn": worker_init}
     return torch.utils.data.DataLoader(dataset, batch_size=workload.batch_size, sampler=sampler,
                                        num_workers=workers, collate_fn=collate,
                                        drop_last=True, pin_memory=False, **extra)
