@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/cachemw bench
+	$(BIN)/cachemw job
 
 test: $(STAMP)
 	$(BIN)/pytest

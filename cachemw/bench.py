@@ -1,4 +1,5 @@
-"""The main job (``cachemw bench``, ``make run``): a DLIO-style read workload.
+"""``cachemw bench``: a quick check of the node cache alone on local files (the main job,
+a DLIO-style training on an emulated slow shared store, is ``cachemw job``, cachemw/job/).
 
 Generates a synthetic dataset in a local directory standing for the PFS, then reads it for
 several epochs through a torch DataLoader (default start method) twice: directly from the

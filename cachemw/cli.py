@@ -1,16 +1,17 @@
-"""The ``cachemw`` command: start/stop/status of daemons, stats, warm, bench."""
+"""The ``cachemw`` command: start/stop/status of daemons, stats, top, warm, job, bench."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import os
+import socket
 import sys
 
-from . import bench
+from . import bench, top, warm
 from .client.link import DaemonClient
 from .cluster import actor as daemon
-from .config import format_size, parse_size, resolve_runtime_dir
+from .config import WarmConfig, format_size, parse_size, resolve_runtime_dir
+from .job import command as job
 from .protocol import lock_holder, lookup
 from .report import format_stats
 
@@ -30,12 +31,17 @@ def cmd_start(args) -> int:
     options = {k: v for k, v in {
         "dram_dir": args.dram_dir, "dram_capacity": args.dram_capacity,
         "nvme_dir": args.nvme_dir, "nvme_capacity": args.nvme_capacity,
-        "peer_timeout": args.peer_timeout}.items() if v is not None}
+        "peer_timeout": args.peer_timeout, "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host, "trace_dir": args.trace}.items() if v is not None}
     addresses = daemon.start(args.address, runtime_dir=_runtime_dir(args), **options)
     for a in addresses:
         tiers = ", ".join(f"{t['name']}={t['path']} ({format_size(t['capacity'])})" for t in a["tiers"])
         print(f"daemon on node {a['node_id']}: {a['socket']}  tiers: {tiers}")
     return 0
+
+
+def _metrics(stats: dict) -> str:
+    return f", metrics {stats['metrics']}" if stats.get("metrics") else ""
 
 
 def cmd_stop(args) -> int:
@@ -63,12 +69,13 @@ def cmd_status(args) -> int:
         else:
             tiers = ", ".join(f"{k} {format_size(t['used_bytes'])}/{format_size(t['capacity_bytes'])}"
                               for k, t in s["tiers"].items())
-            print(f"node {n['node_id']}: daemon pid {s['pid']}, {tiers}")
+            print(f"node {n['node_id']}: daemon pid {s['pid']}, {tiers}{_metrics(s)}")
     if not nodes:
         if local is None:
             print("no cachemw daemon runs (start one with `cachemw start`)")
             return 1
-        print(f"local {local['node_id']} daemon (not Ray-managed), pid {local['pid']}")
+        print(f"local {local['node_id']} daemon (not Ray-managed), pid {local['pid']}"
+              f"{_metrics(local)}")
     return 0
 
 
@@ -97,23 +104,43 @@ def cmd_stats(args) -> int:
     return 0
 
 
-def cmd_warm(args) -> int:
-    import fsspec
-    from tqdm import tqdm
+def cmd_top(args) -> int:
+    logging.getLogger("cachemw.client.link").setLevel(logging.ERROR)
+    return top.main(args.address, _runtime_dir(args), as_json=args.json,
+                    interval=args.interval)
 
-    total = 0
-    for url in args.urls:
-        local = "://" not in url and "::" not in url  # a path; cachemw:// URLs are absolute
-        fs, path = fsspec.core.url_to_fs(f"cachemw://{os.path.abspath(url)}" if local else url)
-        files = fs.find(path) if fs.isdir(path) else [path]
-        for f in tqdm(files, desc=f"warming {url}", unit="file", disable=args.quiet):
-            total += len(fs.cat_file(f))
-    print(f"warmed {format_size(total)}")
-    return 0
+
+def cmd_warm(args) -> int:
+    """Exit status: 0 every block of this node's share is cached; 1 some are not (each
+    reason said); 2 nothing was read (bad arguments, no daemon, a cluster of other size)."""
+    config = WarmConfig.build(nodes=args.nodes, ring_wait=args.ring_wait, threads=args.threads)
+    node = socket.gethostname()
+    progress = None if args.quiet or args.json else warm.progress_printer(node)
+    try:
+        report = warm.run(args.urls, config, progress=progress)
+    except warm.WarmError as exc:
+        print(f"cachemw warm: {node}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.as_dict()), flush=True)
+    else:
+        print(report.summary(), flush=True)
+    for path, why in list(report.errors.items())[:10]:
+        print(f"cachemw warm: {report.node}: not warmed: {path}: {why}", file=sys.stderr)
+    if len(report.errors) > 10:
+        print(f"cachemw warm: {report.node}: ... and {len(report.errors) - 10} more files "
+              f"not warmed", file=sys.stderr)
+    for note in report.notes:
+        print(f"cachemw warm: {report.node}: {note}", file=sys.stderr)
+    return 0 if report.ok else 1
 
 
 def cmd_bench(args) -> int:
     return bench.main(args)
+
+
+def cmd_job(args) -> int:
+    return job.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--peer-timeout", type=float, metavar="SECONDS",
                    help="how long a silent peer daemon may hold up a read before it is "
                         "read from the source instead (default 10)")
+    s.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on this port on every node (0: any free "
+                        "port, shown by `cachemw status`; default: none)")
+    s.add_argument("--metrics-host", metavar="ADDRESS",
+                   help="the address the metrics endpoint listens on (default 0.0.0.0)")
+    s.add_argument("--trace", metavar="DIR",
+                   help="the daemons write DFTracer traces (.pfw) into DIR")
     s.set_defaults(func=cmd_start)
 
     s = sub.add_parser("stop", help="stop the daemons (and the local Ray cachemw started)")
@@ -146,12 +180,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_stats)
 
-    s = sub.add_parser("warm", help="read files or directories through the cache")
+    s = sub.add_parser("top", help="live view of every node: tiers, hit ratio, MB/s, checkpoints")
+    s.add_argument("--address")
+    s.add_argument("--json", action="store_true", help="print one sample as JSON and exit")
+    s.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                   help="refresh period, and the span of the rates (default 1)")
+    s.set_defaults(func=cmd_top)
+
+    s = sub.add_parser("warm", help="read files or directories into the cache (on every "
+                       "node of a job at once: each node its own share)")
     s.add_argument("urls", nargs="+", help="cachemw::URL, any fsspec URL, or a local path")
-    s.add_argument("--quiet", action="store_true")
+    s.add_argument("--nodes", type=int, help="nodes warming together, one task each: each "
+                   "reads only the blocks its node owns (default: the Slurm step's node "
+                   "count under srun, else 1: this node reads everything)")
+    s.add_argument("--ring-wait", type=float, metavar="SECONDS", help="how long to wait for "
+                   "this node's daemon to see every node of its cluster (default 60)")
+    s.add_argument("--threads", type=int, help="batches of block reads in flight (default 8)")
+    s.add_argument("--json", action="store_true", help="print this node's report as JSON")
+    s.add_argument("--quiet", action="store_true", help="no progress display")
     s.set_defaults(func=cmd_warm)
 
-    s = sub.add_parser("bench", help="the DLIO-style read benchmark (the main job)")
+    s = sub.add_parser("job", help="the main job: DLIO-style training on an emulated slow "
+                       "shared store, read paths and checkpoint methods side by side")
+    job.add_arguments(s)
+    s.set_defaults(func=cmd_job)
+
+    s = sub.add_parser("bench", help="read 2,000 local files directly and through the cache "
+                       "(a quick node-cache check; the main job is `cachemw job`)")
     bench.add_arguments(s)
     s.set_defaults(func=cmd_bench)
     return p

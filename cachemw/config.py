@@ -84,6 +84,39 @@ def check_placement(placement: str | None, name: str) -> None:
         raise ValueError(f"{name}: must be one of {ONLINE_POLICIES}, got {placement!r}")
 
 
+def check_port(value, name: str) -> int | None:
+    """A TCP port to listen on: 0..65535 (0: any free port, the one taken is advertised);
+    None: none. Strings (from the environment) are parsed."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(f"{name}: expected a port number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(f"{name}: must be a port number 0-65535 (0: any free port), "
+                         f"got {value!r}")
+    return value
+
+
+def check_trace_dir(value, name: str) -> str | None:
+    """Where trace files go: an absolute directory (every process of a job, whatever its
+    working directory, must write to the same place); None or "": no tracing."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or "\0" in value or not os.path.isabs(value):
+        raise ValueError(f"{name}: must be an absolute directory path, got {value!r}")
+    return value
+
+
+def trace_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """``CACHEMW_TRACE``: the directory every process of a job writes its trace file to
+    (cachemw.trace reads it when imported); empty or unset: no tracing."""
+    env = os.environ if env is None else env
+    return check_trace_dir(env.get("CACHEMW_TRACE") or None, "CACHEMW_TRACE")
+
+
 def format_size(n: float) -> str:
     """``67108864`` -> ``"64.0 MiB"`` (binary units, as parse_size reads them)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -158,10 +191,18 @@ class DaemonConfig:
     node_id: str = "local"
     log_level: str = "INFO"
     placement: str | None = None  # policy name; None: clairvoyant once announced, else history
+    metrics_port: int | None = None  # Prometheus endpoint (cachemw.metrics); 0: any free port
+    metrics_host: str = "0.0.0.0"  # the address it listens on
+    trace_dir: str | None = None  # DFTracer trace files (cachemw.trace)
 
     def __post_init__(self) -> None:
         check_runtime_dir(self.runtime_dir)
         check_placement(self.placement, "placement")
+        object.__setattr__(self, "metrics_port", check_port(self.metrics_port, "metrics_port"))
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise ValueError(f"metrics_host: an address to listen on is required, got "
+                             f"{self.metrics_host!r}")
+        object.__setattr__(self, "trace_dir", check_trace_dir(self.trace_dir, "trace_dir"))
         if not self.tiers:
             raise ValueError("tiers: a daemon needs at least one tier")
         names = [t.name for t in self.tiers]
@@ -182,6 +223,9 @@ class DaemonConfig:
         runtime_dir: str | None = None,
         node_id: str | None = None,
         placement: str | None = None,
+        metrics_port: int | str | None = None,
+        metrics_host: str | None = None,
+        trace_dir: str | None = None,
         env: Mapping[str, str] | None = None,
         **unknown,
     ) -> "DaemonConfig":
@@ -212,6 +256,11 @@ class DaemonConfig:
         nvme_capacity, nvme_name = pick(nvme_capacity, "CACHEMW_NVME_CAPACITY", "nvme_capacity")
         placement, placement_name = pick(placement, "CACHEMW_PLACEMENT", "placement")
         check_placement(placement, placement_name)
+        metrics_port, port_name = pick(metrics_port, "CACHEMW_METRICS_PORT", "metrics_port")
+        metrics_port = check_port(metrics_port, port_name)
+        metrics_host, _ = pick(metrics_host, "CACHEMW_METRICS_HOST", "metrics_host")
+        trace, trace_name = pick(trace_dir, "CACHEMW_TRACE", "trace_dir")
+        trace = check_trace_dir(trace, trace_name)
         tiers = [_tier("dram", dram_dir, _default_dram_capacity() if dram_capacity is None
                        else dram_capacity, dram_name)]
         if nvme_dir:
@@ -226,6 +275,9 @@ class DaemonConfig:
             node_id=node_id or env.get("CACHEMW_NODE_ID") or "local",
             log_level=env.get("CACHEMW_LOG_LEVEL", "INFO"),
             placement=placement,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host or "0.0.0.0",
+            trace_dir=trace,
         )
 
     def to_dict(self) -> dict:
@@ -276,8 +328,11 @@ class CacheOptions:
     # how long the daemon may stay silent (hung, stopped) before a reader falls back to the
     # source; a daemon busy on a request says so meanwhile (client.py)
     daemon_timeout: float = 5.0
+    # a directory: this process (and the daemon it starts) writes DFTracer traces there
+    trace: str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "trace", check_trace_dir(self.trace, "trace"))
         if self.validate not in VALIDATE_MODES:
             raise ValueError(f"validate: must be one of {VALIDATE_MODES}, got {self.validate!r}")
         object.__setattr__(self, "ttl", check_seconds(self.ttl, "ttl", zero_ok=True))
@@ -309,6 +364,7 @@ class CacheOptions:
             "write_behind": env.get("CACHEMW_WRITE_BEHIND"),
             "daemon_timeout": _float_or_none(env.get("CACHEMW_DAEMON_TIMEOUT"),
                                              "CACHEMW_DAEMON_TIMEOUT"),
+            "trace": env.get("CACHEMW_TRACE") or None,
         }
         merged = {k: v for k, v in from_env.items() if v is not None}
         given = {k: v for k, v in kwargs.items() if v is not None}
@@ -329,6 +385,48 @@ def freeze_gc_in_workers(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     value = _bool_or_none(env.get("CACHEMW_GC_FREEZE"), "CACHEMW_GC_FREEZE")
     return True if value is None else value
+
+
+@dataclass(frozen=True)
+class WarmConfig:
+    """``cachemw warm``: how many nodes warm together (each then reads only the blocks its
+    node owns), which task of its node this one is (only the first of a node works), how
+    long to wait for the node's daemon to see the whole cache cluster, and reads in flight."""
+
+    nodes: int = 1
+    local_task: int = 0
+    ring_wait: float = 60.0
+    threads: int = 8
+
+    def __post_init__(self) -> None:
+        for name, low in (("nodes", 1), ("local_task", 0), ("threads", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: must be a whole number >= {low}, got {value!r}")
+        object.__setattr__(self, "ring_wait", check_seconds(self.ring_wait, "ring_wait",
+                                                            zero_ok=True))
+
+    @classmethod
+    def build(cls, *, nodes: int | None = None, ring_wait: float | None = None,
+              threads: int | None = None, env: Mapping[str, str] | None = None) -> "WarmConfig":
+        """Keywords win; inside a Slurm step (``srun``) the step's node count
+        (``SLURM_STEP_NUM_NODES``) is the default of ``nodes`` and ``SLURM_LOCALID`` says
+        which task of its node this is; elsewhere one node warms alone."""
+        env = os.environ if env is None else env
+        step_nodes = _int_or_none(env.get("SLURM_STEP_NUM_NODES"), "SLURM_STEP_NUM_NODES")
+        local = _int_or_none(env.get("SLURM_LOCALID"), "SLURM_LOCALID")
+        options = {"nodes": nodes if nodes is not None else step_nodes,
+                   "local_task": local, "ring_wait": ring_wait, "threads": threads}
+        return cls(**{k: v for k, v in options.items() if v is not None})
+
+
+def _int_or_none(value: str | None, name: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}: expected a whole number, got {value!r}") from None
 
 
 def _float_or_none(value: str | None, name: str) -> float | None:

@@ -61,6 +61,7 @@ RING = "ring"
 STATS = "stats"
 PING = "ping"
 SHUTDOWN = "shutdown"
+CHECKPOINT = "checkpoint"
 BUSY = "busy"  # sent by the daemon, never by a client (see above)
 
 OPS: dict[str, Op] = {
@@ -75,10 +76,13 @@ OPS: dict[str, Op] = {
     DROP: Op(False, "key, reason ('corrupt', 'missing')", "-"),
     INVALIDATE: Op(True, "source url (written through the cache)",
                    "('ok', blocks dropped): answered once no block of it can be read"),
-    RING: Op(True, "-", "('ok', {members, vnodes, blocks, secret, timeout} or None)"),
+    RING: Op(True, "-", "('ok', {self, members, vnodes, blocks, secret, timeout, alive} "
+                        "or None: not in a cluster)"),
     STATS: Op(True, "-", "('ok', stats dict)"),
     PING: Op(True, "-", "('pong',)"),
     SHUTDOWN: Op(True, "-", "('ok',), then the daemon stops"),
+    CHECKPOINT: Op(False, "{event: begin|end, pid, start, step, stall | ok, bytes, durable}: "
+                          "a trainer's save, for the daemon's metrics (node/checkpoints.py)", "-"),
 }
 
 ANSWERED = frozenset(name for name, op in OPS.items() if op.answered)

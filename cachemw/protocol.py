@@ -26,6 +26,7 @@ import weakref
 from dataclasses import asdict, dataclass
 
 from .files import atomic_write
+from .readtime import MISS_COUNTERS, READ_TIME_COUNTERS
 
 # Counters clients add to through access reports; the daemon adds the rest.
 CLIENT_COUNTERS = (
@@ -34,7 +35,7 @@ CLIENT_COUNTERS = (
     "remote_hits",   # cached at their owner node, sent straight from there
     "remote_reads",  # owned elsewhere and not cached there yet: fetched by the owner
     "direct_failures",  # an owner's block server failed or timed out: read the usual way
-)
+) + READ_TIME_COUNTERS + MISS_COUNTERS  # where the readers' time went (readtime.py)
 
 REGISTRY = "daemon.json"
 LOCK = "daemon.lock"

@@ -27,5 +27,8 @@ def format_stats(stats: dict) -> str:
         f"{c['fallbacks']}; bypassed (not admitted): {c['bypassed']}",
         f"  corrupt blocks repaired: {c['corrupt_repaired']}; fill errors: {c['fill_errors']}; "
         f"blocks re-indexed at start: {c['reindexed']}",
+        f"  readers' time: hits {c.get('hit_seconds', 0):.2f} s, from other nodes "
+        f"{c.get('remote_hit_seconds', 0):.2f} s, waiting on the daemon "
+        f"{c.get('lease_seconds', 0):.2f} s, from source {c.get('source_seconds', 0):.2f} s",
     ]
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import time
 
@@ -99,8 +100,9 @@ def _parse(data: bytes) -> tuple[dict, list[tuple[str, str]]] | None:
                     for i in range(0, len(keys) - KEY_LENGTH + 1, KEY_LENGTH)]
     except (ValueError, KeyError, TypeError):
         return None
+    # counts are ints, the readers' seconds (cachemw.readtime) floats
     clean = {k: v for k, v in counters.items()
-             if isinstance(k, str) and type(v) is int and v >= 0}
+             if isinstance(k, str) and type(v) in (int, float) and 0 <= v < math.inf}
     tier_bytes = counters.get("tier_hit_bytes")
     if isinstance(tier_bytes, dict):
         clean["tier_hit_bytes"] = {t: n for t, n in tier_bytes.items()

@@ -2,9 +2,10 @@
 
 Block keys are already blake2b digests, so a key's position on the ring is its first 64
 bits: no hashing on the lookup path, one bisect (about a microsecond). Node positions are
-blake2b of ``node_id#i``, stable across processes and machines (never Python's ``hash()``).
-When a node leaves, only its share moves, spread over the others; when it comes back it
-takes the same share again.
+blake2b of ``name#i``, stable across processes and machines (never Python's ``hash()``);
+a node's name is its hostname (``ring_names``), so it keeps its share from one job to the
+next. When a node leaves, only its share moves, spread over the others; when it comes back
+it takes the same share again.
 """
 from __future__ import annotations
 
@@ -48,3 +49,19 @@ class HashRing:
             out[node] += (point - prev) / span
             prev = point
         return out
+
+
+def ring_names(hosts: dict[str, str]) -> dict[str, str]:
+    """Each node's name on the ring, from ``{node_id: hostname}`` of the alive nodes.
+
+    The hostname, so that a node keeps its place (and so the blocks it owns) from one job
+    to the next, when Ray gives it a new node id: a daemon that adopts its NVMe tier from
+    an earlier job then owns what the tier holds. Nodes sharing a hostname (several Ray
+    nodes on one machine) are named by their node id instead, as they keep no tier across
+    runs anyway (their directories name the node id).
+    """
+    counts: dict[str, int] = {}
+    for host in hosts.values():
+        counts[host] = counts.get(host, 0) + 1
+    return {node: host if host and counts[host] == 1 else node
+            for node, host in hosts.items()}

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from cachemw import trace
 from cachemw.node_daemon import node_daemon
 
 from . import watch as watch_channel
@@ -35,6 +36,7 @@ from .file_pool import sweep_pools
 from .errors import CheckpointBusyError, ChecksumError, CheckpointNotFoundError
 from .handle import SaveHandle
 from .layout import CheckpointDir, step_dir_name
+from .notes import note_begin, note_end
 from .planner import SpreadSavePlanner
 from .quiet import single_process_dcp
 from .reader import CachemwStorageReader
@@ -157,6 +159,11 @@ class Checkpointer:
     # -- saving -----------------------------------------------------------------------------
     def save(self, step: int, state: dict, *, if_busy: str | None = None) -> SaveHandle:
         """Snapshot ``state`` and return; write, commit and drain in the background."""
+        started = time.perf_counter()
+        with trace.span("save", trace.CHECKPOINT, step=step):
+            return self._save(step, state, if_busy, started)
+
+    def _save(self, step: int, state: dict, if_busy: str | None, started: float) -> SaveHandle:
         policy = if_busy or self.config.if_busy
         if policy not in BUSY_POLICIES:
             raise ValueError(f"if_busy must be one of {BUSY_POLICIES}, got {policy!r}")
@@ -168,11 +175,12 @@ class Checkpointer:
                 if policy == "wait":
                     for h in busy:
                         h._durable.wait()
-                prepared = self.fast_saver.prepare(step, lambda: to_state_dict(state),
-                                                   policy == "refuse" and bool(busy), self._stage)
+                with trace.span("snapshot", trace.CHECKPOINT, step=step):
+                    prepared = self.fast_saver.prepare(step, lambda: to_state_dict(state),
+                                                       policy == "refuse" and bool(busy), self._stage)
                 if prepared.pool is not None:
                     self.stager.close()  # buffers of an earlier fallback save (done by now) would be a 2nd copy
-                return self._submit(step, prepared.staged, prepared)
+                return self._submit(step, prepared.staged, prepared, started)
             if busy and policy == "refuse":
                 if not self.coord.no_dist:  # still take part in the vote, so the others refuse too
                     self._worker.submit(self._run, step, None, SaveHandle(step))
@@ -180,23 +188,33 @@ class Checkpointer:
             for h in busy:
                 h._durable.wait()
             try:
-                staged = self._stage(to_state_dict(state))
+                with trace.span("snapshot", trace.CHECKPOINT, step=step):
+                    staged = self._stage(to_state_dict(state))
             except Exception as exc:  # e.g. out of memory here only: the others must not wait for us
                 if not self.coord.no_dist:
                     self._worker.submit(self._run, step, None, SaveHandle(step), None, report(exc))
                 raise
-            return self._submit(step, staged, None)
+            return self._submit(step, staged, None, started)
 
     def _stage(self, state_dict: dict) -> dict:
         staged = self.stager.stage(state_dict)
         self.stager.synchronize_staging()
         return staged
 
-    def _submit(self, step: int, staged: dict, prepared: FastSnapshot | None) -> SaveHandle:
+    def _submit(self, step: int, staged: dict, prepared: FastSnapshot | None, started: float) -> SaveHandle:
         handle = SaveHandle(step)
         self._handles = [h for h in self._handles if not h.done() or h.exception() is not None] + [handle]
-        self._worker.submit(self._run, step, staged, handle, prepared)
+        stall = time.perf_counter() - started  # what save() blocked the training loop for
+        self._worker.submit(self._persist, step, staged, handle, prepared, started, stall)
         return handle
+
+    def _persist(self, step: int, staged: dict, handle: SaveHandle, prepared: FastSnapshot | None,
+                 started: float, stall: float) -> None:
+        """_run, traced and told to the node's daemon (its metrics: notes.py)."""
+        note_begin(self.root.location.url, step, stall)
+        with trace.span("persist", trace.CHECKPOINT, step=step):
+            self._run(step, staged, handle, prepared)
+        note_end(step, handle.durable, handle.bytes_written, time.perf_counter() - started)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every pending save; raise the first failure not yet raised by ``wait``."""
@@ -270,6 +288,7 @@ class Checkpointer:
             if drainer is not None:
                 drainer.wait_quietly()
             raise
+        handle.bytes_written = writer.bytes_written
         staged.clear()
         if self.fast is not None:
             if self.coord.is_coordinator:
@@ -277,20 +296,23 @@ class Checkpointer:
             if pool is not None:
                 self.fast.drop_spare()  # in-place saves recycle their own files; a spare would be a 2nd copy
             handle._set_fast()
-            self.coord.run_everywhere(drainer.wait)
+            with trace.span("drain", trace.CHECKPOINT, step=step):
+                self.coord.run_everywhere(drainer.wait)
 
             def commit_at_root() -> None:
                 src, dst = self.fast.location.child(name), self.root.location.child(name)
                 dst.write_atomic(METADATA_NAME, src.read_bytes(METADATA_NAME))
                 dst.write_atomic(MANIFEST_NAME, src.read_bytes(MANIFEST_NAME))  # the commit, last
 
-            self.coord.run_on_coordinator(commit_at_root)
-        self.coord.run_on_coordinator(lambda: self._publish(self.root, name, step, "root", self.config.keep_last))
+            with trace.span("commit", trace.CHECKPOINT, step=step, at="root"):
+                self.coord.run_on_coordinator(commit_at_root)
+        with trace.span("publish", trace.CHECKPOINT, step=step):
+            self.coord.run_on_coordinator(lambda: self._publish(self.root, name, step, "root", self.config.keep_last))
 
     def _publish(self, tier: CheckpointDir, name: str, step: int, level: str, keep_last: int | None) -> None:
         """After a commit in ``tier``: move ``latest``, apply retention, tell the watchers."""
         tier.mark_latest(name)
-        removed = tier.retain(keep_last)
+        removed = tier.retain(keep_last, just_committed=name)
         if removed:
             log.info("retention removed %s from %s", removed, tier.location.url)
         watch_channel.notify(self._channel, {"step": step, "name": name, "level": level})

@@ -13,6 +13,7 @@ class SaveHandle:
     def __init__(self, step: int) -> None:
         self.step = step
         self.path: str | None = None  # root directory of the checkpoint once known
+        self.bytes_written = 0  # by this rank (set once written)
         self._fast = threading.Event()
         self._durable = threading.Event()
         self._error: BaseException | None = None

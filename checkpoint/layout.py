@@ -110,11 +110,13 @@ class CheckpointDir:
         except FileNotFoundError:
             return None
 
-    def retain(self, keep_last: int | None) -> list[str]:
+    def retain(self, keep_last: int | None, just_committed: str | None = None) -> list[str]:
         """Delete committed checkpoints beyond the newest ``keep_last`` steps; return their names.
 
-        Also drops older duplicates of one step. The newest committed checkpoint is never
-        deleted, whatever ``keep_last`` says.
+        Also drops older duplicates of one step. The checkpoint of the highest step and the
+        one ``just_committed`` are never deleted, whatever ``keep_last`` says: a run restarted
+        into a root that holds higher steps (a rerun, a resume from an older step) keeps
+        its own saves, which would otherwise go as soon as they are published.
         """
         entries = self.committed()
         if not entries:
@@ -125,7 +127,7 @@ class CheckpointDir:
         keep_steps = sorted(newest_per_step)
         if keep_last is not None:
             keep_steps = keep_steps[-max(1, keep_last):]
-        keep = {newest_per_step[s].name for s in keep_steps} | {entries[-1].name}
+        keep = {newest_per_step[s].name for s in keep_steps} | {entries[-1].name, just_committed}
         doomed = [e.name for e in entries if e.name not in keep]
         for name in doomed:
             # Uncommit first, so a half-deleted directory is never mistaken for a checkpoint.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from cachemw import trace
 from cachemw.files import fsync_path
 
 from .storage_io import Location
@@ -41,7 +42,11 @@ class Drainer:
         self._futures: list[Future] = []
 
     def submit(self, rel: str) -> None:
-        self._futures.append(self._pool.submit(copy_file, self.src, self.dst, rel))
+        self._futures.append(self._pool.submit(self._copy, rel))
+
+    def _copy(self, rel: str) -> None:
+        with trace.span("drain", trace.CHECKPOINT, file=rel):
+            copy_file(self.src, self.dst, rel)
 
     def wait(self) -> None:
         """Block until every submitted copy is durable; raise the first failure."""

@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
+from cachemw import trace
+
 from .chunk_codec import StoredItem, write_chunk
 from .planner import item_key, item_nbytes
 from .storage_io import Location, as_location
@@ -84,6 +86,7 @@ class CachemwStorageWriter(StorageWriter):
         self.rank = 0
         self.save_id = uuid.uuid4().hex
         self.files_written: list[str] = []
+        self.bytes_written = 0  # by this rank, once write_data is done
 
     # -- StorageWriter protocol -------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -109,18 +112,21 @@ class CachemwStorageWriter(StorageWriter):
         prefix = plan.storage_data if isinstance(plan.storage_data, str) else f"__{self.rank}_"
         if self.in_place is not None:
             results = self._write_in_place(prefix, plan, planner)
+            self.bytes_written = sum(r.size_in_bytes for r in results)
             self._check_written()
             fut_in_place: Future[list[WriteResult]] = Future()
             fut_in_place.set_result(results)
             return fut_in_place
         buckets = bucket_items(list(plan.items), self.config.thread_count)
-        jobs = [(f"{prefix}{n}.distcp", [(item, planner.resolve_data(item)) for item in bucket])
-                for n, bucket in enumerate(buckets)]
+        with trace.span("serialize", trace.CHECKPOINT, items=len(plan.items)):
+            jobs = [(f"{prefix}{n}.distcp", [(item, planner.resolve_data(item)) for item in bucket])
+                    for n, bucket in enumerate(buckets)]
         if len(jobs) <= 1:
             results = [self._write_file(rel, pairs) for rel, pairs in jobs]
         else:
             with ThreadPoolExecutor(len(jobs), thread_name_prefix="cachemw-write") as pool:
                 results = list(pool.map(lambda job: self._write_file(*job), jobs))
+        self.bytes_written = sum(r.size_in_bytes for rs in results for r in rs)
         self._check_written()
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([r for rs in results for r in rs])
@@ -138,6 +144,10 @@ class CachemwStorageWriter(StorageWriter):
                     raise FileNotFoundError(f"{self.location.join(rel)} vanished before the commit")
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with trace.span("commit", trace.CHECKPOINT, at=self.location.url):
+            self._finish(metadata, results)
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         flat = [wr for rank_results in results for wr in rank_results]
         stored: dict[str, StoredItem] = {item_key(wr.index): wr.storage_data for wr in flat}
         metadata.version = DCP_VERSION
@@ -191,6 +201,10 @@ class CachemwStorageWriter(StorageWriter):
                 raise ValueError(f"chunk {key!r} of the save plan is not in the snapshot: the plan changed after it")
 
         def seal_file(rel: str) -> list[WriteResult]:
+            with trace.span("write", trace.CHECKPOINT, file=rel, in_place=True):
+                return seal(rel)
+
+        def seal(rel: str) -> list[WriteResult]:
             if self.location.local and not os.path.samefile(self.location.join(rel), os.path.join(self.in_place.dir, rel)):
                 raise ValueError(f"{self.location.join(rel)} is not this rank's snapshot file")
             out = []
@@ -213,6 +227,12 @@ class CachemwStorageWriter(StorageWriter):
             return [r for rs in pool.map(lambda job: job(), jobs) for r in rs]
 
     def _write_file(self, rel: str, pairs: list[tuple[WriteItem, Any]]) -> list[WriteResult]:
+        with trace.span("write", trace.CHECKPOINT, file=rel) as span:
+            results = self._write_one(rel, pairs)
+            span.args["bytes"] = sum(r.size_in_bytes for r in results)
+            return results
+
+    def _write_one(self, rel: str, pairs: list[tuple[WriteItem, Any]]) -> list[WriteResult]:
         codec = self.config.compression or "raw"
         reuse = self.reuse_files and self.location.local and self.location.exists(rel)
         if reuse and os.stat(self.location.join(rel)).st_nlink > 1:

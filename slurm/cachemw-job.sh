@@ -88,6 +88,9 @@ cachemw_node_clean() {
     done
     kill -KILL "$pid" 2>/dev/null
     sleep 0.5
+    # The daemon may still be stopping (Slurm sent it TERM too: it copies DRAM to NVMe for
+    # up to 10 s) and would write into the dir again: it holds daemon.lock while it lives.
+    flock -w 15 "$CACHEMW_RUNTIME_DIR/daemon.lock" true 2>/dev/null || true
     rm -rf "$CACHEMW_RUNTIME_DIR" "$tmp"
 }
 

@@ -26,6 +26,9 @@ DEFERRED = {
     # a reader process must not pay for importing the placement engine (~50 ms) to check
     # a daemon setting it rarely gives: config loads the engine's policy list when it does
     ("cachemw.config", "cachemw.placement.registry"),
+    # `cachemw stats` and the other commands must not import torch (seconds): the main job's
+    # command loads the job, which needs torch, when it runs
+    ("cachemw.job.command", "cachemw.job.run"),
 }
 
 

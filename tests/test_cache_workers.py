@@ -104,7 +104,8 @@ def test_reports_left_in_the_runtime_dir_are_taken_once_and_junk_is_dropped(tmp_
     node = NodeCache(DaemonConfig.build(runtime_dir=rt, dram_dir=str(tmp_path / "dram"),
                                         dram_capacity="1MiB"))
     key = "ab" * 16
-    assert reports.write(rt, {"hits": 2, "hit_bytes": 10, "tier_hit_bytes": {"dram": 10}},
+    assert reports.write(rt, {"hits": 2, "hit_bytes": 10, "tier_hit_bytes": {"dram": 10},
+                              "hit_seconds": 0.25},  # the readers' seconds are floats
                          {"dram": [key, key]})
     for name, junk in (("1.0.json", b"{not json"), ("2.0.json", b'{"counters": 3}'),
                        ("3.0.json", b'{"counters": {"hits": -5, "misses": "x"}, "hits": {}}')):
@@ -113,6 +114,7 @@ def test_reports_left_in_the_runtime_dir_are_taken_once_and_junk_is_dropped(tmp_
     stats = node.stats()
     assert (stats["counters"]["hits"], stats["counters"]["hit_bytes"]) == (2, 10)
     assert stats["counters"]["misses"] == 0
+    assert stats["counters"]["hit_seconds"] == 0.25
     assert stats["tiers"]["dram"]["hits"] == 2 and stats["tiers"]["dram"]["hit_bytes"] == 10
     assert node.stats()["counters"]["hits"] == 2  # taken once
     assert list((tmp_path / "rt" / "reports").iterdir()) == []

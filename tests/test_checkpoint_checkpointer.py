@@ -77,6 +77,25 @@ def test_retention_and_latest(tmp_path):
             ck.load(out, step=1)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["no-fast-tier", "fast-tier"])
+def test_a_rerun_saving_lower_steps_than_the_root_holds_commits_them(tmp_path, fast):
+    """A second run into the same root (a benchmark run again, training resumed from an older
+    step) saves steps below those the first one left: each is committed and kept, not removed
+    by retention as it is published (which failed the save in the fast tier: its copy to the
+    root found the step gone)."""
+    root, fast_root = tmp_path / "root", str(tmp_path / "fast") if fast else None
+    with Checkpointer(str(root), keep_last=1, fast_root=fast_root) as ck:
+        for step in (2, 4):
+            ck.save(step, {"t": torch.full((1000,), float(step))}).wait(60)
+    with Checkpointer(str(root), keep_last=1, fast_root=fast_root) as ck:
+        handle = ck.save(2, {"t": torch.full((1000,), 20.0)})
+        handle.wait(60)
+        assert handle.durable
+        assert (root / "latest").read_text() == os.path.basename(handle.path.rstrip("/"))
+        out = {"t": torch.zeros(1000)}
+        assert ck.load(out, step=2) == 2 and torch.all(out["t"] == 20.0)
+
+
 def test_partial_dirs_of_dead_writers_are_swept_live_ones_kept(tmp_path):
     with Checkpointer(str(tmp_path)) as ck:
         ck.save(1, {"t": torch.ones(3)}).wait(60)

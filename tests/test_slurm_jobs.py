@@ -1,256 +1,33 @@
-"""A real Slurm on this machine with several emulated nodes, and slurm/cachemw-job.sh on it.
-
-Each node is a network namespace (its own address on a bridge made here, private to this
-machine), a UTS namespace (its own hostname) and a mount namespace (its own tmpfs /dev/shm),
-with its own slurmd; one slurmctld and one munged serve them all. Everything is torn down
-after the tests whatever happens. Needs root and Debian's slurmctld, slurmd, slurm-client
-and munge (.ci/run installs them).
+"""slurm/cachemw-job.sh and site mode on a real Slurm on this machine with several emulated
+nodes (tests/slurm_cluster.py: a network, UTS and mount namespace per node, each with its
+own slurmd). Needs root and Debian's slurmctld, slurmd, slurm-client and munge (.ci/run
+installs them).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
 import pytest
 
+from slurm_cluster import JOB_SCRIPT, NODES, emulated_cluster, missing, wait_for
+from slurm_cluster import run as _run
+
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB_SCRIPT = os.path.join(REPO, "slurm", "cachemw-job.sh")
-NODES = 3
-BRIDGE = "cmwbr0"
-NET = "10.231.77"  # private, exists only on this machine while the tests run
-HOST_ADDR = f"{NET}.1"
-
-
-def _need():
-    if os.geteuid() != 0:
-        pytest.skip("the emulated Slurm cluster needs root (network namespaces, slurmd)")
-    missing = [b for b in ("slurmctld", "slurmd", "sbatch", "munged", "ip", "unshare", "nsenter")
-               if shutil.which(b) is None]
-    if missing:
-        pytest.skip(f"not installed: {' '.join(missing)} (.ci/run installs Slurm and munge)")
-
-
-def _run(*cmd, check=True, **kw):
-    return subprocess.run(cmd, check=check, capture_output=True, text=True, **kw)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST_ADDR, 0))
-        return s.getsockname()[1]
-
-
-class SlurmCluster:
-    """The emulated cluster: ``sbatch``, ``on_node`` (a command in a node's namespaces)."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.names = [f"cmwn{i}" for i in range(1, NODES + 1)]
-        self.procs: list[subprocess.Popen] = []
-        self.slurmd: dict[str, subprocess.Popen] = {}
-        self.env = dict(os.environ, SLURM_CONF=os.path.join(root, "slurm.conf"),
-                        PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
-        for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "CACHEMW_RUNTIME_DIR"):
-            self.env.pop(var, None)
-
-    # -- set-up ----------------------------------------------------------------------------
-    def start(self) -> None:
-        self._remove_network()  # an earlier run's, killed before its tear-down
-        for d in os.listdir("/tmp"):  # an earlier run's, killed before its tear-down
-            if d.startswith("cachemw-ray-") and any(d.endswith(f"-{n}") for n in self.names):
-                shutil.rmtree(os.path.join("/tmp", d), ignore_errors=True)
-        _run("ip", "link", "add", BRIDGE, "type", "bridge")
-        _run("ip", "addr", "add", f"{HOST_ADDR}/24", "dev", BRIDGE)
-        _run("ip", "link", "set", BRIDGE, "up")
-        for i, name in enumerate(self.names, start=1):
-            ns, veth = f"cmw-{name}", f"cmwv{i}"
-            _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _run("ip", "link", "set", veth, "master", BRIDGE, "up")
-            _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{NET}.{10 + i}/24",
-                 "dev", "eth0")
-            _run("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
-            _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        self._munge()
-        self._config()
-        self.procs.append(subprocess.Popen(
-            ["slurmctld", "-D", "-f", self.env["SLURM_CONF"]], env=self.env,
-            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.root, "ctld.err"), "w")))
-        for i, name in enumerate(self.names, start=1):
-            # a hostname and a /dev/shm of its own; slurmd in the foreground, ours to end
-            script = (f"hostname {name} && mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm"
-                      f" && exec slurmd -D -N {name} -f {self.env['SLURM_CONF']}")
-            p = subprocess.Popen(
-                ["nsenter", f"--net=/run/netns/cmw-{name}", "unshare", "--uts", "--mount",
-                 "--propagation", "private", "sh", "-c", script], env=self.env,
-                stdout=subprocess.DEVNULL,
-                stderr=open(os.path.join(self.root, f"slurmd-{name}.err"), "w"))
-            self.procs.append(p)
-            self.slurmd[name] = p
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            out = _run("sinfo", "-h", "-N", "-p", "test", "-o", "%N %T", env=self.env,
-                       check=False).stdout
-            if out.count("idle") == NODES:
-                return
-            time.sleep(1)
-        raise RuntimeError(f"the emulated Slurm did not come up: {out!r}\n" + self.logs())
-
-    def _munge(self) -> None:
-        m = os.path.join(self.root, "munge")
-        os.makedirs(m, mode=0o755)
-        key = os.path.join(m, "munge.key")
-        with open(key, "wb") as f:
-            f.write(os.urandom(1024))
-        os.chmod(key, 0o400)
-        self.munge_socket = os.path.join(m, "munge.sock")
-        _run("munged", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
-             f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log",
-             f"--seed-file={m}/seed")
-        with open(f"{m}/munged.pid") as f:
-            self.munged_pid = int(f.read())
-
-    def _config(self) -> None:
-        r = self.root
-        for d in ["state", "log"] + [f"spool/{n}" for n in self.names]:
-            os.makedirs(os.path.join(r, d))
-        nodes = "\n".join(
-            f"NodeName={n} NodeAddr={NET}.{10 + i} NodeHostname={n} CPUs=2 RealMemory=2000 "
-            f"State=UNKNOWN" for i, n in enumerate(self.names, start=1))
-        conf = textwrap.dedent(f"""\
-            ClusterName=cmwtest
-            SlurmctldHost={socket.gethostname()}({HOST_ADDR})
-            SlurmctldPort={_free_port()}
-            SlurmdPort={_free_port()}
-            AuthType=auth/munge
-            AuthInfo=socket={self.munge_socket}
-            CredType=cred/munge
-            SlurmUser=root
-            SlurmdUser=root
-            StateSaveLocation={r}/state
-            SlurmdSpoolDir={r}/spool/%n
-            SlurmctldPidFile={r}/slurmctld.pid
-            SlurmdPidFile={r}/slurmd-%n.pid
-            SlurmctldLogFile={r}/log/slurmctld.log
-            SlurmdLogFile={r}/log/slurmd-%n.log
-            ProctrackType=proctrack/linuxproc
-            TaskPlugin=task/none
-            SelectType=select/cons_tres
-            SelectTypeParameters=CR_Core
-            ReturnToService=2
-            MpiDefault=none
-            JobAcctGatherType=jobacct_gather/none
-            AccountingStorageType=accounting_storage/none
-            PrologFlags=Alloc
-            KillWait=20
-            """) + nodes + "\nPartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE " \
-                           "State=UP OverSubscribe=YES\n"
-        # site mode on the partition "site" only: its Prolog starts each job's daemon, its
-        # Epilog removes it (the job script's own clean-up is tested without an Epilog)
-        site = os.path.join(r, "site.env")
-        with open(site, "w") as f:
-            f.write(f"CACHEMW_BIN={os.path.join(os.path.dirname(sys.executable), 'cachemw')}\n"
-                    "CACHEMW_DRAM_CAPACITY=256MiB\nCACHEMW_PARTITIONS=site\n")
-        for hook in ("prolog", "epilog"):
-            path = os.path.join(r, hook)
-            with open(path, "w") as f:
-                f.write(f'#!/bin/bash\n[[ $SLURM_JOB_PARTITION == site ]] || exit 0\n'
-                        f'CACHEMW_SITE_ENV={site} exec {REPO}/slurm/{hook}.sh\n')
-            os.chmod(path, 0o755)
-        conf += (f"Prolog={r}/prolog\nEpilog={r}/epilog\nPartitionName=site Nodes=ALL "
-                 f"MaxTime=INFINITE State=UP OverSubscribe=YES\n")
-        with open(os.path.join(r, "slurm.conf"), "w") as f:
-            f.write(conf)
-
-    # -- use -------------------------------------------------------------------------------
-    def sbatch(self, *args, timeout=600) -> subprocess.CompletedProcess:
-        return _run("sbatch", "--wait", *args, env=self.env, check=False, timeout=timeout,
-                    cwd=self.root)
-
-    def on_node(self, name: str, *cmd) -> str:
-        """A command in a node's namespaces (its /dev/shm, its network)."""
-        pid = str(self.slurmd[name].pid)
-        return _run("nsenter", "-t", pid, "-m", "-u", "-n", *cmd, check=False).stdout
-
-    def leftovers(self) -> dict:
-        """What a job may have left: cachemw dirs in each node's /dev/shm, Ray processes."""
-        out = {n: self.on_node(n, "sh", "-c", "ls -A /dev/shm | grep cachemw || true").split()
-               for n in self.names}
-        for name, slurmd in self.slurmd.items():  # every process of a node but its slurmd
-            pids = _run("ip", "netns", "pids", f"cmw-{name}", check=False).stdout.split()
-            out[f"{name} processes"] = [
-                _run("ps", "-o", "args=", "-p", p, check=False).stdout.strip()[:200]
-                for p in pids if int(p) != slurmd.pid]
-        out["ray temp dirs"] = [d for d in os.listdir("/tmp") if d.startswith("cachemw-ray-")
-                                and any(d.endswith(n) for n in self.names)]
-        return {k: v for k, v in out.items() if v}
-
-    def logs(self) -> str:
-        text = []
-        for dirpath, _, files in os.walk(self.root):
-            for f in files:
-                if f.endswith((".log", ".err", ".out")):
-                    with open(os.path.join(dirpath, f), errors="replace") as fh:
-                        text.append(f"== {f}\n{fh.read()[-3000:]}")
-        return "\n".join(text)
-
-    # -- tear-down -------------------------------------------------------------------------
-    def stop(self) -> None:
-        for partition in ("test", "site"):
-            _run("scancel", "--full", f"--partition={partition}", env=self.env, check=False)
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
-        if getattr(self, "munged_pid", None):
-            try:
-                os.kill(self.munged_pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        self._remove_network()
-
-    def _remove_network(self) -> None:
-        """The nodes' namespaces (and any process still in one: only ours are), the bridge."""
-        for i, name in enumerate(self.names, start=1):
-            ns = f"cmw-{name}"
-            for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            _run("ip", "netns", "del", ns, check=False)
-            _run("ip", "link", "del", f"cmwv{i}", check=False)
-        _run("ip", "link", "del", BRIDGE, check=False)
 
 
 @pytest.fixture(scope="module")
 def slurm():
-    _need()
-    # not under pytest's 0700 base: other users' jobs reach the munge socket and their files
-    root = tempfile.mkdtemp(prefix="cachemw-slurm-", dir="/tmp")
-    os.chmod(root, 0o755)
-    cluster = SlurmCluster(root)
-    try:
-        cluster.start()
+    why = missing()
+    if why:
+        pytest.skip(why)
+    with emulated_cluster() as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 TRAIN = textwrap.dedent('''\
@@ -359,15 +136,6 @@ def _squeue_empty(slurm) -> bool:
     return _run("squeue", "-h", env=slurm.env, check=False).stdout.strip() == ""
 
 
-def _wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.5)
-    return predicate()
-
-
 @pytest.mark.timeout(600)
 def test_scancel_mid_job_cleans_every_node(slurm, tmp_path):
     os.chmod(tmp_path, 0o755)
@@ -387,13 +155,13 @@ def test_scancel_mid_job_cleans_every_node(slurm, tmp_path):
                      JOB_SCRIPT, sys.executable, str(reader), env=slurm.env, cwd=slurm.root)
     job = submitted.stdout.strip().split(";")[0]
     try:
-        assert _wait_for(marker.exists, 240), (tmp_path / "job.out").read_text()[-4000:]
+        assert wait_for(marker.exists, 240), (tmp_path / "job.out").read_text()[-4000:]
         during = slurm.leftovers()  # what the job has on its nodes while it runs
         assert all(f"cachemw-0-job{job}" in " ".join(during.get(n, ())) for n in slurm.names)
         assert all(during.get(f"{n} processes") for n in slurm.names)
     finally:
         _run("scancel", job, env=slurm.env, check=False)
-    assert _wait_for(lambda: _squeue_empty(slurm) and not slurm.leftovers(), 30), \
+    assert wait_for(lambda: _squeue_empty(slurm) and not slurm.leftovers(), 30), \
         (slurm.leftovers(), (tmp_path / "job.out").read_text()[-4000:])
 
 
@@ -432,7 +200,7 @@ def test_site_mode_prolog_starts_and_epilog_removes_the_daemon(slurm, tmp_path):
         assert n["ok"] and n["runtime_dir"] == f"/dev/shm/cachemw-0-job{job}", n
         assert n["stats"]["fallbacks"] == 0 and n["stats"]["hits"] >= len(files), n
     # the Epilog stopped each node's daemon and its Ray and removed the DRAM tier
-    assert _wait_for(lambda: not slurm.leftovers(), 60), slurm.leftovers()
+    assert wait_for(lambda: not slurm.leftovers(), 60), slurm.leftovers()
 
 
 def _dataset(root, n: int) -> None:
@@ -471,7 +239,7 @@ def test_two_jobs_of_one_user_side_by_side_on_the_same_nodes(slurm, tmp_path):
         assert sum(first["blocks"].values()) == 24 and all(first["blocks"].values())
         assert second["source_bytes"] == first["source_bytes"]
         assert second["client"]["fallbacks"] == 0
-    assert _wait_for(lambda: not slurm.leftovers(), 30), slurm.leftovers()
+    assert wait_for(lambda: not slurm.leftovers(), 30), slurm.leftovers()
 
 
 OTHER_USER = "cmwtest2"
@@ -514,7 +282,7 @@ def test_another_users_job_cannot_read_the_tiers_nor_reach_the_daemon(slurm, oth
     job = _run("sbatch", "--parsable", "-N1", f"--output={work}/job.out", JOB_SCRIPT,
                sys.executable, reader, env=slurm.env, cwd=work).stdout.strip().split(";")[0]
     try:
-        assert _wait_for(lambda: os.path.exists(marker) or _squeue_empty(slurm), 240)
+        assert wait_for(lambda: os.path.exists(marker) or _squeue_empty(slurm), 240)
         assert os.path.exists(marker), open(f"{work}/job.out").read()[-4000:]
         with open(marker) as f:
             runtime = f.read()
@@ -539,5 +307,96 @@ def test_another_users_job_cannot_read_the_tiers_nor_reach_the_daemon(slurm, oth
         assert log.count("Permission denied") == 3 and "SOCKET-REACHABLE" not in log, log
     finally:
         _run("scancel", job, env=slurm.env, check=False)
-    assert _wait_for(lambda: _squeue_empty(slurm) and not slurm.leftovers(), 60), \
+    assert wait_for(lambda: _squeue_empty(slurm) and not slurm.leftovers(), 60), \
         slurm.leftovers()
+
+
+EPOCH = textwrap.dedent('''\
+    """One epoch over a dataset through cachemw, over the counting source: are the bytes
+    right, and where did they come from."""
+    import json, os, sys
+    import fsspec
+    data, out = sys.argv[1:3]
+    fs = fsspec.filesystem("cachemw", target_protocol="countfile", validate="immutable",
+                           autostart=False)
+    paths = sorted(os.path.join(data, p) for p in os.listdir(data))
+    ok = [fs.cat_file(p) == open(p, "rb").read() for p in paths]
+    with open(out, "w") as f:
+        json.dump({"ok": all(ok), "client": fs.stats()}, f)
+    ''')
+
+
+def _blocks(data, block_size: int) -> set[tuple[str, int, int]]:
+    """Every block of the files under ``data``: (path, start, end)."""
+    out = set()
+    for name in os.listdir(data):
+        path, size = os.path.join(data, name), os.path.getsize(os.path.join(data, name))
+        out |= {(path, s, min(s + block_size, size)) for s in range(0, size, block_size)}
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_warm_on_every_node_reads_each_block_once_and_the_next_job_starts_warm(slurm, tmp_path):
+    from slurm_cluster import counting_source, source_reads
+
+    os.chmod(tmp_path, 0o755)
+    block = 64 * 1024
+    data = tmp_path / "data"  # the "PFS", read through a source that logs every read
+    data.mkdir()
+    for i in range(36):
+        (data / f"s{i:03d}").write_bytes(os.urandom(20_000 + 1_000 * i))
+    for i in range(3):  # several blocks each
+        (data / f"big{i}").write_bytes(os.urandom(5 * block + 777 * i))
+    blocks = _blocks(str(data), block)
+    log = tmp_path / "source.log"
+    env = dict(slurm.env, **counting_source(str(tmp_path / "plugin"), str(log)),
+               CACHEMW_BLOCK_SIZE=str(block), CACHEMW_DRAM_CAPACITY="64MiB",
+               CACHEMW_NVME_DIR=os.path.join(slurm.nvme, "cachemw"),
+               CACHEMW_NVME_CAPACITY="256MiB")
+    url = f"cachemw::countfile://{data}"
+    # job 1: a warm on 2 of the 3 nodes is refused (the third's share would stay cold);
+    # then the warm on every node
+    job = tmp_path / "warm.sh"
+    job.write_text(textwrap.dedent(f"""\
+        srun --overlap -N2 -n2 --ntasks-per-node=1 cachemw warm --ring-wait 5 {url} \\
+            2> {tmp_path}/refused.err
+        echo "refused: $?" > {tmp_path}/refused.rc
+        srun --overlap -N "$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \\
+            cachemw warm --json {url} > {tmp_path}/warm.json
+        """))
+    done = slurm.sbatch(f"-N{NODES}", f"--output={tmp_path}/job1.out", JOB_SCRIPT, "bash",
+                        str(job), env=env)
+    out = (tmp_path / "job1.out").read_text() if (tmp_path / "job1.out").exists() else ""
+    assert done.returncode == 0, f"{done.stderr}\n{out[-6000:]}\n{slurm.logs()[-3000:]}"
+    assert (tmp_path / "refused.rc").read_text().split() == ["refused:", "2"]
+    assert "the nodes warming must be the cluster's nodes" in (tmp_path / "refused.err").read_text()
+    reports = [json.loads(line) for line in (tmp_path / "warm.json").read_text().splitlines()]
+    assert sorted(r["host"] for r in reports) == slurm.names, out[-4000:]
+    assert all(r["ok"] and r["nodes"] == NODES and r["blocks"] > 0 for r in reports), reports
+    assert sum(r["blocks"] for r in reports) == len(blocks)
+    assert sum(r["bytes"] for r in reports) == sum(e - s for _, s, e in blocks)
+    # at the source: each block read exactly once, by the node that owns it
+    reads = source_reads(str(log))
+    assert sorted((p, int(s), int(e)) for _, p, s, e, _ in reads) == sorted(blocks)
+    for r in reports:
+        assert sum(1 for host, *_ in reads if host == r["host"]) == r["blocks"]
+    # job 2 on the same nodes, one epoch: nothing from the source (each node's daemon
+    # adopted its NVMe tier, and owns the same blocks as before)
+    epoch = tmp_path / "epoch.py"
+    epoch.write_text(EPOCH)
+    done = slurm.sbatch(f"-N{NODES}", f"--output={tmp_path}/job2.out", JOB_SCRIPT,
+                        sys.executable, str(epoch), str(data), str(tmp_path / "epoch.json"),
+                        env=env)
+    out = (tmp_path / "job2.out").read_text() if (tmp_path / "job2.out").exists() else ""
+    assert done.returncode == 0, f"{done.stderr}\n{out[-6000:]}"
+    result = json.loads((tmp_path / "epoch.json").read_text())
+    assert result["ok"], result
+    assert source_reads(str(log)) == reads, "the second job read from the source"
+    client = result["client"]
+    assert client["bytes_from_source"] == 0 and client["fallbacks"] == 0, client
+    # from this node's tiers and from the other nodes' (straight from their block servers,
+    # or through their daemons while this reader's view of the ring is still forming)
+    assert client["hits"] > 0 and client["remote_hits"] + client["remote_reads"] > 0, client
+    assert wait_for(lambda: not slurm.leftovers(), 30), slurm.leftovers()
+    for name in slurm.names:  # the NVMe tiers stay (they are meant to): remove them
+        slurm.on_node(name, "rm", "-rf", os.path.join(slurm.nvme, "cachemw"))

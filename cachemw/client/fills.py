@@ -32,7 +32,7 @@ import time
 import weakref
 from typing import NamedTuple
 
-from .. import ops
+from .. import ops, trace
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +208,9 @@ class FillWriter:
         started = time.perf_counter()
         try:
             stored = fill.tier.stage(fill.key, fill.data, fill.lease, tag=fill.tag)
+            if trace.ENABLED:
+                trace.event("fill", trace.READ, started, None,
+                            {"tier": fill.tier.name, "bytes": len(fill.data)})
             per_byte = (time.perf_counter() - started) / max(len(fill.data), 1)
             self._write_cost += 0.1 * (per_byte - self._write_cost)
         except BaseException as exc:  # whatever failed, the lease ends here: no one waits on it

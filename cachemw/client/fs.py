@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover - older fsspec
     _Base = AbstractFileSystem
 
 from .link import DaemonClient
+from .. import trace as tracing
 from ..config import CacheOptions, DaemonConfig
 from ..keys import block_count, block_key
 from .metadata import MetadataCache
@@ -49,7 +50,8 @@ class CacheFileSystem(_Base):
                  ttl: float | None = None, block_size: int | str | None = None,
                  autostart: bool | None = None, runtime_dir: str | None = None,
                  write_behind: int | str | None = None, daemon_options: dict | None = None,
-                 daemon_timeout: float | None = None, fo: str | None = None, **kwargs) -> None:
+                 daemon_timeout: float | None = None, trace: str | None = None,
+                 fo: str | None = None, **kwargs) -> None:
         kwargs = own_options(kwargs, target_options or {})
         super().__init__(**kwargs)
         if fs is not None and target_protocol is not None:
@@ -57,9 +59,12 @@ class CacheFileSystem(_Base):
         self.options = CacheOptions.build(validate=validate, ttl=ttl, block_size=block_size,
                                           autostart=autostart, runtime_dir=runtime_dir,
                                           write_behind=write_behind,
-                                          daemon_timeout=daemon_timeout)
+                                          daemon_timeout=daemon_timeout, trace=trace)
         if fs is None:
             fs = fsspec.filesystem(target_protocol or "file", **(target_options or {}))
+        if self.options.trace:  # this process, and a daemon it starts
+            tracing.start(self.options.trace)
+            daemon_options = {"trace_dir": self.options.trace, **(daemon_options or {})}
         if daemon_options:  # a bad daemon option fails here, not as fallbacks on every read
             DaemonConfig.build(runtime_dir=self.options.runtime_dir, **daemon_options)
         self.target = fs
@@ -361,10 +366,10 @@ class CacheFileSystem(_Base):
         """Tell this node's daemon the files (or (path, start, end) ranges) about to be
         read, in order: placement turns clairvoyant and prefetches ahead of the reader.
         Returns the number of blocks announced; 0 if no daemon is reachable."""
+        entries = [(entry, None, None) if isinstance(entry, str) else entry for entry in paths]
+        metas = self.meta.files([self._strip_protocol(path) for path, _, _ in entries])
         items = []
-        for entry in paths:
-            path, start, end = (entry, None, None) if isinstance(entry, str) else entry
-            meta = self.meta.file(self._strip_protocol(path))
+        for (path, start, end), meta in zip(entries, metas):
             start, end = clip(start, end, meta.size)
             items.extend(self.reader.announce_items(meta, start, end))
         sent = 0

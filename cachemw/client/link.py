@@ -175,7 +175,7 @@ class DaemonClient:
 
     def ring(self) -> dict | None:
         """Who owns which block and where to fetch it directly (None: no daemon, or one
-        not part of a cluster)."""
+        not in a Ray cluster; a cluster of one node has a ring of one)."""
         reply = self._call(ops.RING)
         return None if reply is None else reply[1]
 
@@ -441,14 +441,16 @@ class DaemonClient:
             self.counters[name] += n
             self._unsent[name] += n
 
-    def hit(self, key: str, tier: str, nbytes: int) -> None:
+    def hit(self, key: str, tier: str, nbytes: int, seconds: float = 0.0) -> None:
         if _exit_hook_pid != self._pid:
             _ensure_exit_hook()
         with self._lock:
             self.counters["hits"] += 1
             self.counters["hit_bytes"] += nbytes
+            self.counters["hit_seconds"] += seconds
             self._unsent["hits"] += 1
             self._unsent["hit_bytes"] += nbytes
+            self._unsent["hit_seconds"] += seconds
             self._tier_hit_bytes[tier] = self._tier_hit_bytes.get(tier, 0) + nbytes
             keys = self._accesses.get(tier)
             if keys is None:

@@ -28,6 +28,7 @@ import posixpath
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, NamedTuple
 
 from ..files import atomic_write, make_private_dirs
@@ -267,6 +268,28 @@ class MetadataCache:
         self._files[path] = _pack(meta)
         return meta
 
+    def files(self, paths: list[str], concurrency: int = 16) -> list[FileMeta]:
+        """``file()`` of each path, in order; those not fresh here are asked of the source
+        ``concurrency`` at a time. Why: an announced epoch names every file of the dataset,
+        and where a listing gives no versions (HTTP) each costs a request; one at a time,
+        an epoch's start waited files x latency."""
+        found: dict[str, FileMeta] = {}
+        missing = []
+        for path in dict.fromkeys(paths):
+            hit = self._files.get(path)
+            meta = None if hit is None else _unpack(path, hit)
+            if meta is not None and self._fresh(meta.fetched):
+                found[path] = meta
+            else:
+                missing.append(path)
+        if len(missing) > 1 and concurrency > 1:
+            with ThreadPoolExecutor(min(concurrency, len(missing)),
+                                    thread_name_prefix="cachemw-meta") as pool:
+                found.update(zip(missing, pool.map(self.file, missing)))
+        else:
+            found.update((path, self.file(path)) for path in missing)
+        return [found[path] for path in paths]
+
     def known_paths(self) -> list[str]:
         return list(set(self._infos) | set(self._files))
 
@@ -300,8 +323,10 @@ class MetadataCache:
         for entry in listing:  # prime per-file info: listing a dataset costs one call
             name = entry.get("name")
             # not from a symlink's entry: fsspec's local listing gives the link's own
-            # mtime and inode there, not its target's (the version a read would see)
-            if name and entry.get("type") == "file" and name != path and not entry.get("islink"):
+            # mtime and inode there, not its target's (the version a read would see); nor
+            # from one without a size (fsspec's HTTP listing: links only), which is no version
+            if name and entry.get("type") == "file" and name != path and not entry.get("islink") \
+                    and isinstance(entry.get("size"), int):
                 self._infos.setdefault(name, (entry, fetched))
         return listing
 

@@ -2,10 +2,12 @@
 pinned to the version it was opened at) and ``BytesFile`` (a file read whole on open)."""
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from fsspec.spec import AbstractBufferedFile
 
+from .. import trace
 from ..blockfile import PAGE_SIZE, CorruptBlock, MappedBlock, page_hash
 from ..keys import block_key, block_length
 
@@ -118,6 +120,7 @@ class CachedFile(AbstractBufferedFile):
         meta, bs = self.meta, self.fs.options.block_size
         key = block_key(meta.url, meta.version, index, bs)
         length = block_length(meta.size, index, bs)
+        started = time.perf_counter()
         for tier in self.fs.client.tiers():
             try:
                 block = MappedBlock(tier.block_path(key), length)
@@ -129,6 +132,9 @@ class CachedFile(AbstractBufferedFile):
                 self._unmap(next(iter(self._mapped)))
             self._mapped[index] = block
             self.fs.client.accessed(key, tier.name)  # reads are counted as they happen
+            if trace.ENABLED:  # its reads are not traced one by one: each costs less
+                trace.block_event("map", started, time.perf_counter(), tier.name, meta.path,
+                                  index, length)
             return block
         return None
 

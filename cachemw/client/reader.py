@@ -24,6 +24,8 @@ from .direct import DirectReads
 from .fills import Fill, FillWriter
 from ..keys import block_key, block_length, url_tag
 from .metadata import FileMeta
+from .. import trace
+from ..readtime import MISS_SUM, miss_bucket
 from ..tiers.source import SourceTier
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,7 @@ class BlockReader:
             # once it has landed (and been noted), the daemon says which way to read it
             self.fills.wait_landed(piece.key)
             return None
+        started = time.perf_counter()
         for tier in client.tiers():
             try:
                 data = (tier.view(piece.key, piece.length) if view and piece.length >= VIEW_MIN
@@ -125,7 +128,7 @@ class BlockReader:
                 client.drop(piece.key, "corrupt")
                 continue
             if data is not None:
-                client.hit(piece.key, tier.name, len(data))
+                self._hit_done(piece, tier.name, data, started)
                 return data
         return None
 
@@ -140,26 +143,42 @@ class BlockReader:
         return [self._item(p) for p in self._pieces(meta, start, end)] if end > start else []
 
     def _misses(self, pieces: list[_Piece]) -> list[bytes]:
+        with trace.span("miss", trace.READ, blocks=len(pieces)):
+            return self._resolve_misses(pieces)
+
+    def _resolve_misses(self, pieces: list[_Piece]) -> list[bytes]:
         """One lease per distinct block (a batch may name a block twice); every fill lease
         is finished or aborted, even when resolving an earlier piece raises."""
+        started = time.perf_counter()
         first: dict[str, int] = {}
         for i, p in enumerate(pieces):
             first.setdefault(p.key, i)
         unique = [pieces[i] for i in first.values()]
         out: dict[int, bytes] = {}
         direct = self.direct.fetch([(p.key, p.length) for p in unique])
+        now = self._took("remote_hit_seconds", "remote_hit", started, len(direct))
         if direct:  # hits at their owner nodes, sent straight from there
             for p in unique:
                 block = direct.get(p.key)
                 if block is not None:
                     self.client.count("remote_hits")
+                    self.client.count("remote_bytes", len(block))
+                    self._missed(started, now)
                     out[first[p.key]] = block if (p.lo, p.hi) == (0, len(block)) else block[p.lo:p.hi]
             unique = [p for p in unique if p.key not in direct]
-        replies = self.client.lease_many([self._item(p) for p in unique]) if unique else []
+        replies = []
+        if unique:
+            asked = time.perf_counter()
+            replies = self.client.lease_many([self._item(p) for p in unique])
+            self.client.count("lease_requests")
+            self._took("lease_seconds", "lease_wait", asked, len(unique))
         done = 0
         try:
             for done, p in enumerate(unique):
-                out[first[p.key]] = self._resolve(p, None if replies is None else replies[done])
+                reply = None if replies is None else replies[done]
+                out[first[p.key]] = self._resolve(p, reply)
+                if reply is None or reply[0] != "present":  # filled meanwhile: a hit
+                    self._missed(started, time.perf_counter())
             done = len(unique)
         finally:
             if replies is not None:
@@ -184,16 +203,18 @@ class BlockReader:
             return self._fill(piece, arg, reply[2])
         if kind == "data":
             client.count("remote_reads")
+            client.count("remote_bytes", len(arg))
             return arg if piece.lo == 0 and piece.hi == len(arg) else arg[piece.lo:piece.hi]
         if kind == "present":
             tier = self._tier(arg)
+            started = time.perf_counter()
             try:
                 data = tier.get(piece.key, piece.length, piece.lo, piece.hi) if tier else None
             except CorruptBlock:
                 client.count("corrupt_repaired")
                 data = None
             if data is not None:
-                client.hit(piece.key, arg, len(data))
+                self._hit_done(piece, arg, data, started)
                 return data
             client.drop(piece.key, "missing")  # indexed but gone: let it be filled again
         client.count("fallbacks" if kind == "fallback" else "bypassed")
@@ -210,6 +231,7 @@ class BlockReader:
         except BaseException:  # the lease ends whatever failed, even Ctrl-C; re-raised
             client.abort(piece.key, "source-error")
             raise
+        self._source_read(piece, started, len(block))
         client.count("misses")
         client.count("bytes_from_source", len(block))
         tier = self._tier(tier_name)
@@ -223,9 +245,41 @@ class BlockReader:
     def _direct(self, piece: _Piece) -> bytes:
         base = piece.index * self.block_size
         meta = piece.meta
+        started = time.perf_counter()
         data = self.source.read_range(meta.path, base + piece.lo, base + piece.hi, meta.version)
+        self._source_read(piece, started, len(data))
         self.client.count("bytes_from_source", len(data))
         return data
+
+    # -- where the time went (readtime.py) and traces (trace.py) ------------------------
+
+    def _hit_done(self, piece: _Piece, tier: str, data: bytes, started: float) -> None:
+        now = time.perf_counter()
+        self.client.hit(piece.key, tier, len(data), now - started)
+        if trace.ENABLED:
+            trace.block_event("hit", started, now, tier, piece.meta.path, piece.index, len(data))
+
+    def _took(self, counter: str, name: str, started: float, blocks: int) -> float:
+        """Add the time since ``started`` to ``counter``; trace it as ``name``. Now."""
+        now = time.perf_counter()
+        if blocks:
+            self.client.count(counter, now - started)
+            if trace.ENABLED:
+                trace.event(name, trace.READ, started, now, {"blocks": blocks})
+        return now
+
+    def _source_read(self, piece: _Piece, started: float, nbytes: int) -> None:
+        now = time.perf_counter()
+        self.client.count("source_seconds", now - started)
+        self.client.count("source_reads")
+        if trace.ENABLED:
+            trace.block_event("source_fetch", started, now, "source", piece.meta.path,
+                              piece.index, nbytes)
+
+    def _missed(self, started: float, now: float) -> None:
+        """One block not in the node's tiers had its bytes ``now``: the miss latency."""
+        self.client.count(miss_bucket(now - started))
+        self.client.count(MISS_SUM, now - started)
 
     def read_unsized(self, meta: FileMeta) -> bytes:
         """The whole of a file whose size the source states as 0, read to its end from the

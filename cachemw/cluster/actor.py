@@ -58,7 +58,8 @@ class DaemonActor:
                 for k, v in options.items() if k not in PEER_OPTIONS}
         try:  # a daemon that cannot start says why (start() reports it in one line)
             self.config = DaemonConfig.build(node_id=self.node_id, **opts)
-            self.service = NodeService(self.config, kind="ray")
+            self.service = NodeService(self.config, kind="ray",
+                                       host=ray.util.get_node_ip_address())
         except Exception as exc:  # any failure: the actor lives on to say why (address())
             self.error = str(exc) if isinstance(exc, (OSError, ValueError, RuntimeError)) \
                 else f"{type(exc).__name__}: {exc}"
@@ -79,6 +80,7 @@ class DaemonActor:
                                   replicate_after=options.get(
                                       "replicate_after", PEER_DEFAULTS["replicate_after"]))
         self.peers.start()
+        self.service.stats = self.stats  # the metrics endpoint exports the peers' counters too
 
     def address(self) -> dict:
         if self.error is not None:
@@ -94,13 +96,15 @@ class DaemonActor:
         out = {"dram_dir": tiers["dram"].path, "dram_capacity": tiers["dram"].capacity,
                "nvme_dir": tiers["nvme"].path if "nvme" in tiers else None,
                "nvme_capacity": tiers["nvme"].capacity if "nvme" in tiers else None,
-               "placement": self.config.placement}
+               "placement": self.config.placement, "metrics_port": self.config.metrics_port,
+               "trace_dir": self.config.trace_dir}
         out.update({k: self.options.get(k, default) for k, default in PEER_DEFAULTS.items()})
         return dict(out, node_id=self.node_id)
 
     def stats(self) -> dict:
         stats = self.service.node.stats()
-        stats["peers"] = dict(self.peers.counters, ring=list(self.peers.ring.nodes))
+        stats["peers"] = dict(self.peers.counters, ring=list(self.peers.members),
+                              names=list(self.peers.ring.nodes))
         return stats
 
     def serve_blocks(self, requests: list[tuple]):
@@ -344,6 +348,11 @@ def _shared_dirs(nodes: list[dict], runtime_dir: str, options: dict) -> str | No
     dirs = {"runtime_dir": runtime_dir, "dram_dir": options.get("dram_dir"),
             "nvme_dir": options.get("nvme_dir")}
     clash = {k: v for k, v in dirs.items() if v and "{node_id" not in str(v)}
+    port = options.get("metrics_port")
+    if not clash and port:
+        return (f"{len(ids)} Ray nodes share host {host}, and their daemons would all serve "
+                f"metrics on port {port}; use metrics_port=0 (--metrics-port 0: any free "
+                f"port each, listed by `cachemw status`)")
     if not clash:
         return None
     fixes = ", ".join(f"{k}={os.path.join(str(v), '{node_id:.16}')!r}" for k, v in clash.items())

@@ -1,7 +1,9 @@
 """The other nodes' daemons, through Ray: membership, block ownership, remote fetches.
 
 Each daemon keeps its own view (no central metadata server on the read path): the alive
-Ray nodes that run a daemon, minus peers that recently failed a call, hashed into a ring.
+Ray nodes that run a daemon, minus peers that recently failed a call, hashed into a ring by
+their hostnames (cachemw.ring.ring_names: Ray's node ids change from one job to the next,
+hostnames do not, so a node owns the same blocks again and its NVMe tier is warm).
 A failed or slow peer costs one bounded timeout, then the ring is recomputed without it
 and its blocks are read from the source (counted); it rejoins when it answers again.
 
@@ -17,7 +19,7 @@ import time
 
 import numpy as np
 
-from ..ring import HashRing
+from ..ring import HashRing, ring_names
 from .names import NAMESPACE, actor_name
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,11 @@ class PeerSet:
         self._blocks: dict[str, tuple] = {self_id: blocks} if blocks else {}
         self._suspect_until: dict[str, float] = {}
         self._lock = threading.Lock()
-        self.ring = HashRing([self_id], vnodes)
+        self._names: dict[str, str] = {}  # node id -> name on the ring, of the alive nodes
+        self.alive = 1  # alive Ray nodes at the last refresh (a reader tells a forming ring)
+        self.members: tuple[str, ...] = ()  # node ids in the ring
+        self._route: tuple[HashRing, dict, dict] = (HashRing([], vnodes), {}, {})
+        self._set_members([self_id])
         self.counters = {"remote_requests": 0, "remote_blocks": 0, "remote_bytes": 0,
                          "peer_failures": 0, "ring_changes": 0}
         self._stop = threading.Event()
@@ -68,7 +74,10 @@ class PeerSet:
 
     def refresh(self) -> None:
         ray = self._ray
-        alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        alive = sorted(n["NodeID"] for n in nodes)
+        self._names = ring_names({n["NodeID"]: n.get("NodeManagerHostname") or "" for n in nodes})
+        self.alive = len(alive)
         now = time.monotonic()
         members = []
         for node_id in alive:
@@ -117,13 +126,20 @@ class PeerSet:
             self._blocks[node_id] = tuple(address["blocks"])
 
     def directory(self) -> dict | None:
-        """What a reader needs to fetch blocks from their owners without Ray."""
-        if not self.secret or len(self.ring) < 2:
+        """What a reader needs to fetch blocks from their owners without Ray, and a warm to
+        know its node's share: the ring by names, this node's name, each member's block
+        server, and how many Ray nodes are alive (a ring with fewer members is forming)."""
+        if not self.secret:
             return None
-        ring = self.ring
-        return {"self": self.self_id, "members": list(ring.nodes), "vnodes": self.vnodes,
-                "blocks": {n: list(a) for n, a in self._blocks.items() if n in ring.nodes},
-                "secret": self.secret, "timeout": self.timeout}
+        ring, _, names = self._route
+        return {"self": names[self.self_id], "members": list(ring.nodes), "vnodes": self.vnodes,
+                "blocks": {names[n]: list(a) for n, a in self._blocks.items() if n in names},
+                "secret": self.secret, "timeout": self.timeout, "alive": self.alive}
+
+    @property
+    def ring(self) -> HashRing:
+        """The ring over the members' names (see owner() for a key's node id)."""
+        return self._route[0]
 
     def _answers(self, handle) -> bool:
         """A suspect peer rejoins only once it answers a ping within the timeout."""
@@ -134,23 +150,31 @@ class PeerSet:
             return False
 
     def _set_members(self, members) -> None:
+        """Rebuild the ring when its members or their names change: the ring over names,
+        name -> node id, node id -> name, swapped as one (owner() reads it unlocked)."""
         members = tuple(sorted(members))
+        names = {n: self._names.get(n, n) for n in members}
         with self._lock:
-            if members != self.ring.nodes:
-                log.info("ring now has %d node(s)", len(members))
-                self.ring = HashRing(members, self.vnodes)
-                self.counters["ring_changes"] += 1
+            if members != self.members or names != self._route[2]:
+                if self.members:
+                    log.info("ring now has %d node(s)", len(members))
+                    self.counters["ring_changes"] += 1
+                self._route = (HashRing(names.values(), self.vnodes),
+                               {name: n for n, name in names.items()}, names)
+                self.members = members
 
     def _suspect(self, node_id: str, why: str) -> None:
         log.warning("peer %s failed (%s); reading its blocks from the source for now", node_id, why)
         self.counters["peer_failures"] += 1
         self._suspect_until[node_id] = time.monotonic() + max(5.0, 3 * self.refresh_interval)
-        self._set_members([n for n in self.ring.nodes if n != node_id])
+        self._set_members([n for n in self.members if n != node_id])
 
     # -- routing ---------------------------------------------------------------------
 
     def owner(self, key: str) -> str:
-        return self.ring.owner(key)
+        """The node id of the block's owner."""
+        ring, node_of, _ = self._route
+        return node_of[ring.owner(key)]
 
     def fetch_many(self, by_owner: dict[str, list[tuple]]) -> dict[str, list[bytes | None] | None]:
         """Fetch blocks from their owners: one call per owner, all in flight at once.

@@ -25,6 +25,7 @@ from collections import defaultdict
 from ..config import DaemonConfig
 from .. import blockfile
 from ..keys import url_tag
+from .checkpoints import CheckpointLog
 from .mover import MoveRunner
 from ..placement import Demote, Prefetch
 from .placer import Placer
@@ -54,6 +55,8 @@ class NodeCache(MoveRunner):
         self.counters.update(leases=0, waits=0, busy=0, adopted=0, reindexed=0, served_remote=0,
                              peer_fallbacks=0, replicas=0)
         self.remote = None  # RemoteReads, set by a daemon that has peers
+        self.checkpoints = CheckpointLog()  # what trainers here note of their saves
+        self.metrics_url: str | None = None  # the daemon's Prometheus endpoint, if any
         self._pending: list = []  # moves for the maintenance thread (promotions)
         self._sources: dict[str, tuple] = {}  # announced key -> (length, url, source)
         self._moves_lock = threading.Lock()  # moves run one at a time, in order
@@ -492,5 +495,8 @@ class NodeCache(MoveRunner):
                     "admitting": ts.full_until <= time.monotonic() and ts.broken is None,
                     "unusable": ts.broken,
                 }
-            return {"node_id": self.config.node_id, "pid": os.getpid(), "tiers": tiers,
-                    "counters": dict(self.counters), "inflight": len(self._inflight)}
+            stats = {"node_id": self.config.node_id, "pid": os.getpid(), "tiers": tiers,
+                     "counters": dict(self.counters), "inflight": len(self._inflight)}
+        stats["checkpoints"] = self.checkpoints.stats()
+        stats["metrics"] = self.metrics_url
+        return stats

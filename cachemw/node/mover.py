@@ -12,13 +12,14 @@ import os
 import stat
 import time
 
-from .. import blockfile
+from .. import blockfile, trace
 from ..placement import Admit, Demote, Evict, Promote
 from .prefetch import run_prefetch
 
 log = logging.getLogger(__name__)
 
 MOVE_WAIT = 2.0  # seconds a move waits for the fill of the block it moves to land
+KEEP_ON_STOP = 10.0  # seconds a clean stop may spend copying DRAM's blocks down to NVMe
 
 
 class MoveRunner:
@@ -83,6 +84,7 @@ class MoveRunner:
         back to the engine (drop), never retried blindly."""
         with self._moves_lock:
             for move in moves:
+                started = time.perf_counter()
                 try:
                     self._run_one(move)
                 except OSError as exc:  # a failing tier: forget the block, never stop
@@ -90,6 +92,9 @@ class MoveRunner:
                     self.placer.drop(move.key)
                     with self._lock:
                         self._remove_locked(move.key)
+                if trace.ENABLED:
+                    trace.event(type(move).__name__.lower(), trace.PLACEMENT, started, None,
+                                {k: v for k, v in vars(move).items() if k != "key"})
 
     def _run_one(self, move) -> None:
         if isinstance(move, Evict):
@@ -148,6 +153,43 @@ class MoveRunner:
             return self._index.get(key) is not entry  # gone meanwhile: nothing left to move
         src.tier.delete(key)
         return True
+
+    def keep_on_stop(self, budget: float = KEEP_ON_STOP) -> int:
+        """On a clean stop: copy the blocks the faster tiers hold into the last one (NVMe
+        outlives the daemon and the job; DRAM, a job's /dev/shm, does not), most recently
+        cached first, while the last tier has room under its high watermark and for at most
+        ``budget`` seconds. Each copy is read verified and written atomically; the original
+        stays, so a successor that finds the DRAM tier again keeps it and drops the copy
+        (NodeCache._reindex keeps the faster one). Returns the blocks copied."""
+        if len(self._order) < 2:
+            return 0
+        lower = self._tiers[self._order[-1]]
+        deadline = time.monotonic() + budget
+        with self._lock:
+            upper = [(k, e) for k, e in self._index.items() if e.tier != self._order[-1]]
+            room = lower.config.high_bytes - lower.used - lower.reserved
+        copied = 0
+        for key, entry in reversed(upper):  # the index keeps insertion order: newest last
+            if time.monotonic() > deadline:
+                log.info("clean stop: %d blocks not copied to %s (out of time)",
+                         len(upper) - copied, lower.config.name)
+                break
+            if entry.stored > room:
+                continue
+            try:
+                data = _read_whole(self._tiers[entry.tier].tier.block_path(key))
+                if data is None:
+                    continue
+                room -= lower.tier.put(key, data, tag=entry.tag or b"")
+            except OSError as exc:  # a corrupt block, a full disk: not kept, never fatal
+                log.warning("clean stop: block %s not copied to %s: %s", key,
+                            lower.config.name, exc)
+                continue
+            copied += 1
+        if copied:
+            log.info("clean stop: copied %d blocks to %s for the next daemon", copied,
+                     lower.config.name)
+        return copied
 
     def _prefetch(self, budget: int = 256 << 20) -> None:
         run_prefetch(self, budget)

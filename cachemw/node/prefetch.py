@@ -1,5 +1,6 @@
 """Fetching announced blocks ahead of the reader, as the placement engine plans them
-(clairvoyant, from an announced order), on the node cache's maintenance thread.
+(clairvoyant, from an announced order), from the node cache's maintenance thread,
+``CONCURRENCY`` source reads at a time.
 
 The node puts each planned block in flight as a fill before the first is fetched
 (NodeCache.reserve_prefetches), so a reader that gets there first waits for it (single
@@ -9,25 +10,46 @@ is finished or released here.
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+from .. import trace
 from ..keys import url_tag
 from ..tiers.source import ChangedSourceError, source_for
 
 log = logging.getLogger(__name__)
 
 
+# Source reads a prefetch pass keeps in flight. Why: readers that reach a planned block
+# wait for its fill, so a prefetcher reading one block at a time is as fast as one reader:
+# against a store that answers each request after a latency (a PFS, S3), slower than the
+# DataLoader's own workers. Blocks are started in the order they will be read.
+CONCURRENCY = 16
+
+
 def run_prefetch(node, budget: int) -> None:
     """One prefetch pass of ``node`` (a NodeCache) for at most ``budget`` bytes."""
     room, planned = node.reserve_prefetches(budget)
+    ended = [False] * len(planned)
+
+    def fetch(i: int) -> None:
+        move, (_length, url, source), fill = planned[i]
+        _fetch_one(node, move, url, source, fill)
+        ended[i] = True
+
     try:
         node.run_moves(room)  # make room first
-        while planned:
-            move, (_length, url, source), fill = planned[0]
-            _fetch_one(node, move, url, source, fill)
-            planned.pop(0)
+        if len(planned) == 1:
+            fetch(0)
+        elif planned:
+            with ThreadPoolExecutor(min(CONCURRENCY, len(planned)),
+                                    thread_name_prefix="cachemw-prefetch") as pool:
+                for future in [pool.submit(fetch, i) for i in range(len(planned))]:
+                    future.result()
     finally:
-        for move, _, fill in planned:  # not ended (an error above): release, never leak
-            node.end_unfilled(move.key, fill, "error")
+        for done, (move, _, fill) in zip(ended, planned):
+            if not done:  # not ended (an error above): release, never leak
+                node.end_unfilled(move.key, fill, "error")
 
 
 def _fetch_one(node, move, url, source, fill) -> None:
@@ -35,6 +57,7 @@ def _fetch_one(node, move, url, source, fill) -> None:
     the node lock unless evicted or invalidated meanwhile (NodeCache.land); if a reader
     waiting on it has published it already, nothing is left to do."""
     target_json, path, index, block_size, file_size, version = source
+    started = time.perf_counter()
     try:
         # the announced version or nothing: a block is kept under its version's key
         block = source_for(target_json).read_block(path, index, block_size, file_size, version)
@@ -47,6 +70,9 @@ def _fetch_one(node, move, url, source, fill) -> None:
         log.warning("prefetch of %s block %d failed: %s", url, index, exc)
     else:
         node.land(move.key, fill, stored)
+        if trace.ENABLED:
+            trace.event("prefetch", trace.PLACEMENT, started, None,
+                        {"file": path, "block": index, "tier": move.tier, "bytes": len(block)})
         node.count("prefetched")
         node.count("bytes_from_source", len(block))
         return

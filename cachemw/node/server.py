@@ -186,6 +186,7 @@ class SocketServer:
             ops.STATS: lambda conn, link: ("ok", node.stats()),
             ops.PING: lambda conn, link: ("pong",),
             ops.SHUTDOWN: lambda conn, link: ("ok",),
+            ops.CHECKPOINT: lambda conn, link, record: node.checkpoints.note(record),
         }
 
     def _loop(self, conn: Connection) -> None:

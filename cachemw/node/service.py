@@ -16,8 +16,10 @@ import os
 import signal
 import threading
 
+from .. import trace
 from ..config import DaemonConfig
 from ..launch import clear_failure, free_dram
+from ..metrics import MetricsServer
 from ..processes import process_start, process_state
 from ..protocol import (REGISTRY, SOCKET, DaemonAddress, DaemonLock, ensure_private_dir,
                         lock_holder, publish, unpublish)
@@ -33,12 +35,18 @@ class DaemonAlreadyRunning(RuntimeError):
 
 class NodeService:
     """``lock``: the runtime dir's daemon lock, already held (handed over by the process
-    that spawned us); without it, it is taken here."""
+    that spawned us); without it, it is taken here. ``host``: the name the metrics
+    endpoint is advertised under, when it listens on every address (default: hostname).
+    ``stats``: what the endpoint exports, read when scraped (the Ray daemon adds its peers'
+    counters to the node's stats: it sets this after start)."""
 
     def __init__(self, config: DaemonConfig, *, kind: str = "autostarted",
-                 lock: DaemonLock | None = None) -> None:
+                 lock: DaemonLock | None = None, host: str | None = None) -> None:
         self.config = config
         self.kind = kind
+        self.metrics = None
+        if config.trace_dir:
+            trace.start(config.trace_dir)
         ensure_private_dir(config.runtime_dir)
         self._lock = lock if lock is not None else DaemonLock(config.runtime_dir)
         if self._lock.fd is None and not self._lock.acquire(wait=3.0):
@@ -58,6 +66,11 @@ class NodeService:
             except FileNotFoundError:
                 pass
             self.node = NodeCache(config)
+            self.stats = self.node.stats
+            if config.metrics_port is not None:
+                self.metrics = MetricsServer(lambda: self.stats(), config.metrics_host,
+                                             config.metrics_port, advertise=host)
+                self.node.metrics_url = self.metrics.url
             secret = os.urandom(32)
             sock = os.path.join(config.runtime_dir, SOCKET)
             self.server = SocketServer(self.node, sock, secret, on_shutdown=self.close)
@@ -72,25 +85,33 @@ class NodeService:
             publish(config.runtime_dir, self.address)
             clear_failure(config.runtime_dir)
         except BaseException:  # the lock goes whatever failed, even Ctrl-C; re-raised
+            if self.metrics is not None:
+                self.metrics.close()
             self._lock.release()
             raise
         log.info("cachemw %s daemon for node %s serving %s", kind, config.node_id, sock)
 
     def close(self) -> None:
-        """Stop serving; an autostarted daemon frees its DRAM tier before it lets go of the
-        lock (a successor re-indexes the tier as soon as it has the lock)."""
+        """Stop serving; with an NVMe tier, copy what DRAM holds down to it (the next daemon
+        on the node, of this job or the next, starts warm); an autostarted daemon then frees
+        its DRAM tier, before it lets go of the lock (a successor re-indexes the tiers as
+        soon as it has the lock)."""
         if self.stopped.is_set():
             return
         self.stopped.set()
         unpublish(self.config.runtime_dir, os.getpid())
         self.server.close()
+        if self.metrics is not None:
+            self.metrics.close()
         self.node.close()
+        self.node.keep_on_stop()
         if self.free_dram_at_exit:  # /dev/shm is the node's RAM, shared with other jobs
             for tier in self.config.tiers:
                 if tier.name == "dram":
                     freed = free_dram(tier.path)
                     log.info("freed %d bytes of the DRAM tier %s", freed, tier.path)
         self._lock.release()
+        trace.flush()
         log.info("cachemw daemon for node %s stopped", self.config.node_id)
 
 

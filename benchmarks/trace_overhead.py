@@ -1,0 +1,207 @@
+"""What tracing costs on the hit path (issue 15): hits/s of ``cat_file`` on cached files
+with tracing (cachemw.trace) off and on, and, with ``--baseline-rev``, with the code of that
+revision (before the trace and read-time hooks), all in the same run.
+
+    python benchmarks/trace_overhead.py                        # off vs on
+    python benchmarks/trace_overhead.py --baseline-rev afcb71c # also off vs that revision
+    python benchmarks/trace_overhead.py --quick                # fewer files and rounds
+
+In each session two fresh reader processes, one of this code and one of the baseline's,
+each with its own autostarted daemon and runtime dir in /dev/shm (the source files in
+/dev/shm too), fill the cache, read every file once more, then make one timed pass over all
+files each time they are told to: this code's reader with tracing off, then on
+(its trace file opened once, the module's ENABLED flag switched between passes, a pass's
+events all written within it; the trace file in /dev/shm), the baseline's plain, in
+alternating order. On / off compares passes of the same process; off / baseline
+passes of two processes, fresh ones per session, so one process's luck (its core, its memory
+layout) does not bias a variant. A session's ratio is the median of its per-pass ratios;
+printed: the min / median / max over sessions. Passes are timed in the reader's CPU time
+(the hit path does no waiting: the daemon takes no part in a hit, so on a machine shared
+with other work this is the steadier measure of what the code costs) and in wall time.
+Targets: off / baseline within noise, on / off >= 0.90.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+from cachemw.launch import stop_local
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+READER = r"""
+import os, sys, time
+import fsspec
+try:
+    from cachemw import trace
+except ImportError:  # the baseline's code has no traces
+    trace = None
+src, runtime_dir, trace_dir = sys.argv[1:4]
+fs = fsspec.filesystem("cachemw", runtime_dir=runtime_dir, skip_instance_cache=True,
+                       daemon_options={"dram_capacity": "2GiB"})
+paths = sorted(os.path.join(src, p) for p in os.listdir(src))
+for p in paths:  # misses: fill the cache
+    fs.cat_file(p)
+for p in paths:  # hits, once, before the clock
+    fs.cat_file(p)
+print("ready", flush=True)
+if trace is not None:  # the file opened once, as in a traced job; passes switch the flag
+    trace.start(trace_dir)
+    trace.ENABLED = False
+for line in sys.stdin:  # one timed pass per line: hits per second of wall and of CPU time
+    if trace is not None:
+        trace.ENABLED = line.strip() == "on"
+    t, c = time.perf_counter(), time.process_time()
+    for p in paths:
+        fs.cat_file(p)
+    if trace is not None and trace.ENABLED:
+        trace.flush()  # the rest of the pass's events written (timed: every event's cost)
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    print(len(paths) / wall, len(paths) / cpu, flush=True)
+assert fs.stats()["hits"] >= 2 * len(paths)
+"""
+
+
+def make_files(d: str, n: int, size: int) -> None:
+    os.makedirs(d)
+    for i in range(n):
+        with open(os.path.join(d, f"f{i:06d}"), "wb") as f:
+            f.write(os.urandom(size))
+
+
+def checkout(rev: str, into: str) -> str:
+    """The package as it was at ``rev`` (git archive: no worktree left registered)."""
+    data = subprocess.run(["git", "-C", REPO, "archive", rev], check=True,
+                          capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(into, filter="fully_trusted")
+    return into
+
+
+def reader(variant: str, src: str, work: str, baseline: str | None) -> subprocess.Popen:
+    """A reader process, its cache filled and warm, waiting for its first pass."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CACHEMW_TRACE", "PYTHONPATH")}
+    trace_dir = tempfile.mkdtemp(prefix="trace-", dir=work)
+    if variant == "baseline":
+        env["PYTHONPATH"] = baseline  # its cachemw first, for the reader and its daemon
+    runtime_dir = tempfile.mkdtemp(prefix=f"rt-{variant}-", dir=work)
+    proc = subprocess.Popen([sys.executable, "-c", READER, src, runtime_dir, trace_dir], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc.runtime_dir = runtime_dir
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"the {variant} reader did not start")
+    return proc
+
+
+def one_pass(proc: subprocess.Popen, command: str) -> tuple[float, float]:
+    """(hits per wall second, hits per CPU second of the reader) of one pass; ``command``:
+    "on" traces the pass."""
+    proc.stdin.write(command + "\n")
+    proc.stdin.flush()
+    wall, cpu = proc.stdout.readline().split()
+    return float(wall), float(cpu)
+
+
+def finish(proc: subprocess.Popen) -> None:
+    """End a reader and its daemon (which would otherwise outlive it by up to a second,
+    long enough to make its tier directory again under a removed work dir)."""
+    proc.stdin.close()
+    code = proc.wait(timeout=120)
+    stop_local(proc.runtime_dir)
+    if code != 0:
+        raise RuntimeError("a reader failed")
+
+
+def off_check_cost(n: int = 2_000_000) -> float:
+    """Nanoseconds of the check a traced point costs when tracing is off."""
+    from cachemw import trace
+
+    def checked():
+        for _ in range(n):
+            if trace.ENABLED:
+                pass
+
+    def bare():
+        for _ in range(n):
+            pass
+
+    best = []
+    for fn in (checked, bare):
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        best.append(min(times))
+    return max(best[0] - best[1], 0.0) / n * 1e9
+
+
+def fmt(xs: list[float]) -> str:
+    return (f"{min(xs):.3f} / {statistics.median(xs):.3f} / {max(xs):.3f}" if len(xs) > 2
+            else ", ".join(f"{x:.3f}" for x in xs))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--baseline-rev", help="also measure the code of this git revision")
+    p.add_argument("--sessions", type=int, default=5)
+    p.add_argument("--passes", type=int, default=6, help="per variant and session")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    sessions, passes = (2, 3) if args.quick else (args.sessions, args.passes)
+    cases = [("128 KiB", 128 << 10, 300 if args.quick else 1000),
+             ("4 KiB", 4 << 10, 1000 if args.quick else 4000)]
+    work = tempfile.mkdtemp(prefix="cachemw-trace-bench-", dir="/dev/shm")
+    try:
+        baseline = None
+        if args.baseline_rev:
+            baseline = checkout(args.baseline_rev, os.path.join(work, "baseline"))
+        variants = ["off", "on"] + (["baseline"] if baseline else [])
+        readers = {"off": "current", "on": "current", "baseline": "baseline"}
+        print(f"{sessions} sessions x {passes} passes; variants {variants}; hits/s of cat_file")
+        pairs = [("on", "off", ">= 0.90")] + ([("off", "baseline", "within noise")]
+                                               if baseline else [])
+        for label, size, n in cases:
+            src = os.path.join(work, f"src-{size}")
+            make_files(src, n, size)
+            ratios = {(a, b, i): [] for a, b, _ in pairs for i in (0, 1)}
+            for session in range(sessions):
+                procs = {r: reader(r, src, work, baseline) for r in set(readers[v] for v in variants)}
+                try:
+                    rates = {v: [] for v in variants}
+                    for r in range(passes):
+                        order = variants[r % len(variants):] + variants[:r % len(variants)]
+                        for v in order:
+                            rates[v].append(one_pass(procs[readers[v]], v))
+                finally:
+                    for proc in procs.values():
+                        finish(proc)
+                for a, b, i in ratios:
+                    ratios[(a, b, i)].append(statistics.median(
+                        x[i] / y[i] for x, y in zip(rates[a], rates[b])))
+                print(f"  {label} session {session + 1}: " + "; ".join(
+                    f"{v} {statistics.median(c for _, c in x):,.0f}/CPU s, "
+                    f"{statistics.median(w for w, _ in x):,.0f}/s" for v, x in rates.items()),
+                    flush=True)
+            for a, b, target in pairs:
+                for i, clock in ((1, "CPU"), (0, "wall")):
+                    print(f"{label}: {a} / {b} ({clock} time), sessions' medians "
+                          f"{fmt(ratios[(a, b, i)])} (target {target})")
+            shutil.rmtree(src)
+        ns = off_check_cost()
+        print(f"the off check at a traced point: {ns:.1f} ns")
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

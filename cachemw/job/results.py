@@ -1,0 +1,220 @@
+"""What a run of the job reports: the table, the JSON file of every figure, the PNG, and
+the targets of the main job checked against this run (ratios within the run).
+
+Per cachemw epoch, ``read_time_breakdown`` (iowait.py) says where the readers' time went:
+local hits, remote hits, the source, waiting on the daemon (leases); the table shows it
+as shares of the readers' seconds, which are summed over the workers reading at once.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import matplotlib
+
+from .iowait import KINDS, shares
+
+matplotlib.use("Agg")  # files only, never a display
+import matplotlib.pyplot as plt  # noqa: E402
+
+# (key, description, threshold): the issue's targets for the default profile
+TARGETS = (
+    ("cachemw_au", "cachemw AU, epochs 2+ (mean)", ">= 0.90"),
+    ("direct_au", "direct reads AU, epochs 2+ (mean)", "< 0.50"),
+    ("vs_simplecache", "cachemw / simplecache samples/s, epochs 2+", ">= 1.5"),
+    ("announce_epoch1", "epoch 1 time, cachemw + AnnouncingSampler / direct", "< 1.0"),
+    ("cold_epoch1", "epoch 1 time, cachemw / direct", "<= 1.1"),
+    ("stall_ratio", "checkpoint stall per save, Checkpointer / torch.save (medians)", "<= 0.1"),
+    ("au_lost", "AU lost to checkpoints with the Checkpointer (points)", "<= 1.0"),
+)
+
+
+def _holds(value: float | None, threshold: str) -> bool | None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    op, number = threshold.split()
+    bound = float(number)
+    return {">=": value >= bound, "<=": value <= bound, "<": value < bound, ">": value > bound}[op]
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.fmean(values) if values else None
+
+
+def _later(system: dict | None, field: str) -> float | None:
+    if not system:
+        return None
+    return _mean(e[field] for e in system["epochs"][1:])
+
+
+def _first(system: dict | None, field: str) -> float | None:
+    if not system or not system["epochs"]:
+        return None
+    return system["epochs"][0][field]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _median_stall(checkpoints: dict, key: str) -> float | None:
+    method = (checkpoints or {}).get("methods", {}).get(key)
+    stalls = [s["stall_s"] for s in (method or {}).get("saves", []) if s["stall_s"] is not None]
+    return statistics.median(stalls) if stalls else None
+
+
+def _method_au(checkpoints: dict, key: str) -> float | None:
+    method = (checkpoints or {}).get("methods", {}).get(key)
+    return _mean(e["au"] for e in method["epochs"]) if method else None
+
+
+def targets(results: dict) -> list[dict]:
+    s = results.get("systems", {})
+    ck = results.get("checkpoints") or {}
+    au_none, au_ck = _method_au(ck, "none"), _method_au(ck, "Checkpointer")
+    values = {
+        "cachemw_au": _later(s.get("cachemw"), "au"),
+        "direct_au": _later(s.get("direct"), "au"),
+        "vs_simplecache": _ratio(_later(s.get("cachemw"), "samples_per_s"),
+                                 _later(s.get("simplecache"), "samples_per_s")),
+        "announce_epoch1": _ratio(_first(s.get("cachemw+announce"), "wall_s"), _first(s.get("direct"), "wall_s")),
+        "cold_epoch1": _ratio(_first(s.get("cachemw"), "wall_s"), _first(s.get("direct"), "wall_s")),
+        "stall_ratio": _ratio(_median_stall(ck, "Checkpointer"), _median_stall(ck, "torch.save")),
+        "au_lost": None if au_none is None or au_ck is None else 100 * (au_none - au_ck),
+    }
+    return [{"key": key, "what": what, "threshold": threshold, "value": values[key],
+             "met": _holds(values[key], threshold)} for key, what, threshold in TARGETS]
+
+
+def verdict(checked: list[dict]) -> str:
+    measured = [t for t in checked if t["met"] is not None]
+    if not measured:
+        return "no target could be measured in this run (systems or checkpoints left out)"
+    missed = [t for t in measured if not t["met"]]
+    head = f"targets met: {len(measured) - len(missed)} of {len(measured)} measured"
+    if not missed:
+        return head + " (all)"
+    return head + "; NOT met: " + "; ".join(
+        f"{t['what']} = {t['value']:.3g} (target {t['threshold']})" for t in missed)
+
+
+# -- the table ---------------------------------------------------------------------------
+
+def _f(v, fmt: str, width: int) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return f"{'-':>{width}}"
+    return f"{v:>{width}{fmt}}"
+
+
+def table(results: dict) -> str:
+    lines = [f"{'system':<30} {'epoch':>5} {'wall s':>7} {'samples/s':>9} {'MiB/s':>7} "
+             f"{'I/O wait s':>10} {'AU %':>6} {'store MiB':>9}"]
+    for key, system in results.get("systems", {}).items():
+        for e in system["epochs"]:
+            store = e.get("store_bytes")
+            lines.append(
+                f"{system['label']:<30} {e['epoch']:>5} {_f(e['wall_s'], '.2f', 7)} "
+                f"{_f(e['samples_per_s'], '.0f', 9)} {_f(e['mib_per_s'], '.1f', 7)} "
+                f"{_f(e['io_wait_s'], '.2f', 10)} {_f(100 * e['au'], '.1f', 6)} "
+                f"{_f(None if store is None else store / 2**20, '.1f', 9)}")
+    lines += _read_time_table(results)
+    ck = results.get("checkpoints")
+    if ck:
+        lines += ["", f"checkpoints: {ck['state_mib']:.0f} MiB state, {ck['schedule']}, "
+                      f"reading through {ck['reader']}",
+                  f"{'method':<16} {'saves':>5} {'stall s median':>14} {'stall s max':>11} "
+                  f"{'durable s median':>16} {'AU %':>6} {'AU lost (points)':>16}"]
+        au_none = _method_au(ck, "none")
+        for key, m in ck["methods"].items():
+            saves = m.get("saves", [])
+            stalls = [s["stall_s"] for s in saves if s["stall_s"] is not None]
+            durable = [s["durable_s"] for s in saves if s["durable_s"] is not None]
+            au = _method_au(ck, key)
+            lost = None if au is None or au_none is None or key == "none" else 100 * (au_none - au)
+            errors = [s["error"] for s in saves if s.get("error")]
+            lines.append(
+                f"{key:<16} {len(saves):>5} "
+                f"{_f(statistics.median(stalls) if stalls else None, '.3f', 14)} "
+                f"{_f(max(stalls) if stalls else None, '.3f', 11)} "
+                f"{_f(statistics.median(durable) if durable else None, '.3f', 16)} "
+                f"{_f(None if au is None else 100 * au, '.1f', 6)} {_f(lost, '.2f', 16)}"
+                + (f"  FAILED: {errors[0]}" if errors else ""))
+    lines += ["", "targets (this run):"]
+    for t in results.get("targets", []):
+        state = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+        lines.append(f"  {t['what']}: {_f(t['value'], '.3f', 0).strip()} "
+                     f"(target {t['threshold']}): {state}")
+    return "\n".join(lines)
+
+
+def _read_time_table(results: dict) -> list[str]:
+    """Where cachemw's readers spent their time, per epoch: shares of their seconds."""
+    rows = [(system["label"], e) for system in results.get("systems", {}).values()
+            for e in system["epochs"] if e.get("read_time_breakdown")]
+    if not rows:
+        return []
+    lines = ["", "where cachemw's I/O wait went: shares of the readers' seconds (summed over "
+                 "the DataLoader workers reading at once: not wall time)",
+             f"{'system':<30} {'epoch':>5} {'reader s':>8} {'hit %':>6} {'remote %':>8} "
+             f"{'source %':>8} {'lease %':>7}  reads hit/remote/source/lease"]
+    for label, e in rows:
+        b = e["read_time_breakdown"]
+        share = shares(b) or {}
+        cells = " ".join(_f(None if kind not in share else 100 * share[kind], ".1f", width)
+                         for (kind, _, _), width in zip(KINDS, (6, 8, 8, 7)))
+        reads = "/".join(str(b[f"{kind}_reads"]) for kind, _, _ in KINDS)
+        lines.append(f"{label:<30} {e['epoch']:>5} {_f(b['readers_s'], '.2f', 8)} {cells}  "
+                     f"{reads}" + ("" if b["complete"] else "  (a worker's counts missing)"))
+    return lines
+
+
+# -- the files -----------------------------------------------------------------------------
+
+def write_json(results: dict, path: str) -> None:
+    def clean(v):
+        if isinstance(v, float) and math.isnan(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    with open(path, "w") as f:
+        json.dump(clean(results), f, indent=2)
+        f.write("\n")
+
+
+def write_png(results: dict, path: str) -> None:
+    """AU and samples/s per epoch per system, and the checkpoint stalls per method."""
+    ck = results.get("checkpoints")
+    fig, axes = plt.subplots(1, 3 if ck else 2, figsize=(15 if ck else 10, 4.2))
+    for system in results.get("systems", {}).values():
+        epochs = [e["epoch"] for e in system["epochs"]]
+        axes[0].plot(epochs, [100 * e["au"] for e in system["epochs"]], marker="o",
+                     label=system["label"])
+        axes[1].plot(epochs, [e["samples_per_s"] for e in system["epochs"]], marker="o",
+                     label=system["label"])
+    axes[0].axhline(90, color="grey", linestyle=":", linewidth=1)
+    axes[0].set(title="accelerator utilisation (AU)", xlabel="epoch", ylabel="AU %", ylim=(0, 105))
+    axes[1].set(title="throughput", xlabel="epoch", ylabel="samples/s")
+    axes[1].set_ylim(bottom=0)
+    for ax in axes[:2]:
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="best")
+    if ck:
+        names = [k for k in ck["methods"] if k != "none"]
+        stalls = [_median_stall(ck, k) or 0.0 for k in names]
+        axes[2].bar(names, stalls, color=["#c44e52", "#dd8452", "#4c72b0"][:len(names)])
+        axes[2].set(title=f"checkpoint stall per save ({ck['state_mib']:.0f} MiB state)",
+                    ylabel="seconds (median)")
+        axes[2].grid(alpha=0.3, axis="y")
+    store = results.get("job", {}).get("store", "")
+    fig.suptitle(f"cachemw job: {results.get('job', {}).get('workload', {}).get('name', '')} "
+                 f"on {store}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,288 @@
+"""The job: the same DLIO-style training through each read path, then the checkpoint
+methods side by side, on the emulated store (or a real one), measured in one run.
+
+Order: the dataset is generated (or found) on the store; each system in turn lists it,
+trains ``train.epochs`` epochs and is stopped (its daemon and scratch removed), except the
+checkpoint phase's reader (cachemw, warm), which then trains, without checkpoints and then
+with each checkpoint method, as many epochs as ``checkpoint_saves`` saves take on the
+workload's schedule: every method runs under the same reads, against a like baseline. Everything the run started is stopped and removed at the end, also
+on an error or Ctrl-C; the results stay in ``out_dir``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from tqdm import tqdm
+
+from ..checkpoint import quiet
+from ..config import parse_size
+from . import checkpoints as ck
+from . import iowait
+from . import results as report
+from . import source as sources
+from . import storefs
+from .settings import JobSettings, StoreProfile
+from .store import EmulatedStore
+from .systems import build, scratch_dir
+from .training import Compute, SampleDataset, base_sampler, make_loader, train_epoch
+from .workload import Workload, load
+
+COUNTERS = ("hits", "misses", "prefetched", "bytes_from_source", "fallbacks", "bypassed")
+
+
+def _say(bar, text: str) -> None:
+    bar.write(text, file=sys.stderr) if not bar.disable else print(text, file=sys.stderr, flush=True)
+
+
+def _prepare(settings: JobSettings, work: str, bar):
+    """(Source, the emulated store or None): the dataset generated where it is missing."""
+    wl = settings.workload
+    if settings.source is None:
+        root = os.path.join(work, "store")
+        sources.generate(LocalFileSystem(), os.path.join(root, wl.name, "train"), wl)
+        store = EmulatedStore(root, settings.profile).start()
+        return sources.emulated_source(store.url, wl, storefs.PROTOCOL), store
+    if "://" not in settings.source and "::" not in settings.source:
+        if not os.path.isdir(settings.source):
+            raise ValueError(f"--source {settings.source}: not a directory (nor an fsspec URL)")
+        src = sources.local_source(settings.source, wl)
+    else:
+        src = sources.url_source(settings.source, settings.source_options, wl)
+        # the store's options as fsspec's defaults for its protocol, in this process and
+        # its workers: checkpoint methods open their root by URL alone (the Checkpointer,
+        # DCP), as a user's job would with a configured fsspec
+        fsspec.config.conf[src.protocol] = {**fsspec.config.conf.get(src.protocol, {}),
+                                            **settings.source_options}
+    if src.protocol in ("http", "https"):  # read-only: the dataset must be there already
+        return src, None
+    written = sources.generate(src.fs(), src.train_dir, wl)
+    if written:
+        _say(bar, f"wrote {written} dataset files to {src.train_dir}")
+    return src, None
+
+
+def _store_counts(store) -> dict | None:
+    return None if store is None else store.stats()
+
+
+def _delta(after: dict | None, before: dict | None, keys) -> dict | None:
+    if after is None or before is None:
+        return None
+    return {k: after.get(k, 0) - before.get(k, 0) for k in keys}
+
+
+def _epoch_record(epoch, wl: Workload, store_before, store_after, counters_before, counters_after,
+                  complete: bool) -> dict:
+    out = epoch.summary(wl.exclude_start_steps, wl.exclude_end_steps)
+    if store_before is not None:
+        out["store_bytes"] = store_after["bytes_sent"] - store_before["bytes_sent"]
+        out["store_requests"] = _delta(store_after["requests"], store_before["requests"],
+                                       store_after["requests"])
+    out["daemon"] = _delta(counters_after, counters_before, COUNTERS)
+    # where cachemw's readers spent their time (None for the other systems)
+    out["read_time_breakdown"] = iowait.breakdown(counters_before, counters_after, complete)
+    return out
+
+
+def _train(system, loader, wl: Workload, store, bar, epochs, label, checkpoint=None) -> list:
+    compute = Compute(wl)
+    step, out = 0, []
+    for e in range(1, epochs + 1):
+        bar.set_description(f"{label} epoch {e}/{epochs}")
+        s0, c0 = _store_counts(store), system.daemon_counters()
+        epoch, step = train_epoch(loader, wl, e, step, compute, checkpoint, on_step=bar.update)
+        flusher = loader.dataset.flusher  # the workers' last counts, before the snapshot
+        complete = flusher.flush() if flusher is not None else True
+        s1, c1 = _store_counts(store), system.daemon_counters()
+        rec = _epoch_record(epoch, wl, s0, s1, c0, c1, complete)
+        out.append(rec)
+        _say(bar, f"{label:<34} epoch {e}: {rec['wall_s']:6.2f} s, "
+                  f"{rec['samples_per_s']:7.0f} samples/s, AU {100 * rec['au']:5.1f} %, "
+                  f"I/O wait {rec['io_wait_s']:5.2f} s")
+    return out
+
+
+def _run_system(system, src, wl: Workload, store, bar) -> tuple[dict, object]:
+    t0 = time.perf_counter()
+    system.start()
+    started = time.perf_counter()
+    names = system.list_dataset(src.train_dir)
+    listed = time.perf_counter()
+    entries = sources.entries(names, wl)
+    dataset = SampleDataset(system.opener, entries)
+    if system.cachemw and wl.read_threads > 0:
+        dataset.flusher = iowait.WorkerFlush(wl.multiprocessing_context, wl.read_threads)
+    loader = make_loader(dataset, wl, system.sampler(base_sampler(wl, len(entries)), entries))
+    epochs = _train(system, loader, wl, store, bar, wl.epochs, system.label)
+    return {"label": system.label, "start_s": started - t0, "listing_s": listed - started,
+            "epochs": epochs}, loader
+
+
+def _run_checkpoints(settings, system, loader, src, store, bar) -> dict:
+    wl = settings.workload
+    state = ck.model_state(wl.model_size_bytes, wl.seed)
+    methods = {}
+    for key in ("none", *settings.methods):
+        method = None if key == "none" else ck.build(key, src.checkpoint_root, system.runtime_dir)
+        epochs = wl.epochs_for_saves(settings.checkpoint_saves)  # "none" too: a like baseline
+
+        def save(step: int, method=method) -> None:
+            ck.touch(state, step)
+            if method is not None:
+                method.save(step, state)
+
+        try:
+            epochs = _train(system, loader, wl, store, bar, epochs,
+                            f"{system.label} + {key}", checkpoint=save)
+            waited = method.finish() if method is not None else 0.0
+        finally:
+            if method is not None:
+                method.close()
+        methods[key] = {"epochs": epochs, "saves": [] if method is None else method.records,
+                        "finish_wait_s": waited}
+    schedule = (f"every {wl.steps_between_checkpoints} steps" if wl.steps_between_checkpoints > 0
+                else f"every {wl.epochs_between_checkpoints} epoch(s) from epoch {wl.checkpoint_after_epoch}")
+    return {"reader": system.label, "state_mib": wl.model_size_bytes / 2**20,
+            "state_bytes": wl.model_size_bytes, "schedule": schedule,
+            "root": src.checkpoint_root, "methods": methods}
+
+
+def _remove_checkpoints(src) -> None:
+    root = src.checkpoint_root
+    if not root:
+        return
+    try:
+        fs, path = fsspec.core.url_to_fs(root)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except Exception as exc:  # cleanup must not hide the run's own outcome
+        print(f"warning: could not remove the job's checkpoints under {root}: {exc}", file=sys.stderr)
+
+
+def text(results: dict, out_dir: str) -> str:
+    """The run as a person reads it: the table, where the figures are, the verdict last."""
+    return (f"{report.table(results)}\n\nfigures: {out_dir}/results.json, "
+            f"{out_dir}/results.png\n{results['verdict']}")
+
+
+def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
+    """Run the job; returns every figure (also written to ``out_dir``: results.json,
+    results.png, results.txt)."""
+    warnings.filterwarnings("ignore", message=quiet.MESSAGE, category=UserWarning)
+    wl = settings.workload
+    os.makedirs(settings.out_dir, exist_ok=True)
+    want_ck = wl.checkpoint and bool(settings.methods)
+    reader = "cachemw" if "cachemw" in settings.systems else settings.systems[0]
+    total = len(settings.systems) * wl.epochs * wl.steps_per_epoch
+    if want_ck:
+        total += ((1 + len(settings.methods)) * wl.epochs_for_saves(settings.checkpoint_saves)
+                  * wl.steps_per_epoch)
+    results = {"job": {
+        "command": argv, "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(), "workload": dataclasses.asdict(wl),
+        "store": settings.source or f"the emulated store ({settings.profile.describe()})",
+        "profile": dataclasses.asdict(settings.profile) if settings.source is None else None,
+    }, "systems": {}, "checkpoints": None}
+    work = scratch_dir("cachemw-job-")
+    store, src, kept = None, None, None
+    bar = tqdm(total=total, unit="step", disable=not settings.progress, file=sys.stderr,
+               dynamic_ncols=True, leave=False)
+    t_start = time.perf_counter()
+    try:
+        src, store = _prepare(settings, work, bar)
+        if want_ck and not src.checkpoint_root:
+            _say(bar, f"note: {src.description} is read-only here: no checkpoints")
+            want_ck = False
+        for key in settings.systems:
+            system = build(key, src, wl)
+            try:
+                out, loader = _run_system(system, src, wl, store, bar)
+                results["systems"][key] = out
+                if want_ck and key == reader:
+                    kept, system = (system, loader), None
+                del loader
+            finally:
+                if system is not None:
+                    system.stop()
+        if kept is not None:
+            results["checkpoints"] = _run_checkpoints(settings, kept[0], kept[1], src, store, bar)
+        results["job"]["wall_s"] = time.perf_counter() - t_start
+        if store is not None:
+            results["job"]["store_totals"] = store.stats()
+    finally:
+        bar.close()
+        if kept is not None:
+            system, loader = kept
+            del loader, kept
+            system.stop()
+        if src is not None and src.checkpoint_root and settings.source is not None:
+            _remove_checkpoints(src)
+        if store is not None:
+            store.close()
+        shutil.rmtree(work, ignore_errors=True)
+    results["targets"] = report.targets(results)
+    results["verdict"] = report.verdict(results["targets"])
+    report.write_json(results, os.path.join(settings.out_dir, "results.json"))
+    report.write_png(results, os.path.join(settings.out_dir, "results.png"))
+    with open(os.path.join(settings.out_dir, "results.txt"), "w") as f:
+        f.write(report.table(results) + "\n\n" + results["verdict"] + "\n")
+    return results
+
+
+def _overrides(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. train.epochs=2")
+        out[key.strip()] = value
+    return out
+
+
+def settings_from(args) -> JobSettings:
+    """The JobSettings ``cachemw job``'s arguments ask for (ValueError naming a bad one).
+    A workload's keys the job does not emulate are printed as a warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        workload = load(args.workload, _overrides(args.set))
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    profile = StoreProfile(latency=args.store_latency_ms / 1e3,
+                           meta_latency=args.store_meta_latency_ms / 1e3,
+                           bandwidth=parse_size(args.store_bandwidth, name="--store-bandwidth"))
+    try:
+        options = json.loads(args.source_options)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--source-options: not JSON ({exc})") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"--source-options: expected a JSON object, got {args.source_options}")
+    methods = () if args.checkpoints.strip() == "none" else tuple(
+        m.strip() for m in args.checkpoints.split(",") if m.strip())
+    return JobSettings(workload=workload, profile=profile, source=args.source,
+                       source_options=options,
+                       systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
+                       methods=methods, checkpoint_saves=args.checkpoint_saves,
+                       out_dir=args.out, progress=not args.quiet)
+
+
+def main(args) -> int:
+    """``cachemw job``: run, print the table, say what the run showed (last line)."""
+    settings = settings_from(args)
+    wl = settings.workload
+    where = settings.source or f"the emulated store ({settings.profile.describe()})"
+    print(f"workload {wl.name}: {wl.num_files_train} files x {wl.num_samples_per_file} "
+          f"sample(s) of {wl.record_length_bytes} bytes, batch {wl.batch_size}, "
+          f"{wl.read_threads} DataLoader workers, {wl.epochs} epochs, "
+          f"{wl.computation_time:g} s compute per step; on {where}", flush=True)
+    out = run(settings, argv=sys.argv)
+    print(text(out, settings.out_dir))
+    return 0

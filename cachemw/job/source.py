@@ -1,0 +1,115 @@
+"""Where the job's dataset and checkpoints live: the emulated store, a directory, or any
+fsspec URL (``--source``), and the dataset generated there, DLIO-style.
+
+The dataset is ``num_files_train`` files named as DLIO names them
+(``{file_prefix}_{i}_of_{n}.bin``), each ``num_samples_per_file`` records of that file's
+record length (``record_length_bytes``, drawn around it with
+``record_length_bytes_stdev``), random bytes from the workload's seed: the same files on
+every run, so a dataset left in a ``--source`` directory is found complete and reused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+
+import fsspec
+import numpy as np
+
+from .workload import Workload
+
+JOB_DIR = "cachemw-job"  # under a --source: the job's datasets and (while it runs) checkpoints
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A store as the job reads and writes it."""
+
+    protocol: str  # the target filesystem's protocol ("http", "file", "s3", ...)
+    options: dict  # its storage options
+    train_dir: str  # the dataset's directory, as a path of that filesystem
+    checkpoint_root: str  # a URL (or local path) checkpoints are written under
+    description: str
+
+    def fs(self):
+        return fsspec.filesystem(self.protocol, **self.options)
+
+
+def file_sizes(workload: Workload) -> dict[str, int]:
+    """Every dataset file's name and size, from the workload alone (deterministic)."""
+    n = workload.num_files_train
+    rng = np.random.default_rng(workload.seed)
+    width = len(str(n - 1))
+    out = {}
+    for i in range(n):
+        rec = workload.record_length_bytes
+        if workload.record_length_bytes_stdev:
+            rec = int(rng.normal(rec, workload.record_length_bytes_stdev))
+            rec = min(max(1, rec), 4 * workload.record_length_bytes)
+        out[f"{workload.file_prefix}_{i:0{width}d}_of_{n}.bin"] = rec * workload.num_samples_per_file
+    return out
+
+
+def generate(fs, train_dir: str, workload: Workload, on_file=None) -> int:
+    """Write the dataset under ``train_dir`` of ``fs`` unless it is there complete (names
+    and sizes); returns the number of files written."""
+    sizes = file_sizes(workload)
+    try:
+        found = {posixpath.basename(e["name"].rstrip("/")): e.get("size")
+                 for e in fs.ls(train_dir, detail=True)}
+    except FileNotFoundError:
+        found = {}
+    missing = [n for n, size in sizes.items() if found.get(n) != size]
+    if not missing:
+        return 0
+    fs.makedirs(train_dir, exist_ok=True)
+    rng = np.random.default_rng(workload.seed + 1)
+    for name in missing:
+        path = posixpath.join(train_dir, name) if "://" not in train_dir else f"{train_dir}/{name}"
+        fs.pipe_file(path, rng.bytes(sizes[name]))
+        if on_file is not None:
+            on_file()
+    return len(missing)
+
+
+def entries(names: list[str], workload: Workload) -> list[tuple]:
+    """The samples of the listed files, in file order: ``(path, None, None)`` per whole
+    file, or ``(path, start, end)`` per record when a file holds several."""
+    sizes = file_sizes(workload)
+    by_base = {posixpath.basename(n.rstrip("/")): n for n in names}
+    absent = sorted(set(sizes) - set(by_base))
+    if absent:
+        raise FileNotFoundError(f"the dataset misses {len(absent)} file(s), e.g. {absent[0]}")
+    out = []
+    k = workload.num_samples_per_file
+    for base in sorted(sizes):
+        path = by_base[base]
+        if k == 1:
+            out.append((path, None, None))
+            continue
+        rec = sizes[base] // k
+        out.extend((path, r * rec, (r + 1) * rec) for r in range(k))
+    return out
+
+
+def local_source(directory: str, workload: Workload) -> Source:
+    base = os.path.join(os.path.abspath(directory), JOB_DIR)
+    return Source("file", {}, os.path.join(base, workload.name, "train"),
+                  os.path.join(base, "checkpoints"), f"the directory {directory}")
+
+
+def url_source(url: str, options: dict, workload: Workload) -> Source:
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if protocol in ("http", "https"):
+        base = f"{url.rstrip('/')}/{JOB_DIR}"
+        return Source(protocol, options, f"{base}/{workload.name}/train", "", url)
+    base = f"{path.rstrip('/')}/{JOB_DIR}"
+    return Source(protocol, options, f"{base}/{workload.name}/train",
+                  f"{protocol}://{base}/checkpoints", url)
+
+
+def emulated_source(store_url: str, workload: Workload, jobstore_protocol: str) -> Source:
+    hostport = store_url.split("://", 1)[1]
+    return Source("http", {}, f"{store_url}/{workload.name}/train",
+                  f"{jobstore_protocol}://{hostport}/checkpoints", "the emulated store")

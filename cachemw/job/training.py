@@ -1,0 +1,159 @@
+"""The emulated training: a torch DataLoader reads samples, each step "computes" by
+sleeping (as DLIO emulates the accelerator), and checkpoints fall where the workload says.
+
+Shaped as dlio_benchmark's torch loader shapes it (``data_loader/torch_data_loader.py``):
+``read_threads`` workers, persistent across epochs, ``prefetch_factor`` =
+ceil(``prefetch_size`` / ``read_threads``), the last partial batch dropped; the sampler
+reshuffles every epoch from the workload's seed, so every system reads the same order.
+
+The loop measures, per step, the time blocked in ``next(iterator)`` (I/O wait as the
+trainer sees it), the compute, and a checkpoint's stall (timeline.Step).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Sequence
+
+import fsspec
+import numpy as np
+import torch
+import torch.utils.data
+
+from .timeline import Epoch, Step
+from .workload import Workload
+
+Entry = tuple  # (path, start, end); start is None for a whole file
+
+
+class Opener:
+    """Builds an fsspec filesystem in whichever process uses it (the trainer, each
+    DataLoader worker: an fsspec instance holding an event loop or a daemon link does not
+    cross a fork), from a protocol and its options. Picklable."""
+
+    def __init__(self, protocol: str, options: dict | None = None) -> None:
+        self.protocol = protocol
+        self.options = dict(options or {})
+        self._fs = None
+        self._pid = None
+
+    def __getstate__(self) -> dict:
+        return {"protocol": self.protocol, "options": self.options, "_fs": None, "_pid": None}
+
+    def fs(self):
+        if self._fs is None or self._pid != os.getpid():
+            self._fs = fsspec.filesystem(self.protocol, **self.options)
+            self._pid = os.getpid()
+        return self._fs
+
+
+class SampleDataset(torch.utils.data.Dataset):
+    """Sample ``i`` is the bytes of ``entries[i]``: a whole file, or a record's range in it."""
+
+    def __init__(self, opener: Opener, entries: Sequence[Entry]) -> None:
+        self.opener = opener
+        self.entries = list(entries)
+        self.flusher = None  # an iowait.WorkerFlush, for cachemw's per-epoch counts
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, i: int) -> bytes:
+        path, start, end = self.entries[i]
+        fs = self.opener.fs()
+        if start is None:
+            return fs.cat_file(path)
+        return fs.cat_file(path, start=start, end=end)
+
+
+def collate(batch: list) -> tuple:
+    """A batch as one flat uint8 tensor and the samples' lengths (samples may differ in
+    size, as with DLIO's ``record_length_bytes_stdev``): one copy, one shared-memory
+    tensor to hand to the trainer."""
+    lengths = [len(b) for b in batch]
+    flat = np.empty(sum(lengths), dtype=np.uint8)
+    offset = 0
+    for b in batch:
+        flat[offset:offset + len(b)] = np.frombuffer(b, dtype=np.uint8)
+        offset += len(b)
+    return torch.from_numpy(flat), torch.tensor(lengths)
+
+
+def base_sampler(workload: Workload, n: int):
+    """DLIO's ``sample_shuffle``: off (in order), seed (a fixed seed: every run and every
+    system reads the same orders, a new one each epoch) or random."""
+    if workload.sample_shuffle == "off":
+        return torch.utils.data.SequentialSampler(range(n))
+    g = torch.Generator()
+    g.manual_seed(workload.seed if workload.sample_shuffle == "seed" else
+                  int.from_bytes(os.urandom(8), "little") >> 1)
+    return torch.utils.data.RandomSampler(range(n), generator=g)
+
+
+def worker_init(worker_id: int) -> None:
+    """The loader's worker_init_fn: start the dataset's flush thread (iowait.WorkerFlush)."""
+    info = torch.utils.data.get_worker_info()
+    flusher = getattr(info.dataset, "flusher", None)
+    if flusher is not None:
+        flusher.start_in_worker(worker_id, info.dataset.opener.fs)
+
+
+def make_loader(dataset, workload: Workload, sampler) -> torch.utils.data.DataLoader:
+    workers = workload.read_threads
+    extra = {}
+    if workers > 0:
+        extra = {"persistent_workers": True, "prefetch_factor": workload.prefetch_factor,
+                 "multiprocessing_context": workload.multiprocessing_context,
+                 "worker_init_fn": worker_init}
+    return torch.utils.data.DataLoader(dataset, batch_size=workload.batch_size, sampler=sampler,
+                                       num_workers=workers, collate_fn=collate,
+                                       drop_last=True, pin_memory=False, **extra)
+
+
+class Compute:
+    """The accelerator: ``computation_time`` seconds per step, drawn as DLIO draws them
+    (abs(normal(mean, stdev))), from the workload's seed: every system gets the same."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.mean = workload.computation_time
+        self.stdev = workload.computation_time_stdev
+        self.rng = np.random.default_rng(workload.seed)
+
+    def __call__(self) -> None:
+        t = abs(self.rng.normal(self.mean, self.stdev)) if self.stdev else self.mean
+        if t > 0:
+            time.sleep(t)
+
+
+def train_epoch(loader, workload: Workload, epoch: int, step: int, compute: Compute,
+                checkpoint: Callable[[int], None] | None = None,
+                on_step: Callable[[], None] | None = None) -> tuple[Epoch, int]:
+    """One epoch; ``step`` is the global step count before it. Returns the epoch's
+    timeline and the global step count after it. ``checkpoint(step)`` runs where the
+    workload puts a checkpoint; its time is the step's checkpoint stall."""
+    n_steps = workload.steps_per_epoch
+    if workload.total_training_steps > 0:
+        n_steps = max(0, min(n_steps, workload.total_training_steps - step))
+    steps = []
+    t0 = time.perf_counter()
+    it = iter(loader)
+    for i in range(n_steps):
+        a = time.perf_counter()
+        try:
+            flat, lengths = next(it)
+        except StopIteration:
+            break
+        b = time.perf_counter()
+        compute()
+        c = time.perf_counter()
+        step += 1
+        if checkpoint is not None and workload.checkpoint_due(step, epoch, i == n_steps - 1):
+            checkpoint(step)
+        d = time.perf_counter()
+        steps.append(Step(load=b - a, compute=c - b, checkpoint=d - c, end=d - t0,
+                          samples=int(lengths.numel()), nbytes=int(flat.numel())))
+        del flat, lengths
+        if on_step is not None:
+            on_step()
+    wall = steps[-1].end if steps else time.perf_counter() - t0
+    return Epoch(epoch, tuple(steps), wall), step

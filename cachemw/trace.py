@@ -1,0 +1,336 @@
+"""Traces of what cachemw does, in DFTracer's file format (``.pfw``), for Perfetto's UI and
+DFTracer's analysis tools.
+
+On when ``CACHEMW_TRACE=DIR`` is set (read once, when this module is imported: every
+process of a job inherits it, DataLoader workers and an autostarted daemon included), or
+after ``start(DIR)`` (the filesystem's ``trace`` option, a daemon's ``trace_dir``). Each
+process writes ``DIR/cachemw-<host>-<pid>.pfw``: a ``[`` line, then one Chrome trace event
+per line (``{"id","name","cat","pid","tid","ts","dur","ph":"X","args"}``, ``ts``/``dur``
+in microseconds, ``ts`` since the epoch), as DFTracer writes them, and ``]`` at exit.
+
+Why not pydftracer: without DFTracer's native library it is a no-op, and with it the
+writer is configured by DFTRACER_* variables read at import and installs SIGINT/SIGTERM
+handlers that call ``sys.exit`` (a daemon's clean stop, a Ray actor's, depend on their
+own). The file format is the contract; writing it takes the small writer below.
+
+Cost: off, a caller checks ``ENABLED`` (a module attribute) once per read and allocates
+nothing. On, an event is a tuple appended to a deque (no lock); lines are formatted and
+written in batches (every 512 events, or at the first event a second after the last
+batch), each batch whole lines with one ``write``, so a killed process leaves a file whose
+lines all parse. The events of the hit path (``block_event``) skip the dict of a general
+event.
+
+Nesting: Perfetto's JSON importer needs the X events of a thread properly nested, and
+reads a parent before its children when both start in the same microsecond only if it
+comes first. A ``span`` holds the events of its thread until the outermost span ends,
+then emits them sorted by start (longer first on a tie); ``ts`` and the end are both
+floored to the microsecond, which keeps containment and order.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import logging
+import math
+import multiprocessing.util
+import os
+import socket
+import threading
+import time
+from json.encoder import encode_basestring_ascii as _quote
+
+from .config import check_trace_dir, trace_dir
+
+log = logging.getLogger(__name__)
+
+ENABLED = False  # checked by callers before they build an event: off costs one lookup
+
+READ = "cachemw.read"  # categories (the ``cat`` field)
+PLACEMENT = "cachemw.placement"
+CHECKPOINT = "cachemw.checkpoint"
+
+FLUSH_EVENTS = 512
+FLUSH_SECONDS = 1.0
+
+_OFFSET_US = int((time.time() - time.perf_counter()) * 1e6)  # perf_counter -> epoch
+_now = time.perf_counter
+_thread_id = threading.get_native_id
+
+_lock = threading.Lock()  # the file, and whoever writes a batch into it
+_dir: str | None = None
+_fd: int | None = None
+_buffer: collections.deque = collections.deque()  # appended without a lock (atomic)
+_pending: dict[int, list] = {}  # thread -> the events of its open outermost span
+_pid = os.getpid()  # this process (kept by the fork hook: no system call per event)
+_file_pid = 0  # the process the open file is for
+_next_id = 1
+_flush_at = 0.0  # perf_counter time of the next flush by time (0: at the next event)
+_closed = False
+_hooked_pid = 0
+_warned = False
+
+
+def start(directory: str) -> None:
+    """Trace this process (and the processes it forks) into ``directory`` (made if missing,
+    0700). Again with the same directory: nothing changes; with another: later events go
+    there."""
+    global ENABLED, _dir, _closed
+    directory = check_trace_dir(directory, "trace")
+    if directory is None:
+        return
+    with _lock:
+        if _dir != directory:
+            _flush_locked()
+            _close_file_locked()
+            _dir = directory
+        _closed = False
+    _ensure_exit_hook()
+    ENABLED = True
+
+
+def stop() -> None:
+    """Write what is buffered, close the file with ``]``, and stop tracing this process."""
+    global ENABLED, _closed
+    ENABLED = False
+    with _lock:
+        _flush_locked()
+        if _fd is not None:
+            _write(b"]\n")
+        _close_file_locked()
+        _closed = True
+
+
+def flush() -> None:
+    with _lock:
+        _flush_locked()
+
+
+def event(name: str, cat: str, start: float, end: float | None = None,
+          args: dict | None = None) -> None:
+    """A complete event of this thread from ``start`` to ``end`` (``time.perf_counter()``
+    values; ``end`` None: now). Call it only when ENABLED (its caller checks)."""
+    if end is None:
+        end = _now()
+    tid = _thread_id()
+    record = (name, cat, tid, start, end, args)
+    pending = _pending.get(tid) if _pending else None
+    if pending is not None:  # inside a span of this thread: emitted with its outermost one
+        pending.append(record)
+        return
+    _buffer.append(record)
+    if len(_buffer) >= FLUSH_EVENTS or end > _flush_at:
+        _due()
+
+
+def block_event(name: str, start: float, end: float, tier: str, path: str, block: int,
+                nbytes: int) -> None:
+    """A read of one block (``hit``, ``source_fetch``): the events of the hit path, their
+    args (``tier``, ``file``, ``block``, ``bytes``) kept flat in the record and written from
+    a fixed template (a dict per event, and encoding it, cost as much as the rest of the
+    event; all conversion is left to the batch). Call it only when ENABLED."""
+    tid = _thread_id()
+    record = (name, tid, start, end, tier, path, block, nbytes)
+    pending = _pending.get(tid) if _pending else None
+    if pending is not None:
+        pending.append(record)
+        return
+    _buffer.append(record)
+    if len(_buffer) >= FLUSH_EVENTS or end > _flush_at:
+        _due()
+
+
+class span:
+    """``with trace.span(name, cat, **args) as s: ... s.args[k] = v``: an event around the
+    block, the events inside it nested under it. Disabled, it only stores its arguments;
+    callers on a hot path check ENABLED first and do not make one."""
+
+    __slots__ = ("name", "cat", "args", "start", "outermost")
+
+    def __init__(self, name: str, cat: str, **args) -> None:
+        self.name, self.cat, self.args = name, cat, args
+        self.start = None
+        self.outermost = False
+
+    def __enter__(self) -> "span":
+        if ENABLED:
+            tid = _thread_id()
+            if tid not in _pending:
+                _pending[tid] = []
+                self.outermost = True
+            self.start = _now()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.start is None:
+            return
+        if exc_type is not None:
+            self.args["error"] = exc_type.__name__
+        end = _now()
+        tid = _thread_id()
+        record = (self.name, self.cat, tid, self.start, end, self.args)
+        pending = _pending.get(tid)
+        if pending is None:  # the process forked inside the span: emit it alone
+            _buffer.append(record)
+        else:
+            pending.append(record)
+            if not self.outermost:
+                return
+            del _pending[tid]
+            pending.sort(key=_start_first)
+            _buffer.extend(pending)
+        if len(_buffer) >= FLUSH_EVENTS or end > _flush_at:
+            _due()
+
+
+def _start_first(record: tuple) -> tuple:
+    """Sort key: by start, the longer first (a parent before the children it starts with);
+    times as written (floored microseconds), so ties are seen as the file shows them."""
+    start, end = record[2:4] if len(record) == 8 else record[3:5]
+    ts = int(start * 1e6)
+    return ts, ts - int(end * 1e6)
+
+
+def _due() -> None:
+    if _hooked_pid != _pid:  # a child's first event (a DataLoader worker): its exit hook
+        _ensure_exit_hook()
+    with _lock:
+        _flush_locked()
+
+
+def _args(args: dict | None) -> str:
+    """``args`` as a JSON object (keys are identifiers: code's own names)."""
+    if not args:
+        return "{}"
+    parts = []
+    for k, v in args.items():
+        t = type(v)
+        if t is int or (t is float and math.isfinite(v)):
+            parts.append(f'"{k}":{v!r}')
+        elif t is str:
+            parts.append(f'"{k}":{_quote(v)}')
+        else:
+            parts.append(f'"{k}":{json.dumps(v, default=str)}')
+    return "{" + ",".join(parts) + "}"
+
+
+def _flush_locked() -> None:
+    global _next_id, _flush_at
+    _flush_at = _now() + FLUSH_SECONDS
+    if _closed:
+        _buffer.clear()
+        return
+    if not _buffer or (_fd is None and not _open_locked()):
+        return
+    n, lines, heads, offset = _next_id, [], {}, _OFFSET_US
+    pop = _buffer.popleft
+    while True:  # what other threads append meanwhile is written now or next time
+        try:
+            record = pop()
+        except IndexError:
+            break
+        if len(record) == 8:  # block_event's
+            name, tid, start, end, tier, path, block, nbytes = record
+            ts = int(start * 1e6)
+            head = heads.get(name)
+            if head is None:
+                head = heads[name] = f'"name":"{name}","cat":"{READ}","pid":{_pid},"tid":'
+            lines.append(f'{{"id":{n},{head}{tid},"ts":{ts + offset},"dur":{int(end * 1e6) - ts},'
+                         f'"ph":"X","args":{{"tier":"{tier}","file":{_quote(path)},'
+                         f'"block":{block},"bytes":{nbytes}}}}}\n')
+        else:
+            name, cat, tid, start, end, args = record
+            ts = int(start * 1e6)
+            lines.append(f'{{"id":{n},"name":"{name}","cat":"{cat}","pid":{_pid},"tid":{tid},'
+                         f'"ts":{ts + offset},"dur":{int(end * 1e6) - ts},"ph":"X",'
+                         f'"args":{_args(args)}}}\n')
+        n += 1
+    _next_id = n
+    _write("".join(lines).encode())
+
+
+def _open_locked() -> bool:
+    """Open this process's trace file; on failure tracing stops here, said once."""
+    global _fd, _file_pid, ENABLED, _warned, _next_id
+    path = os.path.join(_dir, f"cachemw-{socket.gethostname()}-{_pid}.pfw")
+    try:
+        if not os.path.isdir(_dir):
+            os.makedirs(_dir, mode=0o700, exist_ok=True)
+        _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
+                      0o600)
+    except OSError as exc:
+        ENABLED = False
+        _buffer.clear()
+        if not _warned:
+            _warned = True
+            log.warning("cannot write the trace file %s (%s): not tracing this process",
+                        path, exc)
+        return False
+    _file_pid, _next_id = _pid, 1
+    name = json.dumps(f"cachemw {multiprocessing.current_process().name} ({_pid})")
+    _write(f'[\n{{"id":0,"name":"process_name","cat":"dftracer","pid":{_pid},'
+           f'"tid":{_thread_id()},"ph":"M","args":{{"name":{name}}}}}\n'.encode())
+    return True
+
+
+def _write(data: bytes) -> None:
+    global ENABLED
+    try:
+        while data:
+            data = data[os.write(_fd, data):]
+    except OSError as exc:  # a full disk, say: stop tracing rather than fail the reads
+        log.warning("writing the trace file failed (%s): not tracing this process", exc)
+        ENABLED = False
+        _close_file_locked()
+
+
+def _close_file_locked() -> None:
+    global _fd
+    if _fd is not None:
+        try:
+            os.close(_fd)
+        except OSError:
+            pass
+        _fd = None
+
+
+def _ensure_exit_hook() -> None:
+    """Close the file at exit, in every kind of process: multiprocessing children
+    (DataLoader workers) skip atexit, so they get a multiprocessing finalizer too, made
+    on their first event (a child clears the finalizers it inherited once it runs, after
+    any fork hook: registering at fork would be undone)."""
+    global _hooked_pid
+    if _hooked_pid != _pid:
+        _hooked_pid = _pid
+        atexit.register(_at_exit)
+        multiprocessing.util.Finalize(None, _at_exit, exitpriority=0)
+
+
+def _at_exit() -> None:
+    if ENABLED or _fd is not None:
+        stop()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child traces into a file of its own; the parent's buffered events stay the
+    parent's to write."""
+    global _lock, _buffer, _fd, _pending, _pid, _closed, _flush_at
+    _pid = os.getpid()
+    _flush_at = 0.0  # its first event flushes: its exit hook is made there
+    _lock = threading.Lock()
+    _buffer = collections.deque()
+    _fd = None  # the parent's descriptor (inherited) is not ours to write or close
+    _pending = {}
+    if ENABLED:
+        _closed = False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+try:
+    _from_env = trace_dir()
+except ValueError as _exc:  # a bad CACHEMW_TRACE must not break every import of cachemw
+    log.warning("%s: not tracing", _exc)
+    _from_env = None
+if _from_env is not None:
+    start(_from_env)

@@ -1,0 +1,142 @@
+"""The main job end to end (``cachemw job``), tiny: every system and checkpoint method on
+the emulated store, and the same job against a directory (``--source DIR``). Real
+processes throughout (the store server, DataLoader workers, cachemw daemons); the job
+must leave none behind."""
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.torch
+
+TINY = ["--set", "dataset.num_files_train=24", "--set", "reader.batch_size=4",
+        "--set", "reader.read_threads=1", "--set", "train.epochs=2",
+        "--set", "train.computation_time=0.005", "--set", "model.model_size_bytes=1048576",
+        "--set", "checkpoint.steps_between_checkpoints=3",
+        "--set", "dataset.record_length_bytes=4096", "--checkpoint-saves", "2", "--quiet"]
+
+
+def _job_dirs() -> set:
+    return set(glob.glob("/dev/shm/cachemw-job-*") + glob.glob("/tmp/cachemw-job-*"))
+
+
+def _job(args, cwd) -> subprocess.CompletedProcess:
+    run = subprocess.run([sys.executable, "-m", "cachemw.cli", "job", *args], cwd=cwd,
+                         capture_output=True, text=True, timeout=150)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+def _job_processes() -> set:
+    """Processes of a job: its store server (--root in its scratch dir) and its daemons
+    (--runtime-dir cachemw-job-rt-*)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return {line.strip() for line in out.splitlines()
+            if "cachemw-job-" in line and ("cachemw.job.store" in line or "cachemw.node.service" in line)}
+
+
+@pytest.mark.timeout(180)
+def test_the_job_writes_its_figures_and_says_what_it_showed(tmp_path):
+    before, running = _job_dirs(), _job_processes()
+    run = _job([*TINY, "--store-latency-ms", "2", "--store-meta-latency-ms", "1",
+                "--out", str(tmp_path / "out")], tmp_path)
+    last = run.stdout.strip().splitlines()[-1]
+    assert last.startswith("targets met: ") and " of 7 measured" in last, last
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert list(res["systems"]) == ["direct", "simplecache", "cachemw", "cachemw+announce"]
+    for key, system in res["systems"].items():
+        assert [e["epoch"] for e in system["epochs"]] == [1, 2], key
+        for e in system["epochs"]:
+            assert e["samples"] == 24 and e["steps"] == 6
+            assert 0 < e["au"] <= 1 and e["io_wait_s"] >= 0 and e["samples_per_s"] > 0
+    # the cache reads nothing from the store once warm; direct reads all of it again
+    assert res["systems"]["cachemw"]["epochs"][1]["store_bytes"] == 0
+    assert res["systems"]["direct"]["epochs"][1]["store_bytes"] == 24 * 4096
+    for key, system in res["systems"].items():  # where the I/O wait went: cachemw's only
+        for e in system["epochs"]:
+            b = e["read_time_breakdown"]
+            assert (b is None) == (key in ("direct", "simplecache")), (key, b)
+    warm = res["systems"]["cachemw"]["epochs"][1]["read_time_breakdown"]
+    assert warm["hit_reads"] == 24 and warm["source_reads"] == 0 and warm["complete"]
+    methods = res["checkpoints"]["methods"]
+    assert list(methods) == ["none", "torch.save", "dcp.async_save", "Checkpointer"]
+    for key in ("torch.save", "dcp.async_save", "Checkpointer"):
+        saves = methods[key]["saves"]
+        assert [s["step"] for s in saves] == [3, 6], key
+        assert all(s["error"] is None and s["durable_s"] >= s["stall_s"] > 0 for s in saves), saves
+    assert len(res["targets"]) == 7 and res["verdict"] == last
+    png = (tmp_path / "out" / "results.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "targets met" in (tmp_path / "out" / "results.txt").read_text()
+    assert _job_dirs() <= before  # its store, caches and daemons' dirs are gone
+    assert _job_processes() <= running  # and its store server and daemons
+
+
+@pytest.mark.timeout(120)
+def test_each_cachemw_epoch_says_where_its_io_wait_went(tmp_path):
+    """The read-time breakdown per epoch comes from the node daemon's counters, complete
+    although the DataLoader workers persist (idle between epochs with counts unreported):
+    the cold epoch's reads all from the source, the warm epoch's all hits."""
+    args = [*TINY, "--set", "reader.read_threads=2", "--set", "train.epochs=3",
+            "--systems", "direct,cachemw", "--checkpoints", "none",
+            "--store-latency-ms", "2", "--store-meta-latency-ms", "1",
+            "--out", str(tmp_path / "out")]
+    run = _job(args, tmp_path)
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert all(e["read_time_breakdown"] is None for e in res["systems"]["direct"]["epochs"])
+    cold, *warm = [e["read_time_breakdown"] for e in res["systems"]["cachemw"]["epochs"]]
+    assert cold["complete"] and cold["source_s"] > 0 and cold["source_reads"] == 24, cold
+    assert cold["hit_reads"] == 0 and cold["lease_wait_reads"] == 24, cold
+    assert cold["readers_s"] == pytest.approx(sum(cold[f"{k}_s"] for k in (
+        "hit", "remote", "source", "lease_wait")))
+    for b in warm:
+        assert b["complete"] and b["hit_reads"] == 24 and b["hit_s"] > 0, b
+        assert b["source_s"] == 0 and b["source_reads"] == 0 and b["lease_wait_reads"] == 0, b
+        assert b["readers_s"] == b["hit_s"]
+    table = run.stdout[run.stdout.index("where cachemw's I/O wait went"):].splitlines()
+    assert "not wall time" in table[0] and "hit %" in table[1]
+    rows = [line.split() for line in table[2:5]]
+    assert [r[-1] for r in rows] == ["0/0/24/24", "24/0/0/0", "24/0/0/0"], table
+    assert [r[-5] for r in rows[1:]] == ["100.0", "100.0"], table  # hit %
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_job_against_a_directory(tmp_path):
+    source = tmp_path / "pfs"
+    source.mkdir()
+    args = [*TINY, "--source", str(source), "--systems", "direct,cachemw",
+            "--checkpoints", "torch.save,Checkpointer", "--out", str(tmp_path / "out")]
+    first = _job(args, tmp_path)
+    train = source / "cachemw-job" / "image_classification" / "train"
+    assert len(list(train.iterdir())) == 24 and "wrote 24 dataset files" in first.stderr
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert res["job"]["store"] == str(source) and set(res["systems"]) == {"direct", "cachemw"}
+    assert all(s["error"] is None for s in res["checkpoints"]["methods"]["Checkpointer"]["saves"])
+    assert not (source / "cachemw-job" / "checkpoints").exists()  # removed after the run
+    second = _job(args, tmp_path)  # the dataset is found complete and read again
+    assert "wrote" not in second.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_job_against_an_object_store_url(tmp_path, s3_server):
+    """``--source s3://...`` (moto): the dataset written there through s3fs, read directly
+    and through cachemw::s3, checkpoints written there by each method and removed after."""
+    url = f"s3://{s3_server['bucket']}/jobrun"
+    run = _job([*TINY, "--source", url, "--source-options", json.dumps(s3_server["target_options"]),
+                "--systems", "direct,cachemw", "--out", str(tmp_path / "out")], tmp_path)
+    assert "wrote 24 dataset files" in run.stderr
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [len(s["epochs"]) for s in res["systems"].values()] == [2, 2]
+    for key in ("torch.save", "dcp.async_save", "Checkpointer"):
+        saves = res["checkpoints"]["methods"][key]["saves"]
+        assert len(saves) == 2 and all(s["error"] is None for s in saves), (key, saves)
+    keys = [o["Key"] for o in s3_server["boto3"]().list_objects_v2(
+        Bucket=s3_server["bucket"], Prefix="jobrun/").get("Contents", [])]
+    assert len([k for k in keys if "/train/" in k]) == 24
+    assert not [k for k in keys if "/checkpoints/" in k]

@@ -1,0 +1,199 @@
+"""DFTracer traces (cachemw.trace): a small DataLoader job run with CACHEMW_TRACE writes a
+.pfw file per process (trainer, forked DataLoader workers, the daemon it starts), every
+line well-formed, events nested per thread, covering misses, hits and a checkpoint save;
+and the readers' time breakdown summed over the job's processes in the daemon's stats."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+JOB = r'''
+import json, os, sys
+import fsspec
+import torch
+import torch.utils.data
+
+
+class Files(torch.utils.data.Dataset):
+    def __init__(self, fs, paths):
+        self.fs, self.paths = fs, paths
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        return len(self.fs.cat_file(self.paths[i]))
+
+
+if __name__ == "__main__":
+    src, runtime_dir, root = sys.argv[1:4]
+    fs = fsspec.filesystem("cachemw", runtime_dir=runtime_dir, skip_instance_cache=True,
+                           daemon_options={"dram_capacity": "1MiB", "placement": "lru"})
+    paths = sorted(os.path.join(src, p) for p in os.listdir(src))
+    fs.client.daemon_stats()  # the daemon runs before the workers fork
+    for order in (paths, paths[::-1]):  # epoch 2 backwards: what LRU kept is read first
+        loader = torch.utils.data.DataLoader(Files(fs, order), batch_size=4, num_workers=2)
+        assert sum(int(n) for batch in loader for n in batch) == 24 * 65536
+    from cachemw.checkpoint import Checkpointer
+
+    model = torch.nn.Linear(64, 64)
+    with Checkpointer(root) as ck:
+        ck.save(1, {"model": model}).wait()
+    stats = fs.client.daemon_stats()
+    print(json.dumps({"trainer": os.getpid(), "daemon": stats["pid"],
+                      "counters": stats["counters"]}))
+'''
+
+REQUIRED = {"id": int, "name": str, "cat": str, "pid": int, "tid": int, "ts": int, "dur": int,
+            "ph": str, "args": dict}
+
+
+def read_pfw(path: str) -> list[dict]:
+    """The events of one trace file, every line checked: ``[`` first, ``]`` last (the
+    process exited cleanly), one JSON object per line between."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    assert lines[0] == "[", path
+    assert lines[-1] == "]", path
+    pid = int(path.rsplit("-", 1)[1].split(".")[0])
+    events = []
+    for line in lines[1:-1]:
+        e = json.loads(line)
+        if e["ph"] == "M":  # metadata: the process's name
+            assert e["name"] == "process_name" and e["pid"] == pid
+            continue
+        for key, kind in REQUIRED.items():
+            assert isinstance(e.get(key), kind), (path, key, e)
+        assert e["ph"] == "X" and e["pid"] == pid and e["dur"] >= 0
+        assert e["ts"] > 1_600_000_000 * 10**6, e  # microseconds since the epoch
+        assert e["cat"].startswith("cachemw."), e
+        events.append(e)
+    return events
+
+
+def assert_nested(events: list[dict]) -> None:
+    """On each thread, any two events are disjoint or one holds the other, and an event
+    whose parent starts in the same microsecond comes after it in the file (what
+    Perfetto's JSON importer needs)."""
+    threads = defaultdict(list)
+    for order, e in enumerate(events):
+        threads[(e["pid"], e["tid"])].append((order, e))
+    for key, evs in threads.items():
+        evs.sort(key=lambda oe: (oe[1]["ts"], -oe[1]["dur"]))
+        stack = []
+        for order, e in evs:
+            while stack and stack[-1][1]["ts"] + stack[-1][1]["dur"] <= e["ts"]:
+                stack.pop()
+            if stack:
+                top_order, top = stack[-1]
+                assert e["ts"] + e["dur"] <= top["ts"] + top["dur"], (key, top, e)
+                if e["ts"] == top["ts"]:
+                    assert top_order < order, (key, top, e)
+            stack.append((order, e))
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_dataloader_job_traces_every_process(tmp_path, make_tree):
+    from cachemw.launch import stop_local
+
+    files = make_tree([65536] * 24, name="src")
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    trace_dir = tmp_path / "trace"
+    runtime_dir = str(tmp_path / "rt")
+    env = dict(os.environ, CACHEMW_TRACE=str(trace_dir), CACHEMW_RUNTIME_DIR=runtime_dir)
+    try:
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / "src"), runtime_dir,
+                              str(tmp_path / "ckpt")], env=env, capture_output=True, text=True,
+                             timeout=240)
+        assert out.returncode == 0, out.stderr[-3000:]
+    finally:
+        stop_local(runtime_dir)  # the daemon ends (and closes its trace) before we read it
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+
+    by_pid = {}
+    for path in glob.glob(str(trace_dir / "*.pfw")):
+        events = read_pfw(path)
+        assert_nested(events)
+        by_pid[events[0]["pid"] if events else None] = events
+    trainer, daemon = by_pid.pop(result["trainer"]), by_pid.pop(result["daemon"])
+    workers = [evs for pid, evs in by_pid.items() if pid is not None]
+    assert len(workers) == 4, sorted(by_pid)  # two DataLoader workers (forked) per epoch
+    names = lambda evs: {e["name"] for e in evs}  # noqa: E731
+    read = set().union(*map(names, workers))
+    assert {"miss", "lease_wait", "source_fetch", "fill", "hit"} <= read, read
+    assert {"save", "snapshot", "persist", "write", "commit"} <= names(trainer), names(trainer)
+    assert "evict" in names(daemon), names(daemon)  # 1 MiB of DRAM for 1.5 MiB of files
+    misses = [e for evs in workers for e in evs if e["name"] == "source_fetch"]
+    assert {e["args"]["file"] for e in misses} == set(files)  # every file missed once at least
+
+    # the readers' time, summed over the workers' reports in the daemon's stats
+    c = result["counters"]
+    assert c["source_reads"] == len(misses)
+    assert c["hits"] == sum(1 for evs in workers for e in evs if e["name"] == "hit")
+    assert c["hits"] > 0 and c["hit_seconds"] > 0
+    assert c["source_seconds"] > 0 and c["lease_seconds"] > 0 and c["lease_requests"] > 0
+    assert c["miss_seconds"] >= c["source_seconds"]
+
+
+def test_spans_nest_and_a_parent_comes_first(tmp_path):
+    """Events of one thread in one microsecond: the parent is written before its children
+    whatever order they ended in; a killed-mid-write file would still parse line by line."""
+    import threading
+    import time
+
+    from cachemw import trace
+
+    assert not trace.ENABLED
+    trace.start(str(tmp_path / "t"))
+    try:
+        def work():
+            with trace.span("outer", trace.READ, n=1):
+                t0 = time.perf_counter()
+                with trace.span("inner", trace.READ):
+                    trace.event("leaf", trace.READ, time.perf_counter())
+                trace.event("late", trace.READ, t0)  # holds "inner", ends after it
+
+        threads = [threading.Thread(target=work) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        work()
+    finally:
+        trace.stop()
+    assert not trace.ENABLED
+    (path,) = glob.glob(str(tmp_path / "t" / "*.pfw"))
+    events = read_pfw(path)
+    assert len(events) == 16
+    assert_nested(events)
+    for tid in {e["tid"] for e in events}:
+        mine = [e["name"] for e in events if e["tid"] == tid]
+        assert mine[0] == "outer" and sorted(mine) == ["inner", "late", "leaf", "outer"]
+        assert mine.index("inner") < mine.index("leaf")
+
+
+def test_off_by_default_and_a_bad_directory_is_named(tmp_path):
+    from cachemw.config import CacheOptions, trace_dir
+
+    assert trace_dir({}) is None and trace_dir({"CACHEMW_TRACE": ""}) is None
+    assert trace_dir({"CACHEMW_TRACE": "/x/y"}) == "/x/y"
+    with pytest.raises(ValueError, match="CACHEMW_TRACE: must be an absolute directory"):
+        trace_dir({"CACHEMW_TRACE": "relative/dir"})
+    with pytest.raises(ValueError, match=r"CACHEMW_TRACE \(trace: must be an absolute"):
+        CacheOptions.build(env={"CACHEMW_TRACE": "rel"}, runtime_dir=str(tmp_path))
+    code = "import cachemw.trace as t, sys; sys.exit(0 if not t.ENABLED else 1)"
+    env = {k: v for k, v in os.environ.items() if k != "CACHEMW_TRACE"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    env["CACHEMW_TRACE"] = "not/absolute"  # said, and not tracing: never a failed import
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "CACHEMW_TRACE: must be an absolute" in out.stderr

@@ -1,0 +1,171 @@
+"""``cachemw warm`` on one node and its share on several (tests/test_slurm_jobs.py runs it
+on every node of a real Slurm job): which blocks a node warms, what a failure midway
+leaves, and a daemon's NVMe tier kept warm for the next daemon (of this job or the next)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import fsspec
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+from cachemw import warm
+from cachemw.client.metadata import FileMeta
+from cachemw.config import WarmConfig
+from cachemw.keys import block_count, block_key, version_token
+from cachemw.launch import spawn_detached
+from cachemw.ring import HashRing, ring_names
+from conftest import daemon_stats
+
+BS = 65536
+
+
+def _metas(sizes: list[int]) -> list[FileMeta]:
+    out = []
+    for i, size in enumerate(sizes):
+        info = {"size": size, "mtime": 1000.0 + i, "created": 1000.0 + i, "ino": i}
+        out.append(FileMeta(f"/pfs/f{i}", f"file:///pfs/f{i}", size, version_token(info), info))
+    return out
+
+
+def test_nodes_warming_together_split_the_blocks_by_owner():
+    metas = _metas([100, BS, 3 * BS + 5, 0, 10 * BS] + [5000 + i for i in range(200)])
+    names = ["cmwn1", "cmwn2", "cmwn3"]
+    ring = HashRing(names, 1024)
+    shares = {n: warm.plan(metas, warm.Share(n, 3, ring, tuple(names)), BS) for n in names}
+    every = [(m.path, i * BS) for m in metas if m.size for i in range(block_count(m.size, BS))]
+    got = [(m.path, start) for share in shares.values() for m, start, _ in share]
+    assert sorted(got) == sorted(every)  # each block once in all: no gap, no double
+    for node, share in shares.items():
+        assert share, node  # 200+ blocks: every node owns some
+        for meta, start, end in share:
+            assert ring.owner(block_key(meta.url, meta.version, start // BS, BS)) == node
+            assert end - start == min(BS, meta.size - start)
+    # alone (no cluster, or --nodes 1): everything
+    alone = warm.plan(metas, warm.Share("cmwn1", 1), BS)
+    assert sorted((m.path, s) for m, s, _ in alone) == sorted(every)
+
+
+def test_ring_names_are_hostnames_unless_shared():
+    assert ring_names({"a" * 56: "cmwn1", "b" * 56: "cmwn2"}) == {"a" * 56: "cmwn1",
+                                                                "b" * 56: "cmwn2"}
+    # several Ray nodes on one machine: their ids (their tiers are per node id anyway)
+    assert ring_names({"a" * 56: "vm", "b" * 56: "vm", "c" * 56: "other"}) == {
+        "a" * 56: "a" * 56, "b" * 56: "b" * 56, "c" * 56: "other"}
+    assert ring_names({"a" * 56: ""}) == {"a" * 56: "a" * 56}
+
+
+def test_warm_config_from_a_slurm_step():
+    assert WarmConfig.build(env={}).nodes == 1
+    step = {"SLURM_STEP_NUM_NODES": "3", "SLURM_LOCALID": "1"}
+    assert (WarmConfig.build(env=step).nodes, WarmConfig.build(env=step).local_task) == (3, 1)
+    assert WarmConfig.build(nodes=1, env=step).nodes == 1  # the option wins
+    with pytest.raises(ValueError, match="SLURM_STEP_NUM_NODES"):
+        WarmConfig.build(env={"SLURM_STEP_NUM_NODES": "three"})
+    with pytest.raises(ValueError, match="nodes"):
+        WarmConfig.build(nodes=0, env={})
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "cachemw.cli", *args], capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+@pytest.fixture
+def stop_daemon(runtime_dir):
+    yield
+    _cli("--runtime-dir", runtime_dir, "stop")
+
+
+@pytest.mark.timeout(120)
+def test_warm_caches_everything_and_a_missing_path_is_an_error(runtime_dir, make_tree, tmp_path,
+                                                               stop_daemon):
+    files = make_tree([3000 + 997 * i for i in range(30)] + [5 * BS + 1], name="data")
+    env = dict(os.environ, CACHEMW_BLOCK_SIZE=str(BS), CACHEMW_DRAM_CAPACITY="64MiB")
+    data = str(tmp_path / "data")
+    # no daemon runs: the warm starts one that outlives it (one it autostarted as a reader
+    # would end with it, and free the DRAM tier just filled)
+    r = _cli("warm", "--json", data, str(tmp_path / "nope"), env=env)
+    assert r.returncode == 1, r.stderr
+    report = json.loads(r.stdout)
+    assert report["blocks"] == 30 + 6 and report["bytes"] == sum(map(len, files.values()))
+    assert report["counters"]["misses"] == 36 and report["host"] == socket.gethostname()
+    assert list(report["errors"]) == [str(tmp_path / "nope")]
+    assert f"not warmed: {tmp_path / 'nope'}: FileNotFoundError" in r.stderr
+    stats = daemon_stats(runtime_dir)
+    assert stats["tiers"]["dram"]["blocks"] == 36
+    again = _cli("warm", data, env=env)  # all cached already
+    assert again.returncode == 0, again.stderr
+    assert "0 fetched from the source, 36 cached already" in again.stdout
+
+
+class _FailingDisk(LocalFileSystem):
+    """Local files, one of which cannot be read (EIO), as a failing disk answers."""
+
+    protocol = ("faildisk",)
+    bad = ""
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        if self._strip_protocol(path) == type(self).bad:
+            raise OSError(5, f"Input/output error: {path}")
+        return super().cat_file(path, start=start, end=end, **kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_a_source_error_midway_fails_that_file_only_and_caches_no_wrong_bytes(
+        runtime_dir, make_tree, tmp_path, monkeypatch, stop_daemon):
+    fsspec.register_implementation("faildisk", _FailingDisk, clobber=True)
+    files = make_tree([20_000 + i for i in range(150)] + [3 * BS], name="data")
+    paths = sorted(files)
+    _FailingDisk.bad = paths[100]
+    monkeypatch.setenv("CACHEMW_BLOCK_SIZE", str(BS))
+    monkeypatch.setenv("CACHEMW_DRAM_CAPACITY", "64MiB")
+    report = warm.run([f"cachemw::faildisk://{tmp_path / 'data'}"], WarmConfig(threads=2))
+    assert not report.ok and list(report.errors) == [paths[100]]
+    assert "Input/output error" in report.errors[paths[100]]
+    assert report.bytes == sum(len(d) for p, d in files.items() if p != paths[100])
+    assert daemon_stats(runtime_dir)["tiers"]["dram"]["blocks"] == len(files) - 1 + 2
+    # what the warm cached reads back right; the failed file is read from the source
+    _FailingDisk.bad = ""
+    fs = fsspec.filesystem("cachemw", target_protocol="faildisk", skip_instance_cache=True)
+    assert all(fs.cat_file(p) == files[p] for p in paths)
+    assert fs.stats()["misses"] == 1 and fs.stats()["hits"] == len(files) - 1 + 2
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_that_does_not_fit_says_so(runtime_dir, make_tree, tmp_path, stop_daemon):
+    files = make_tree([BS] * 40, name="data")
+    env = dict(os.environ, CACHEMW_BLOCK_SIZE=str(BS), CACHEMW_DRAM_CAPACITY=str(10 * BS))
+    r = _cli("warm", str(tmp_path / "data"), env=env)
+    assert r.returncode == 1
+    assert "read but not cached:" in r.stderr and "bypassed" in r.stderr, r.stderr
+    fs = fsspec.filesystem("cachemw", block_size=BS, skip_instance_cache=True)
+    assert all(fs.cat_file(p) == d for p, d in files.items())
+
+
+@pytest.mark.timeout(120)
+def test_a_clean_stop_keeps_the_dram_blocks_on_nvme_for_the_next_daemon(runtime_dir, make_tree,
+                                                                        tmp_path, stop_daemon):
+    files = make_tree([BS // 2 + i for i in range(24)], name="data")
+    options = dict(dram_capacity="64MiB", nvme_dir=str(tmp_path / "nvme"),
+                   nvme_capacity="64MiB")
+    spawn_detached(runtime_dir, options)
+    fs = fsspec.filesystem("cachemw", block_size=BS, skip_instance_cache=True, autostart=False)
+    assert all(fs.cat_file(p) == d for p, d in files.items())
+    stats = daemon_stats(runtime_dir)
+    assert stats["tiers"]["dram"]["blocks"] == 24 and stats["tiers"]["nvme"]["blocks"] == 0
+    # a clean stop (SIGTERM: as Slurm ends a job, `cachemw stop`): the DRAM tier goes
+    assert _cli("--runtime-dir", runtime_dir, "stop").returncode == 0
+    assert not [f for _, _, fs in os.walk(stats["tiers"]["dram"]["path"]) for f in fs]
+    # the next daemon finds every block on NVMe: nothing from the source
+    spawn_detached(runtime_dir, options)
+    stats = daemon_stats(runtime_dir)
+    assert stats["counters"]["reindexed"] == 24 and stats["tiers"]["nvme"]["blocks"] == 24
+    fresh = fsspec.filesystem("cachemw", block_size=BS, skip_instance_cache=True,
+                              autostart=False)
+    assert all(fresh.cat_file(p) == d for p, d in files.items())
+    assert fresh.stats()["bytes_from_source"] == 0 and fresh.stats()["hits"] == 24
