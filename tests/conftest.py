@@ -367,3 +367,30 @@ def reap_daemons():
                 p.wait(10)
             except Exception:
                 pass
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A simulated 3-node Ray cluster on this machine (ray.cluster_utils.Cluster): the head
+    and two added nodes, one CPU each; yields (cluster, the two added nodes). Daemons the
+    test started on it are stopped before Ray is."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        os.environ.pop(var, None)
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace="cachemw", log_to_driver=False)
+    try:
+        yield c, nodes
+    finally:
+        from cachemw.cluster import actor as daemon
+
+        try:
+            daemon.stop(c.address, runtime_dir=str(tmp_path / "unused"), timeout=10)
+        except Exception:
+            pass
+        ray.shutdown()
+        c.shutdown()

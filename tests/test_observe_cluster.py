@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 
 import pytest
@@ -12,31 +11,6 @@ from prometheus_client.parser import text_string_to_metric_families
 pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.slow]
 
 BLOCK = 64 * 1024
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
-    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
-        os.environ.pop(var, None)
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for _ in range(2):
-        c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace="cachemw", log_to_driver=False)
-    try:
-        yield c
-    finally:
-        from cachemw.cluster import actor as daemon
-
-        try:
-            daemon.stop(c.address, runtime_dir=str(tmp_path / "unused"), timeout=10)
-        except Exception:
-            pass
-        ray.shutdown()
-        c.shutdown()
 
 
 @pytest.mark.timeout(600)
@@ -50,9 +24,9 @@ def test_top_json_and_status_list_three_nodes_with_their_endpoints(cluster, tmp_
 
     template = str(tmp_path / "{node_id:.16}")
     with pytest.raises(ValueError, match="would all serve metrics on port 9400"):
-        daemon.start(cluster.address, runtime_dir=template, dram_capacity="16MiB",
+        daemon.start(cluster[0].address, runtime_dir=template, dram_capacity="16MiB",
                      metrics_port=9400)
-    daemon.start(cluster.address, runtime_dir=template, dram_capacity="16MiB",
+    daemon.start(cluster[0].address, runtime_dir=template, dram_capacity="16MiB",
                  metrics_port=0, metrics_host="127.0.0.1", peer_timeout=3.0,
                  refresh_interval=0.5, timeout=120)
     head = ray.get_runtime_context().get_node_id()
@@ -64,7 +38,7 @@ def test_top_json_and_status_list_three_nodes_with_their_endpoints(cluster, tmp_
     assert all(got[p] == files[p] for p in files)
     fs.client.flush()
 
-    assert cli.main(["top", "--json", "--address", cluster.address, "--interval", "0.5"]) == 0
+    assert cli.main(["top", "--json", "--address", cluster[0].address, "--interval", "0.5"]) == 0
     report = json.loads(capsys.readouterr().out)
     nodes = report["nodes"]
     assert len(nodes) == 3 and all("error" not in n for n in nodes), nodes
@@ -77,7 +51,7 @@ def test_top_json_and_status_list_three_nodes_with_their_endpoints(cluster, tmp_
     urls = [n["metrics"] for n in nodes]
     assert len(set(urls)) == 3 and all(u.startswith("http://127.0.0.1:") for u in urls)
 
-    assert cli.main(["status", "--address", cluster.address]) == 0
+    assert cli.main(["status", "--address", cluster[0].address]) == 0
     out = capsys.readouterr().out
     assert all(f"metrics {u}" in out for u in urls), out
     blocks = 0
