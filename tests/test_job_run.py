@@ -43,7 +43,7 @@ def _job_processes() -> set:
 def test_the_job_writes_its_figures_and_says_what_it_showed(tmp_path):
     before, running = _job_dirs(), _job_processes()
     run = _job([*TINY, "--store-latency-ms", "2", "--store-meta-latency-ms", "1",
-                "--out", str(tmp_path / "out")], tmp_path)
+                "--io-epochs", "2", "--out", str(tmp_path / "out")], tmp_path)
     last = run.stdout.strip().splitlines()[-1]
     assert last.startswith("targets met: ") and " of 7 measured" in last, last
     res = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -53,6 +53,20 @@ def test_the_job_writes_its_figures_and_says_what_it_showed(tmp_path):
         for e in system["epochs"]:
             assert e["samples"] == 24 and e["steps"] == 6
             assert 0 < e["au"] <= 1 and e["io_wait_s"] >= 0 and e["samples_per_s"] > 0
+    # the caches' flat-out epochs: warm, no compute, numbered on from the training epochs
+    for key, system in res["systems"].items():
+        flat = system.get("io_epochs")
+        if key not in ("simplecache", "cachemw"):
+            assert flat is None, key
+            continue
+        assert [e["epoch"] for e in flat] == [3, 4], key
+        assert all(e["store_bytes"] == 0 and e["samples"] == 24 and e["au"] < 0.5
+                   for e in flat), flat
+    assert "warm epochs with no compute" in run.stdout
+    target = next(t for t in res["targets"] if t["key"] == "vs_simplecache")
+    flat_rate = [sum(e["samples_per_s"] for e in res["systems"][k]["io_epochs"]) / 2
+                 for k in ("cachemw", "simplecache")]
+    assert target["value"] == pytest.approx(flat_rate[0] / flat_rate[1])
     # the cache reads nothing from the store once warm; direct reads all of it again
     assert res["systems"]["cachemw"]["epochs"][1]["store_bytes"] == 0
     assert res["systems"]["direct"]["epochs"][1]["store_bytes"] == 24 * 4096

@@ -30,7 +30,7 @@ from . import iowait
 from . import results as report
 from . import source as sources
 from . import storefs
-from .settings import JobSettings, StoreProfile
+from .settings import CACHES, JobSettings, StoreProfile
 from .store import EmulatedStore
 from .systems import build, scratch_dir
 from .training import Compute, SampleDataset, base_sampler, make_loader, train_epoch
@@ -93,11 +93,12 @@ def _epoch_record(epoch, wl: Workload, store_before, store_after, counters_befor
     return out
 
 
-def _train(system, loader, wl: Workload, store, bar, epochs, label, checkpoint=None) -> list:
-    compute = Compute(wl)
+def _train(system, loader, wl: Workload, store, bar, epochs, label, checkpoint=None,
+           compute=None, first: int = 1) -> list:
+    compute = Compute(wl) if compute is None else compute
     step, out = 0, []
-    for e in range(1, epochs + 1):
-        bar.set_description(f"{label} epoch {e}/{epochs}")
+    for e in range(first, first + epochs):
+        bar.set_description(f"{label} epoch {e}/{first + epochs - 1}")
         s0, c0 = _store_counts(store), system.daemon_counters()
         epoch, step = train_epoch(loader, wl, e, step, compute, checkpoint, on_step=bar.update)
         flusher = loader.dataset.flusher  # the workers' last counts, before the snapshot
@@ -111,7 +112,7 @@ def _train(system, loader, wl: Workload, store, bar, epochs, label, checkpoint=N
     return out
 
 
-def _run_system(system, src, wl: Workload, store, bar) -> tuple[dict, object]:
+def _run_system(system, src, wl: Workload, store, bar, io_epochs: int) -> tuple[dict, object]:
     t0 = time.perf_counter()
     system.start()
     started = time.perf_counter()
@@ -123,8 +124,13 @@ def _run_system(system, src, wl: Workload, store, bar) -> tuple[dict, object]:
         dataset.flusher = iowait.WorkerFlush(wl.multiprocessing_context, wl.read_threads)
     loader = make_loader(dataset, wl, system.sampler(base_sampler(wl, len(entries)), entries))
     epochs = _train(system, loader, wl, store, bar, wl.epochs, system.label)
-    return {"label": system.label, "start_s": started - t0, "listing_s": listed - started,
-            "epochs": epochs}, loader
+    out = {"label": system.label, "start_s": started - t0, "listing_s": listed - started,
+           "epochs": epochs}
+    if system.key in CACHES and io_epochs:  # warm by now: the readers alone set the pace
+        out["io_epochs"] = _train(system, loader, wl, store, bar, io_epochs,
+                                  f"{system.label} (no compute)", compute=Compute(wl, flat_out=True),
+                                  first=wl.epochs + 1)
+    return out, loader
 
 
 def _run_checkpoints(settings, system, loader, src, store, bar) -> dict:
@@ -183,6 +189,7 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
     want_ck = wl.checkpoint and bool(settings.methods)
     reader = "cachemw" if "cachemw" in settings.systems else settings.systems[0]
     total = len(settings.systems) * wl.epochs * wl.steps_per_epoch
+    total += sum(s in CACHES for s in settings.systems) * settings.io_epochs * wl.steps_per_epoch
     if want_ck:
         total += ((1 + len(settings.methods)) * wl.epochs_for_saves(settings.checkpoint_saves)
                   * wl.steps_per_epoch)
@@ -205,7 +212,7 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
         for key in settings.systems:
             system = build(key, src, wl)
             try:
-                out, loader = _run_system(system, src, wl, store, bar)
+                out, loader = _run_system(system, src, wl, store, bar, settings.io_epochs)
                 results["systems"][key] = out
                 if want_ck and key == reader:
                     kept, system = (system, loader), None
@@ -271,6 +278,7 @@ def settings_from(args) -> JobSettings:
                        source_options=options,
                        systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
                        methods=methods, checkpoint_saves=args.checkpoint_saves,
+                       io_epochs=args.io_epochs,
                        out_dir=args.out, progress=not args.quiet)
 
 

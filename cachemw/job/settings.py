@@ -8,6 +8,7 @@ import dataclasses
 import os
 
 SYSTEMS = ("direct", "simplecache", "cachemw", "cachemw+announce")
+CACHES = ("simplecache", "cachemw")  # the systems that also run the flat-out epochs
 METHODS = ("torch.save", "dcp.async_save", "Checkpointer")
 WORKLOAD_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads")
 DEFAULT_WORKLOAD = "image_classification"
@@ -60,6 +61,9 @@ class JobSettings:
     systems: tuple = SYSTEMS
     methods: tuple = METHODS
     checkpoint_saves: int = 3  # saves per checkpoint method (whole epochs are trained)
+    # warm epochs with no compute after a cache's training epochs (simplecache, cachemw):
+    # the loader flat out, where the readers and not the emulated accelerator set the pace
+    io_epochs: int = 3
     out_dir: str = "cachemw-job"
     progress: bool = True
 
@@ -72,5 +76,8 @@ class JobSettings:
         if unknown:
             raise ValueError(f"checkpoint methods: expected some of {', '.join(METHODS)}, "
                              f"got {', '.join(unknown)}")
+        if isinstance(self.io_epochs, bool) or not isinstance(self.io_epochs, int) \
+                or self.io_epochs < 0:
+            raise ValueError(f"io_epochs: must be a whole number >= 0, got {self.io_epochs!r}")
         if self.checkpoint_saves < 1:
             raise ValueError(f"checkpoint_saves: must be >= 1, got {self.checkpoint_saves}")

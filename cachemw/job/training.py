@@ -114,9 +114,10 @@ class Compute:
     """The accelerator: ``computation_time`` seconds per step, drawn as DLIO draws them
     (abs(normal(mean, stdev))), from the workload's seed: every system gets the same."""
 
-    def __init__(self, workload: Workload) -> None:
-        self.mean = workload.computation_time
-        self.stdev = workload.computation_time_stdev
+    def __init__(self, workload: Workload, *, flat_out: bool = False) -> None:
+        # flat_out: no compute at all, the loader flat out (the job's flat-out epochs)
+        self.mean = 0.0 if flat_out else workload.computation_time
+        self.stdev = 0.0 if flat_out else workload.computation_time_stdev
         self.rng = np.random.default_rng(workload.seed)
 
     def __call__(self) -> None:
