@@ -311,9 +311,10 @@ def test_a_server_without_etags_falls_back_to_asking_the_info_once_seen(serve, m
 
 
 @pytest.mark.timeout(60)
-def test_missing_empty_and_small_files_read_cold(serve, make_cache_fs):
+@pytest.mark.parametrize("write_behind", [None, 0], ids=["written-behind", "written-inline"])
+def test_missing_empty_and_small_files_read_cold(serve, make_cache_fs, write_behind):
     server = serve()
-    fs = _http_fs(make_cache_fs)
+    fs = _http_fs(make_cache_fs, write_behind=write_behind)
     with pytest.raises(FileNotFoundError):
         fs.cat_file(f"{server.url}/nope.bin")
     assert [r[0] for r in server.requests()] == ["GET"]  # a 404 needs no HEAD to tell
@@ -321,6 +322,7 @@ def test_missing_empty_and_small_files_read_cold(serve, make_cache_fs):
     url = _write(server, "small.bin", small)
     assert fs.cat_file(url) == small
     assert fs.cat_file(url, 10, 20) == small[10:20]  # a hit
+    assert fs.stats()["fills"] == 1
     assert server.requests()[1:] == [("GET", "/small.bin", f"bytes=0-{BS - 1}", None, 206)]
     assert fs.cat_file(_write(server, "small2.bin", small), 150) == b""  # past its end
     empty = _write(server, "empty.bin", b"")

@@ -287,10 +287,13 @@ class MetadataCache:
 
     def learned(self, path: str, info: dict, fetched: float) -> FileMeta:
         """A file's info that came with a read of it (a GET that named its version, see
-        tiers/source.py read_first), asked at ``fetched``: kept and shared with the node as
-        info from the source is, so no process of the node asks the source for it again."""
-        self._store_shared("info", path, info, fetched)
+        tiers/source.py read_first), asked at ``fetched``: kept here; ``share`` it next."""
         return self._keep(path, info, fetched)
+
+    def share(self, path: str, info: dict, fetched: float) -> None:
+        """Share ``learned`` info with the node as info from the source is, so no process
+        of the node asks the source for it again."""
+        self._store_shared("info", path, info, fetched)
 
     def dropped_since(self, path: str, when: float) -> bool:
         """True if a process of the node dropped what it knew of ``path`` (a write through

@@ -285,26 +285,32 @@ class BlockReader:
             return None
         meta = metadata.learned(path, first.info, asked)
         self.client.count("cold_gets")
-        piece = _Piece(meta, index, 0, len(first.data),
-                       block_key(meta.url, meta.version, index, bs), len(first.data))
-        self._source_read(piece, started, len(first.data))
-        self.client.count("bytes_from_source", len(first.data))
-        if first.data or meta.size:
-            self._adopt(piece, first.data, started, lambda: metadata.dropped_since(path, asked))
+        block = first.data
+        piece = _Piece(meta, index, 0, len(block),
+                       block_key(meta.url, meta.version, index, bs), len(block))
+        self._source_read(piece, started, len(block))
+        self.client.count("bytes_from_source", len(block))
+        self._missed(started, time.perf_counter())
+        if block:  # (an empty file is read to its end each time, uncached: see fs._read)
+            # leased and filled behind the read, as fills are written (fills.py), before
+            # the file's info is shared: a process that learns the version there finds the
+            # fill in flight and waits for it, rather than fetching the block again
+            self.fills.adopt(piece.key, block, lambda: self._adopt(
+                piece, block, lambda: metadata.dropped_since(path, asked)))
+        metadata.share(path, first.info, asked)
         start, end = clip(start, end, meta.size)
         if end <= start:
             return b""
         base = index * bs
-        block = first.data
         stop = base + len(block)
         head = block if (start, end) == (base, stop) else block[start - base:min(end, stop) - base]
         if end <= stop:
             return head
         return b"".join((head, self.read_many([(meta, stop, end)])[0]))
 
-    def _adopt(self, piece: _Piece, block: bytes, started: float, dropped) -> None:
-        """Cache a block fetched before its lease (read_cold): leased now and filled with
-        these bytes, unless another process filled it meanwhile (a duplicate fetch,
+    def _adopt(self, piece: _Piece, block: bytes, dropped) -> None:
+        """Cache a block fetched before its lease (read_cold; run by the fill writer, see
+        fills.FillWriter.adopt): leased now and filled with these bytes, unless another process filled it meanwhile (a duplicate fetch,
         counted) or the file was written through the cache since it was asked for
         (``dropped()``, asked once the lease is ours). A write through the cache cancels
         the fills in flight, then marks the file dropped: a lease granted before the
@@ -318,7 +324,8 @@ class BlockReader:
         asked = time.perf_counter()
         replies = client.lease_many([self._item(piece)])
         client.count("lease_requests")
-        self._took("lease_seconds", "lease_wait", asked, 1)
+        if not self.fills.on_writer():  # the reader waited for it (a full queue)
+            self._took("lease_seconds", "lease_wait", asked, 1)
         reply = None if replies is None else replies[0]
         kind = None if reply is None else reply[0]
         if kind == "fill":
@@ -328,15 +335,13 @@ class BlockReader:
                 client.count("bypassed")
             else:
                 client.count("misses")
-                self.fills.submit(Fill(piece.key, tier, block, url_tag(piece.meta.url),
-                                       client.link(), reply[2]),
-                                  waited=asked - started)
+                self.fills.store(Fill(piece.key, tier, block, url_tag(piece.meta.url),
+                                      client.link(), reply[2]))
         elif kind in ("present", "data"):  # filled (or fetched at its owner) meanwhile
             client.count("misses")
             client.count("cold_get_duplicates")
         else:
             client.count("fallbacks" if kind is None or kind == "fallback" else "bypassed")
-        self._missed(started, time.perf_counter())
 
     def _direct(self, piece: _Piece) -> bytes:
         base = piece.index * self.block_size
