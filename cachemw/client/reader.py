@@ -15,11 +15,11 @@ ChangedSourceError (see tiers/source.py), so a read never joins blocks of two ve
 A cold read (``read_cold``: a file neither this process nor the node knows) of a store
 whose GET names the version (HTTP, S3) fetches the block it starts in first, with a plain
 GET, and takes the file's version from that response instead of asking for the file's
-info (a HEAD) before it; the block is then leased and filled as any other, and the rest
-of the read is pinned to that version. The lease comes after the fetch there (a block's
-key needs the version), so two processes reading the same cold file at once both fetch
-its first block: counted (``cold_get_duplicates``), both return that version's bytes,
-one fill is kept.
+info (a HEAD) before it; the block is then leased and filled behind the read (by the fill
+writer, fills.py ``adopt``), and the rest of the read is pinned to that version. The lease
+comes after the fetch there (a block's key needs the version), so two processes reading
+the same cold file at once both fetch its first block: counted (``cold_get_duplicates``),
+both return that version's bytes, one fill is kept.
 """
 from __future__ import annotations
 
