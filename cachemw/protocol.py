@@ -35,6 +35,9 @@ CLIENT_COUNTERS = (
     "remote_hits",   # cached at their owner node, sent straight from there
     "remote_reads",  # owned elsewhere and not cached there yet: fetched by the owner
     "direct_failures",  # an owner's block server failed or timed out: read the usual way
+    "cold_gets",  # cold reads whose GET named the file's version: no info asked first
+    "cold_get_fallbacks",  # ... whose GET named none (no ETag, size): info asked, then read
+    "cold_get_duplicates",  # ... whose block another process filled meanwhile: fetched twice
 ) + READ_TIME_COUNTERS + MISS_COUNTERS  # where the readers' time went (readtime.py)
 
 REGISTRY = "daemon.json"

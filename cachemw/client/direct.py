@@ -68,6 +68,11 @@ class DirectReads:
                 self._fetched_at = now - REFRESH + 0.2
         return self._dir
 
+    def alone(self) -> bool:
+        """True if no other node shares blocks with this one (no ring, or a ring of one)."""
+        d = self._directory()
+        return not d or len(d.get("members") or ()) <= 1
+
     def fetch(self, items: list[tuple[str, int]]) -> dict[str, bytes]:
         """Blocks (key, length) owned elsewhere and held there, verified; others absent.
 

@@ -17,6 +17,10 @@ Nothing is lost or read stale on the way:
   that took it: the daemon matches a lease to its connection. If that connection is gone
   (the daemon died or dropped it), the daemon has already ended the lease, so what is still
   staged is deleted rather than left unaccounted;
+* a block fetched before its lease (a cold read learns the block's key, so the file's
+  version, from the very response that brought it: reader.read_cold) is leased here too,
+  then written (``adopt``): the lease's round trip to the daemon leaves the reader's path
+  as the write does, and the bytes stay in ``pending`` until it has ended;
 * the queue is bounded (``max_bytes``): past it the reader writes the block itself;
 * it is drained before a process exits, before stats are read and before a write to the
   target invalidates cached blocks.
@@ -50,6 +54,14 @@ class Fill(NamedTuple):
     tag: bytes
     link: object  # the leasing thread's connection (DaemonClient.link())
     lease: int  # the lease's number: names the staged file the daemon will publish
+
+
+class _Adopt(NamedTuple):
+    """A block fetched before its lease: ``run()`` leases it and fills it (or not)."""
+
+    key: str
+    data: bytes
+    run: object
 
 
 class FillWriter:
@@ -104,6 +116,28 @@ class FillWriter:
                     self._queued_bytes += n
         if not queued:
             self.store(fill)
+
+    def adopt(self, key: str, data: bytes, run) -> None:
+        """Have ``run()`` (lease block ``key``, fetched before its lease, and fill it with
+        ``data``) done on the writer, ``data`` served from ``pending`` until it has ended;
+        done now, on this thread, when the queue is full or no writer can start."""
+        n = len(data)
+        with self._cv:
+            queued = self.max_bytes > 0 and self._queued_bytes + n <= self.max_bytes
+            if queued:
+                try:
+                    self._enqueue(_Adopt(key, data, run))
+                except _NoWriter:
+                    queued = False
+                else:
+                    self.pending[key] = data
+                    self._queued_bytes += n
+        if not queued:
+            run()
+
+    def on_writer(self) -> bool:
+        """True on the writer thread itself."""
+        return threading.current_thread() is self._thread
 
     def defer(self, fn, arg) -> None:
         """Run ``fn(arg)`` on the writer, in order with the fills (or now, if no writer)."""
@@ -184,22 +218,24 @@ class FillWriter:
                 if item is None:
                     return
                 self._busy += 1
-            fill = item if isinstance(item, Fill) else None
+            held = item if isinstance(item, (Fill, _Adopt)) else None
             try:
-                if fill is not None:
-                    self.store(fill)
+                if isinstance(item, Fill):
+                    self.store(item)
+                elif held is not None:
+                    item.run()
                 else:
                     item[0](item[1])
             except BaseException:  # store() ends the lease itself; never kill the writer
                 log.exception("cachemw fill writer: unexpected error in %r",
-                              fill.key if fill is not None else item[0])
+                              held.key if held is not None else item[0])
             finally:
                 with self._cv:
                     self._busy -= 1
-                    if fill is not None:
-                        self._queued_bytes -= len(fill.data)
-                        if self.pending.get(fill.key) is fill.data:
-                            del self.pending[fill.key]
+                    if held is not None:
+                        self._queued_bytes -= len(held.data)
+                        if self.pending.get(held.key) is held.data:
+                            del self.pending[held.key]
                     self._cv.notify_all()
 
     def store(self, fill: Fill) -> None:

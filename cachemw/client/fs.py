@@ -157,13 +157,25 @@ class CacheFileSystem(_Base):
         path = self._strip_protocol(path)
         try:
             try:
-                return self._read(self.meta.file(path), start, end)
+                return self._read_path(path, start, end)
             except ChangedSourceError:
                 self.meta.forget(path)
-                return self._read(self.meta.file(path), start, end)
+                return self._read_path(path, start, end)
         except FileNotFoundError:
             self.meta.forget(path)
             raise
+
+    def _read_path(self, path, start, end) -> bytes:
+        """A file the node has never seen is read cold: on a store whose GET names the
+        version (HTTP, S3), that GET is the first request, not a HEAD before it."""
+        meta, seen = self.meta.known_file(path)
+        if meta is None:
+            if not seen and self.options.validate != "always":
+                data = self.reader.read_cold(path, start, end, self.meta)
+                if data is not None:
+                    return data
+            meta = self.meta.file(path)
+        return self._read(meta, start, end)
 
     def _read(self, meta, start, end) -> bytes:
         if meta.size == 0:  # a size the source cannot state (/proc) or an empty file
@@ -193,7 +205,13 @@ class CacheFileSystem(_Base):
         requests, where, alone = [], [], []  # alone: read one by one, through cat_file
         for i, (p, s, e) in enumerate(zip(paths, starts, ends)):
             try:
-                meta = self.meta.file(self._strip_protocol(p))
+                path = self._strip_protocol(p)
+                meta, seen = self.meta.known_file(path)
+                if meta is None and not seen and self.options.validate != "always" \
+                        and self.reader.source.tells_versions:
+                    alone.append(i)  # read cold, its version from its GET (see _read_path)
+                    continue
+                meta = meta or self.meta.file(path)
             except Exception as exc:  # fsspec's on_error: any error of a path is its result
                 if on_error == "raise":
                     raise

@@ -226,6 +226,10 @@ class MetadataCache:
         shared = self._load_shared("info", path) if self.validate != "always" else None
         if shared is not None:
             return shared
+        return self._ask(path)
+
+    def _ask(self, path: str) -> tuple[dict, float]:
+        """(info, fetched) from the source; shared with the node."""
         self.source_calls += 1
         asked = time.time()  # before the call: a drop during it must win (_dropped_since)
         try:
@@ -241,30 +245,68 @@ class MetadataCache:
 
         Kept in the process as one FileMeta per file (plain values only); the info it came
         from is kept only if this process asked the source for it (or called info())."""
+        meta, _ = self.known_file(path)
+        return meta if meta is not None else self._keep(path, *self._ask(path))
+
+    def known_file(self, path: str) -> tuple[FileMeta | None, bool]:
+        """What ``file()`` returns if that needs no call to the source (a fresh record in
+        this process or in the node's table), else None; and whether this process or the
+        node has any record of the file, fresh or not (a dropped one is none).
+        IsADirectoryError if the node knows it as a directory."""
+        seen = False
         hit = self._files.get(path)
         if hit is not None:
             meta = _unpack(path, hit)
             if self._fresh(meta.fetched):
-                return meta
-        url = self.target.unstrip_protocol(path)
+                return meta, True
+            seen = True
         found = self._infos.get(path)
-        if (found is None or not self._fresh(found[1])) and self.validate != "always":
-            table = self._shared_table()
-            shared = None if table is None else table.get(url)
-            if shared is not None and not shared[1] and self._fresh(shared[0]) \
-                    and len(shared[2]) == 3:  # the node knows it: no unpickling of its info
+        if found is not None:
+            if self._fresh(found[1]):
+                return self._keep(path, *found), True
+            seen = True
+        if self.validate == "always":
+            return None, seen
+        table = self._shared_table()
+        url = self.target.unstrip_protocol(path)
+        shared = None if table is None else table.get(url)
+        if shared is not None and not shared[1]:  # a record, not a drop
+            if not self._fresh(shared[0]):
+                return None, True
+            if len(shared[2]) == 3:  # the node knows it: no unpickling of its info
                 size, version, kind = shared[2]
                 if kind == "directory":
                     raise IsADirectoryError(f"{path}: is a directory")
                 meta = FileMeta(path, url, size, version, shared[0])
                 self._files[path] = _pack(meta)
-                return meta
-        if found is None or not self._fresh(found[1]):
-            found = self._lookup(path)
-        info, fetched = found
+                return meta, True
+            found = self._load_shared("info", path)
+            if found is not None:
+                return self._keep(path, *found), True
+        return None, seen
+
+    def learned(self, path: str, info: dict, fetched: float) -> FileMeta:
+        """A file's info that came with a read of it (a GET that named its version, see
+        tiers/source.py read_first), asked at ``fetched``: kept here; ``share`` it next."""
+        return self._keep(path, info, fetched)
+
+    def share(self, path: str, info: dict, fetched: float) -> None:
+        """Share ``learned`` info with the node as info from the source is, so no process
+        of the node asks the source for it again."""
+        self._store_shared("info", path, info, fetched)
+
+    def dropped_since(self, path: str, when: float) -> bool:
+        """True if a process of the node dropped what it knew of ``path`` (a write through
+        the cache) at or after ``when``."""
+        table = self._shared_table()
+        found = None if table is None else table.get(self.target.unstrip_protocol(path))
+        return found is not None and bool(found[1]) and found[0] >= when
+
+    def _keep(self, path: str, info: dict, fetched: float) -> FileMeta:
         if info.get("type", "file") == "directory":
             raise IsADirectoryError(f"{path}: is a directory")
-        meta = FileMeta(path, url, int(info["size"]), version_token(info), fetched)
+        meta = FileMeta(path, self.target.unstrip_protocol(path), int(info["size"]),
+                        version_token(info), fetched)
         self._files[path] = _pack(meta)
         return meta
 

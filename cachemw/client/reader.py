@@ -11,12 +11,21 @@ speed and never a read.
 Every source read names the version of the file it is for (the one in the block's key, the
 one an open file pinned): the source tier returns that version's bytes or raises
 ChangedSourceError (see tiers/source.py), so a read never joins blocks of two versions.
+
+A cold read (``read_cold``: a file neither this process nor the node knows) of a store
+whose GET names the version (HTTP, S3) fetches the block it starts in first, with a plain
+GET, and takes the file's version from that response instead of asking for the file's
+info (a HEAD) before it; the block is then leased and filled behind the read (by the fill
+writer, fills.py ``adopt``), and the rest of the read is pinned to that version. The lease
+comes after the fetch there (a block's key needs the version), so two processes reading
+the same cold file at once both fetch its first block: counted (``cold_get_duplicates``),
+both return that version's bytes, one fill is kept.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..blockfile import CorruptBlock
 from .link import DaemonClient
@@ -24,9 +33,13 @@ from .direct import DirectReads
 from .fills import Fill, FillWriter
 from ..keys import block_key, block_length, url_tag
 from .metadata import FileMeta
+from .openfile import clip
 from .. import trace
 from ..readtime import MISS_SUM, miss_bucket
 from ..tiers.source import SourceTier
+
+if TYPE_CHECKING:  # the filesystem passes its metadata cache: a type only
+    from .metadata import MetadataCache
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +65,7 @@ class BlockReader:
         self.direct = DirectReads(client)
         self.fills = FillWriter(client, write_behind)
         self._warned_unsized = False
+        self._warned_unversioned = False
 
     def _pieces(self, meta: FileMeta, start: int, end: int) -> list[_Piece]:
         bs = self.block_size
@@ -241,6 +255,93 @@ class BlockReader:
             self.fills.submit(Fill(piece.key, tier, block, url_tag(meta.url), client.link(),
                                    lease), waited=time.perf_counter() - started)
         return block if piece.lo == 0 and piece.hi == len(block) else block[piece.lo:piece.hi]
+
+    def read_cold(self, path: str, start: int | None, end: int | None,
+                  metadata: MetadataCache) -> bytes | None:
+        """Bytes ``[start, end)`` (fsspec's meaning) of a file whose version no process of
+        the node knows, with its version learned from the GET of the block ``start`` falls
+        in (tiers/source.py read_first) and kept in ``metadata`` for the node. None, having
+        fetched nothing, where that cannot be done (a store whose GET names no version, a
+        range from the end, other nodes sharing blocks: a block's owner fetches it, and
+        asking it needs the key, so the version, first); None also when the response named
+        no version (counted as ``cold_get_fallbacks``): then ask for the info and read."""
+        if not self.source.tells_versions or (start is not None and start < 0) \
+                or not self.direct.alone():
+            return None
+        bs = self.block_size
+        index = (start or 0) // bs
+        self.fills.kick()  # the earlier fills get written while we wait on the source
+        asked = time.time()  # before the request, as for metadata (see metadata._ask)
+        started = time.perf_counter()
+        first = self.source.read_first(path, index, bs)
+        if first is None:
+            self.client.count("cold_get_fallbacks")
+            if not self._warned_unversioned:
+                self._warned_unversioned = True
+                log.info("%s: the store's answer to a cold GET did not name the file's "
+                         "version (no ETag or size, an empty file, a range past its end, an "
+                         "error); its info is asked for first (counted as "
+                         "cold_get_fallbacks; logged once)", path)
+            return None
+        meta = metadata.learned(path, first.info, asked)
+        self.client.count("cold_gets")
+        block = first.data
+        piece = _Piece(meta, index, 0, len(block),
+                       block_key(meta.url, meta.version, index, bs), len(block))
+        self._source_read(piece, started, len(block))
+        self.client.count("bytes_from_source", len(block))
+        self._missed(started, time.perf_counter())
+        if block:  # (an empty file is read to its end each time, uncached: see fs._read)
+            # leased and filled behind the read, as fills are written (fills.py), before
+            # the file's info is shared: a process that learns the version there finds the
+            # fill in flight and waits for it, rather than fetching the block again
+            self.fills.adopt(piece.key, block, lambda: self._adopt(
+                piece, block, lambda: metadata.dropped_since(path, asked)))
+        metadata.share(path, first.info, asked)
+        start, end = clip(start, end, meta.size)
+        if end <= start:
+            return b""
+        base = index * bs
+        stop = base + len(block)
+        head = block if (start, end) == (base, stop) else block[start - base:min(end, stop) - base]
+        if end <= stop:
+            return head
+        return b"".join((head, self.read_many([(meta, stop, end)])[0]))
+
+    def _adopt(self, piece: _Piece, block: bytes, dropped) -> None:
+        """Cache a block fetched before its lease (read_cold; run by the fill writer, see
+        fills.FillWriter.adopt): leased now and filled with these bytes, unless another process filled it meanwhile (a duplicate fetch,
+        counted) or the file was written through the cache since it was asked for
+        (``dropped()``, asked once the lease is ours). A write through the cache cancels
+        the fills in flight, then marks the file dropped: a lease granted before the
+        cancel is cancelled, one granted after the mark sees it here. Between the two,
+        bytes of before the write are cached under the old version's key, which a reader
+        of the new version only computes if both versions have the same token: a strong
+        ETag (and an S3 ETag) changes with the content, so only a store reusing a weak
+        ETag for new content could serve them, as a read pinned to a weak ETag (no
+        If-Match) may already."""
+        client = self.client
+        asked = time.perf_counter()
+        replies = client.lease_many([self._item(piece)])
+        client.count("lease_requests")
+        if not self.fills.on_writer():  # the reader waited for it (a full queue)
+            self._took("lease_seconds", "lease_wait", asked, 1)
+        reply = None if replies is None else replies[0]
+        kind = None if reply is None else reply[0]
+        if kind == "fill":
+            tier = self._tier(reply[1])
+            if tier is None or dropped():
+                client.abort(piece.key, "error")
+                client.count("bypassed")
+            else:
+                client.count("misses")
+                self.fills.store(Fill(piece.key, tier, block, url_tag(piece.meta.url),
+                                      client.link(), reply[2]))
+        elif kind in ("present", "data"):  # filled (or fetched at its owner) meanwhile
+            client.count("misses")
+            client.count("cold_get_duplicates")
+        else:
+            client.count("fallbacks" if kind is None or kind == "fallback" else "bypassed")
 
     def _direct(self, piece: _Piece) -> bytes:
         base = piece.index * self.block_size

@@ -24,20 +24,42 @@ its peers, the daemon's prefetches. How a read is pinned depends on the store:
   store for the file's info past the target's own caches (``invalidate_cache(path)``
   first) and compare tokens. A change before or during the read is then always seen; a
   change after it costs a spurious retry, never wrong bytes.
+
+A file whose version nobody knows yet (``read_first``): on HTTP and S3 a GET tells the
+version along with the bytes (ETag, and the size in ``Content-Range`` or
+``Content-Length``), so the first block of a cold read is fetched with a plain GET and the
+file's info is made from that response, the same info (so the same version token) a HEAD
+would have given: one request per cold file instead of a HEAD, then a GET. Where the
+response cannot name the version (no ETag, no size, an encoded body, a refused range) the
+caller asks for the info first, as for any other store.
 """
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import re
 import stat
 import threading
+from typing import NamedTuple
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..keys import block_length, stat_token, version_fields, version_token
 
+log = logging.getLogger(__name__)
+
 _READ_CHUNK = 1 << 20  # reads to the end of a file whose size is unknown, this much a call
+_NO_VERSION = "no ETag"  # why a first GET named no version (see SourceTier.read_first)
+_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+)\s*$")
+
+
+class FirstBlock(NamedTuple):
+    """A cold file's block and its info, from one response (``SourceTier.read_first``)."""
+
+    info: dict  # as the target's ``info`` gives it: the same ``version_token``
+    data: bytes  # exactly the block's bytes at that version
 
 
 class ChangedSourceError(OSError):
@@ -61,6 +83,40 @@ class SourceTier:
     def __init__(self, fs) -> None:
         self.fs = fs
         self._read = _reads_for(fs)
+        self._first = _firsts_for(fs)
+        self._versioned = False  # a first GET of this store has named a version
+
+    @property
+    def tells_versions(self) -> bool:
+        """True if a GET of this store may name the file's version (see read_first)."""
+        return self._first is not None
+
+    def read_first(self, path: str, index: int, block_size: int) -> FirstBlock | None:
+        """Block ``index`` of ``path`` and the file's info, both from one GET, for a file
+        whose version is not known yet; FileNotFoundError if the store has no such file.
+
+        None if the response does not name the version (no ETag, no size, a body encoded
+        for transfer, a range the store refused): the caller asks for the file's info, then
+        reads (an empty file, a range past the end and a key that is an S3 "directory" take
+        that way too, where the info says what they are). A store whose first answer had
+        no ETag is not asked this way again (logged once): each of its files would cost a
+        wasted GET."""
+        first = self._first
+        if first is None:
+            return None
+        start = index * block_size
+        got = first(self.fs, path, start, start + block_size)
+        if got is _NO_VERSION and not self._versioned:
+            self._first = None
+            log.info("%s: the store sends no ETag with its data; cachemw asks it for each "
+                     "file's info (HEAD) before the file's first read", path)
+        if not isinstance(got, FirstBlock):
+            return None
+        self._versioned = True
+        length = block_length(int(got.info["size"]), index, block_size)
+        if len(got.data) != length:  # a store answering with other bytes than asked
+            return None
+        return got
 
     def read_block(self, path: str, index: int, block_size: int, file_size: int,
                    version: str) -> bytes:
@@ -116,6 +172,16 @@ def _reads_for(fs):
     if ("http" in protocols or "https" in protocols) and hasattr(fs, "set_session"):
         return _read_http
     return _read_checked
+
+
+def _firsts_for(fs):
+    """The version-telling first GET for ``fs`` (see SourceTier.read_first), or None."""
+    read = _reads_for(fs)
+    if read is _read_http:
+        return _first_http
+    if read is _read_s3:
+        return _first_s3
+    return None
 
 
 def _read_local(fs, path: str, start: int, end: int | None, version: str) -> bytes:
@@ -194,6 +260,45 @@ def _read_s3(fs, path: str, start: int, end: int | None, version: str) -> bytes:
     return data
 
 
+async def _s3_get_response(fs, bucket: str, key: str, kwargs: dict) -> tuple[dict, bytes]:
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kwargs)
+    try:
+        return resp, await resp["Body"].read()
+    finally:
+        resp["Body"].close()
+
+
+def _first_s3(fs, path: str, start: int, end: int):
+    """GetObject of ``[start, end)``, its info as s3fs's ``info`` (a HeadObject) makes it:
+    the same ETag, size and VersionId, so the same version token."""
+    bucket, key, version_id = fs.split_path(path)
+    if not key:
+        return None
+    kwargs = {"Range": f"bytes={start}-{end - 1}"}
+    if version_id:
+        kwargs["VersionId"] = version_id
+    try:
+        resp, data = _sync(fs, _s3_get_response, fs, bucket, key, kwargs)
+    except OSError:  # no such key (it may be a "directory"), an empty object's refused
+        return None  # range, ...: the info path says what it is, as it did before
+    if not resp.get("ETag"):
+        return _NO_VERSION
+    found = _CONTENT_RANGE.match(resp.get("ContentRange") or "")
+    if found is not None:
+        if int(found.group(1)) != start:
+            return None
+        size = int(found.group(3))
+    elif resp.get("ContentLength") == len(data):  # the whole object came
+        size, data = len(data), data[start:end]
+    else:
+        return None
+    return FirstBlock({"ETag": resp.get("ETag", ""), "LastModified": resp.get("LastModified", ""),
+                       "size": size, "name": f"{bucket}/{key}", "type": "file",
+                       "StorageClass": resp.get("StorageClass", "STANDARD"),
+                       "VersionId": resp.get("VersionId"),
+                       "ContentType": resp.get("ContentType")}, data)
+
+
 def _s3_code(exc: BaseException) -> str | None:
     """The S3 error code behind an error s3fs translated into an OSError."""
     while exc is not None:
@@ -204,11 +309,12 @@ def _s3_code(exc: BaseException) -> str | None:
     return None
 
 
-async def _http_get(fs, url: str, headers: dict) -> tuple[int, str | None, bytes]:
+async def _http_get(fs, url: str, headers: dict):
+    """(status, response headers, final URL, body) of one GET on fsspec's own session."""
     session = await fs.set_session()
     kwargs = {**fs.kwargs, "headers": headers}
     async with session.get(fs.encode_url(url), **kwargs) as r:
-        return r.status, r.headers.get("ETag"), await r.read()
+        return r.status, r.headers, str(r.url), await r.read()
 
 
 def _read_http(fs, path: str, start: int, end: int | None, version: str) -> bytes:
@@ -223,7 +329,8 @@ def _read_http(fs, path: str, start: int, end: int | None, version: str) -> byte
         headers["If-Match"] = etag
     if end is not None or start:
         headers["Range"] = f"bytes={start}-" + ("" if end is None else str(end - 1))
-    status, got, data = _sync(fs, _http_get, fs, path, headers)
+    status, response, _, data = _sync(fs, _http_get, fs, path, headers)
+    got = response.get("ETag")
     if status == 404:
         raise FileNotFoundError(errno.ENOENT, f"{path}: not found (HTTP 404)", path)
     if status == 412 or (status < 300 and got is not None and got != etag):
@@ -236,6 +343,45 @@ def _read_http(fs, path: str, start: int, end: int | None, version: str) -> byte
     if got is None:  # an ETag on HEAD but none on GET: ask again after the read
         _check_after(fs, path, version)
     return data
+
+
+def _first_http(fs, path: str, start: int, end: int):
+    """A GET of ``[start, end)`` without a validator, its info as fsspec's HTTP ``info``
+    (a HEAD) makes it (``_file_info``): the same size and ETag, so the same version
+    token. ``Accept-Encoding: identity``, as fsspec's HEAD sends it, so the sizes are of
+    the same bytes."""
+    headers = dict(fs.kwargs.get("headers") or {})
+    headers["Range"] = f"bytes={start}-{end - 1}"
+    headers["Accept-Encoding"] = "identity"
+    try:
+        status, response, url, data = _sync(fs, _http_get, fs, path, headers)
+    except Exception:  # aiohttp's errors (not all OSErrors): the info path raises what
+        return None    # fsspec makes of them, as it did before there was this GET
+    if status == 404:
+        raise FileNotFoundError(errno.ENOENT, f"{path}: not found (HTTP 404)", path)
+    if status not in (200, 206) or response.get("Content-Encoding", "identity") not in ("identity", ""):
+        return None  # 416 (empty, or past the end), errors: the info path, as before
+    etag = response.get("ETag")
+    if not etag:
+        return _NO_VERSION
+    if status == 206:
+        found = _CONTENT_RANGE.match(response.get("Content-Range", ""))
+        if found is None or int(found.group(1)) != start:
+            return None  # an unknown total ("*/..."), another range than asked
+        size = int(found.group(3))
+    else:  # the server ignored Range: the whole file came
+        size = len(data)
+        if int(response.get("Content-Length", size)) != size:
+            return None
+        data = data[start:end]
+    info = {"name": path, "size": size, "url": url, "ETag": etag, "type": "file"}
+    if "Content-Type" in response:
+        info["mimetype"] = response["Content-Type"].partition(";")[0]
+    if response.get("Accept-Ranges") == "none":
+        info["partial"] = False
+    if response.get("Last-Modified"):
+        info["Last-Modified"] = response["Last-Modified"]
+    return FirstBlock(info, data)
 
 
 def _read_checked(fs, path: str, start: int, end: int | None, version: str) -> bytes:
