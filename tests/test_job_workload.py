@@ -181,11 +181,14 @@ def test_targets_and_verdict_from_a_run():
                          "saves": [{"stall_s": 0.05, "durable_s": 0.9}, {"stall_s": 0.07, "durable_s": 1.1}]},
     }}}
     # the caches' flat-out epochs (no compute): the cache-vs-cache target is taken there
-    run["systems"]["simplecache"]["io_epochs"] = _system("s", [(1, 0, 1000), (1, 0, 1200)])["epochs"]
-    run["systems"]["cachemw"]["io_epochs"] = _system("c", [(1, 0, 1400), (1, 0, 1800)])["epochs"]
+    # (medians: one epoch of a fraction of a second that swings does not move the ratio)
+    run["systems"]["simplecache"]["io_epochs"] = _system(
+        "s", [(1, 0, 1000), (1, 0, 1200), (1, 0, 5000)])["epochs"]
+    run["systems"]["cachemw"]["io_epochs"] = _system(
+        "c", [(1, 0, 1400), (1, 0, 1800), (1, 0, 1600)])["epochs"]
     checked = {t["key"]: t for t in results.targets(run)}
     assert checked["cachemw_au"]["met"] and checked["direct_au"]["met"]
-    assert checked["vs_simplecache"]["value"] == pytest.approx(1600 / 1100)
+    assert checked["vs_simplecache"]["value"] == pytest.approx(1600 / 1200)
     assert checked["vs_simplecache"]["met"] is False
     assert checked["announce_epoch1"]["value"] == pytest.approx(0.6) and checked["announce_epoch1"]["met"]
     assert checked["cold_epoch1"]["value"] == pytest.approx(1.05) and checked["cold_epoch1"]["met"]
@@ -195,7 +198,7 @@ def test_targets_and_verdict_from_a_run():
     assert line.startswith("targets met: 6 of 7 measured; NOT met: cachemw / simplecache")
     text = results.table({**run, "targets": list(checked.values())})
     assert "NOT met" in text and "Checkpointer" in text
-    assert "cachemw / simplecache samples/s: 1.45 with no compute; 1.10 in training" in text
+    assert "cachemw / simplecache samples/s: 1.33 with no compute; 1.10 in training" in text
     # nothing measured: said so, not "all met"
     empty = results.targets({"systems": {}})
     assert all(t["met"] is None for t in empty)

@@ -50,10 +50,12 @@ def _later(system: dict | None, field: str) -> float | None:
 
 
 def _flat_out(system: dict | None) -> float | None:
-    """Mean samples/s of a cache's flat-out epochs (warm, no compute), None if it ran none."""
+    """Median samples/s of a cache's flat-out epochs (warm, no compute), None if it ran
+    none: the median, since an epoch of a fraction of a second swings with whatever else
+    the machine does at that moment."""
     if not system or not system.get("io_epochs"):
         return None
-    return _mean(e["samples_per_s"] for e in system["io_epochs"])
+    return statistics.median(e["samples_per_s"] for e in system["io_epochs"])
 
 
 def _first(system: dict | None, field: str) -> float | None:
