@@ -16,10 +16,8 @@ per process, and reads go on from the source.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing
-import multiprocessing.util
 import os
 import socket
 import threading
@@ -31,11 +29,11 @@ from multiprocessing.connection import Connection, answer_challenge
 from ..config import DaemonConfig
 from .fills import drain_all
 from .. import ops, reports
+from . import reporting
 from ..processes import process_state
-from ..protocol import (CLIENT_COUNTERS, DaemonAddress, UnsafeDirectory, check_private_dir,
+from ..protocol import (DaemonAddress, UnsafeDirectory, check_private_dir,
                         lock_holder, lookup)
 from ..tiers.directory import DirectoryTier
-from .openfile import HitTally
 from ..launch import (FAILURE_MEMORY, START_WAIT, DaemonStartError, await_address,
                      spawn_detached)
 
@@ -46,29 +44,6 @@ MAX_RETRY_SECONDS = 30.0  # the back-off after repeated timeouts (a hung daemon)
 BUSY_CAP_SECONDS = 300.0  # a backstop: the daemon bounds its own waits well below this
 
 _clients: "weakref.WeakSet[DaemonClient]" = weakref.WeakSet()
-_exit_hook_pid = 0
-_exiting = False  # in the exit flush: a daemon stopped before this process is no news
-
-
-def _flush_all() -> None:
-    global _exiting
-    _exiting = True
-    drain_all(timeout=30.0)  # fills written behind end their leases before the last report
-    for client in list(_clients):
-        client.flush()
-
-
-def _ensure_exit_hook() -> None:
-    """Flush access reports when this process exits, whatever kind of process it is.
-
-    multiprocessing children (DataLoader workers) skip atexit and clear the finalizer
-    registry when they start, so the hook is registered on first use in each process.
-    """
-    global _exit_hook_pid
-    if _exit_hook_pid != os.getpid():
-        _exit_hook_pid = os.getpid()
-        atexit.register(_flush_all)
-        multiprocessing.util.Finalize(None, _flush_all, exitpriority=10)
 
 
 _said: set[str] = set()  # start-up failures already logged by this process
@@ -91,7 +66,7 @@ class DaemonUnavailable(ConnectionError):
     """The node daemon could not be reached (the caller falls back to the source)."""
 
 
-class DaemonClient:
+class DaemonClient(reporting.Reporter):
     """``timeout``: how long the daemon may stay silent (the ``daemon_timeout`` option).
     With ``autostart``, the settings of the daemon it would start (``daemon_config``
     and CACHEMW_*) are checked here: a bad one is a ValueError now, not a daemon that
@@ -115,23 +90,14 @@ class DaemonClient:
         self._local = threading.local()  # one connection per thread (leases are per connection)
         # weak: a thread that ends drops its connection (closed when collected)
         self._conns: "weakref.WeakSet[Connection]" = weakref.WeakSet()
-        # the hit tallies of open files (HitTally), folded in on flush and stats
-        self._tallies: "weakref.WeakSet[HitTally]" = weakref.WeakSet()
         # the daemon's address and tier dirs are the node's: a forked child keeps them
         self._address: DaemonAddress | None = getattr(self, "_address", None)
         self._tiers: list[DirectoryTier] = getattr(self, "_tiers", [])
         self._next_try = 0.0
         self._timeouts = 0  # consecutive timeouts: the back-off grows while a daemon hangs
         self._warned = False
-        self.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
-        self._unsent = dict.fromkeys(CLIENT_COUNTERS, 0)
-        self._tier_hit_bytes: dict[str, int] = {}
-        # keys of the hits since the last report, per tier (strings: no object per hit for
-        # the garbage collector to track while they wait)
-        self._accesses: dict[str, list[str]] = {}
-        self._naccesses = 0
-        self._last_flush = time.monotonic()
         self._lock = threading.RLock()
+        self._reset_reports()
 
     # -- connection ------------------------------------------------------------------
 
@@ -241,7 +207,7 @@ class DaemonClient:
         holder = lock_holder(self.runtime_dir)
         if holder is None:  # no daemon lives; a published address is a dead one's
             # (not for the exit flush's last report: no daemon is started just for that)
-            if self.autostart and not _exiting and (address is None or address.kind != "ray"):
+            if self.autostart and not reporting.exiting and (address is None or address.kind != "ray"):
                 return self._autostart()
             return address  # its tier files still serve hits
         if address is not None and address.pid == holder.get("pid"):
@@ -339,7 +305,7 @@ class DaemonClient:
             pause = min(RETRY_SECONDS * 2 ** max(0, self._timeouts - 1), MAX_RETRY_SECONDS)
             self._next_try = time.monotonic() + pause
             if not self._warned:
-                (log.debug if _exiting else log.warning)(
+                (log.debug if reporting.exiting else log.warning)(
                     "cachemw daemon unreachable (%s); misses read the source directly, "
                     "counted as fallbacks", why)
                 self._warned = True
@@ -348,7 +314,7 @@ class DaemonClient:
         """The connection failed under a message: True if the daemon died and this process
         may start the next one (the caller tries again at once), else it is unreachable."""
         hung = isinstance(exc, DaemonUnavailable)
-        if not hung and self.autostart and not _exiting and \
+        if not hung and self.autostart and not reporting.exiting and \
                 lock_holder(self.runtime_dir) is None:
             self._drop_connection()
             log.info("cachemw daemon gone (%s): starting another", exc)
@@ -432,103 +398,18 @@ class DaemonClient:
         reply = self._call(ops.STATS)
         return None if reply is None else reply[1]
 
-    # -- counters and access reports ----------------------------------------------------
+    # -- reports (reporting.Reporter gathers them) ------------------------------------
 
-    def count(self, name: str, n: int = 1) -> None:
-        if _exit_hook_pid != self._pid:
-            _ensure_exit_hook()
-        with self._lock:
-            self.counters[name] += n
-            self._unsent[name] += n
-
-    def hit(self, key: str, tier: str, nbytes: int, seconds: float = 0.0) -> None:
-        if _exit_hook_pid != self._pid:
-            _ensure_exit_hook()
-        with self._lock:
-            self.counters["hits"] += 1
-            self.counters["hit_bytes"] += nbytes
-            self.counters["hit_seconds"] += seconds
-            self._unsent["hits"] += 1
-            self._unsent["hit_bytes"] += nbytes
-            self._unsent["hit_seconds"] += seconds
-            self._tier_hit_bytes[tier] = self._tier_hit_bytes.get(tier, 0) + nbytes
-            keys = self._accesses.get(tier)
-            if keys is None:
-                keys = self._accesses[tier] = []
-            keys.append(key)
-            self._naccesses += 1
-            due = self._naccesses >= 4096
-        if due or time.monotonic() - self._last_flush > self.report_interval:
-            self.flush()
-
-    def hit_tally(self) -> HitTally:
-        """A tally for an open file's own hits (see HitTally), folded in on stats and flush
-        while the file lives, and by fold() when it closes."""
-        tally = HitTally()
-        with self._lock:
-            self._tallies.add(tally)
-        return tally
-
-    def fold(self, tally: HitTally) -> None:
-        """Add what ``tally`` counted since its last fold to the counters to report."""
-        reads, nbytes = tally.reads, tally.nbytes  # the file may be adding meanwhile
-        with self._lock:
-            new_reads, new_bytes = reads - tally.folded_reads, nbytes - tally.folded_bytes
-            tally.folded_reads, tally.folded_bytes = reads, nbytes
-            self.counters["hits"] += new_reads
-            self.counters["hit_bytes"] += new_bytes
-            self._unsent["hits"] += new_reads
-            self._unsent["hit_bytes"] += new_bytes
-
-    def accessed(self, key: str, tier: str) -> None:
-        """Recency only (the reads themselves are counted by the caller, with count())."""
-        with self._lock:
-            self._accesses.setdefault(tier, []).append(key)
-            self._naccesses += 1
-
-    def maybe_flush(self) -> None:
-        if time.monotonic() - self._last_flush > self.report_interval:
-            self.flush()
-
-    def fold_tallies(self) -> None:
-        with self._lock:
-            tallies = list(self._tallies)
-        for tally in tallies:
-            self.fold(tally)
-
-    def flush(self) -> None:
-        """Report the counters and recency gathered since the last report: on this thread's
-        connection if it has one (one-way), else left in the runtime dir for the daemon
-        (cachemw.reports), so a process that only hits never connects to report them."""
-        if os.getpid() != self._pid:
-            return
-        self.fold_tallies()
-        self._last_flush = time.monotonic()
-        with self._lock:
-            if not self._naccesses and not any(self._unsent.values()):
-                return
-            unsent, tier_bytes, accesses = self._unsent, self._tier_hit_bytes, self._accesses
-            naccesses = self._naccesses
-            self._unsent = dict.fromkeys(CLIENT_COUNTERS, 0)
-            self._tier_hit_bytes, self._accesses, self._naccesses = {}, {}, 0
-        counters = {k: v for k, v in unsent.items() if v}
-        counters["tier_hit_bytes"] = tier_bytes
+    def _deliver(self, counters: dict, accesses: dict[str, list[str]]) -> bool:
+        """One report: on this thread's connection if it has one (one-way), else left in
+        the runtime dir for the daemon (cachemw.reports), so a process that only hits never
+        connects to report them. False if the daemon is unreachable either way."""
         if getattr(self._local, "conn", None) is None and self._address is not None \
                 and lock_holder(self.runtime_dir) is not None \
                 and reports.write(self.runtime_dir, counters, accesses):
-            return
-        if self._send(ops.REPORT, counters,
-                      [(key, tier) for tier, keys in accesses.items() for key in keys]):
-            return
-        with self._lock:  # daemon unreachable: keep the counters for later, drop old recency
-            for k, v in unsent.items():
-                self._unsent[k] += v
-            for k, v in tier_bytes.items():
-                self._tier_hit_bytes[k] = self._tier_hit_bytes.get(k, 0) + v
-            if naccesses + self._naccesses <= 65536:
-                for tier, keys in accesses.items():
-                    self._accesses[tier] = keys + self._accesses.get(tier, [])
-                self._naccesses += naccesses
+            return True
+        return self._send(ops.REPORT, counters,
+                          [(key, tier) for tier, keys in accesses.items() for key in keys])
 
     def close(self) -> None:
         drain_all(self)

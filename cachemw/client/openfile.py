@@ -15,19 +15,6 @@ if TYPE_CHECKING:  # fs.py opens these files: a type only, no import at run time
     from .fs import CacheFileSystem
 
 
-class HitTally:
-    """Hits an open file counts itself (its reads of mapped blocks), with no lock per read:
-    a lock per 4 KiB read costs more than the read. Only the file adds to ``reads`` and
-    ``nbytes``; only the client moves ``folded_*`` up to them when it folds them into its
-    counters (stats, flush, the file's close), so a read racing with a fold is counted at
-    the next one, never lost."""
-
-    __slots__ = ("reads", "nbytes", "folded_reads", "folded_bytes", "__weakref__")
-
-    def __init__(self) -> None:
-        self.reads = self.nbytes = self.folded_reads = self.folded_bytes = 0
-
-
 def clip(start, end, size):
     """``start``/``end`` of a read (None, negative: from the end) as offsets in ``[0, size]``."""
     start = 0 if start is None else (max(size + start, 0) if start < 0 else min(start, size))
