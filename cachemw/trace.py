@@ -62,6 +62,10 @@ _dir: str | None = None
 _fd: int | None = None
 _buffer: collections.deque = collections.deque()  # appended without a lock (atomic)
 _pending: dict[int, list] = {}  # thread -> the events of its open outermost span
+# file name -> its JSON string: a reader's files recur (blocks of one file, epochs), and
+# quoting a path per event was a third of a traced hit's cost; bounded, cleared when full
+_quoted: dict[str, str] = {}
+QUOTED_MAX = 1 << 16
 _pid = os.getpid()  # this process (kept by the fork hook: no system call per event)
 _file_pid = 0  # the process the open file is for
 _next_id = 1
@@ -223,6 +227,9 @@ def _flush_locked() -> None:
     if not _buffer or (_fd is None and not _open_locked()):
         return
     n, lines, heads, offset = _next_id, [], {}, _OFFSET_US
+    quoted = _quoted
+    if len(quoted) > QUOTED_MAX:
+        quoted.clear()
     pop = _buffer.popleft
     while True:  # what other threads append meanwhile is written now or next time
         try:
@@ -235,8 +242,11 @@ def _flush_locked() -> None:
             head = heads.get(name)
             if head is None:
                 head = heads[name] = f'"name":"{name}","cat":"{READ}","pid":{_pid},"tid":'
+            file = quoted.get(path)
+            if file is None:
+                file = quoted[path] = _quote(path)
             lines.append(f'{{"id":{n},{head}{tid},"ts":{ts + offset},"dur":{int(end * 1e6) - ts},'
-                         f'"ph":"X","args":{{"tier":"{tier}","file":{_quote(path)},'
+                         f'"ph":"X","args":{{"tier":"{tier}","file":{file},'
                          f'"block":{block},"bytes":{nbytes}}}}}\n')
         else:
             name, cat, tid, start, end, args = record

@@ -181,6 +181,31 @@ def test_spans_nest_and_a_parent_comes_first(tmp_path):
         assert mine.index("inner") < mine.index("leaf")
 
 
+def test_block_events_name_any_file_exactly(tmp_path, monkeypatch):
+    """A hit's file is written as JSON whatever its name holds (quotes, backslashes,
+    non-ASCII, control characters), from the cache of quoted names too, and after that
+    cache was cleared for being full."""
+    import time
+
+    from cachemw import trace
+
+    names = ['/d/a"b', "/d/back\\slash", "/d/\u00fcber/\u65e5\u672c", "/d/tab\there"]
+    monkeypatch.setattr(trace, "QUOTED_MAX", 2)
+    trace.start(str(tmp_path / "t"))
+    try:
+        for rnd in range(3):  # quoted once, then from the cache; cleared when over 2
+            for i, name in enumerate(names):
+                now = time.perf_counter()
+                trace.block_event("hit", now, now, "dram", name, i, 10 + rnd)
+            trace.flush()
+    finally:
+        trace.stop()
+    (path,) = glob.glob(str(tmp_path / "t" / "*.pfw"))
+    hits = [e for e in read_pfw(path) if e["name"] == "hit"]
+    assert [(e["args"]["file"], e["args"]["block"], e["args"]["bytes"]) for e in hits] == [
+        (name, i, 10 + rnd) for rnd in range(3) for i, name in enumerate(names)]
+
+
 def test_off_by_default_and_a_bad_directory_is_named(tmp_path):
     from cachemw.config import CacheOptions, trace_dir
 
