@@ -290,7 +290,9 @@ class CacheFileSystem(_Base):
 
         The blocks of the version we knew are deleted right here (the new version may
         carry the same token on a filesystem with coarse mtimes), then the daemon drops
-        every other block of the file before this returns.
+        every other block of the file before this returns. The node's metadata is marked
+        dropped before the daemon cancels the fills in flight: a block fetched before its
+        lease (reader._adopt) whose lease comes after the cancel sees the mark.
         """
         self.reader.fills.drain()  # no fill of the old bytes may land after this
         known = self.meta.known(path)
@@ -301,8 +303,8 @@ class CacheFileSystem(_Base):
             for tier in self.client.tiers():
                 for key in keys:
                     tier.delete(key)
-        self.client.invalidate(self.target.unstrip_protocol(path))
         self.meta.forget_tree(path)
+        self.client.invalidate(self.target.unstrip_protocol(path))
 
     def _written_tree(self, path: str) -> None:
         prefix = path.rstrip("/") + "/"

@@ -312,14 +312,10 @@ class BlockReader:
         """Cache a block fetched before its lease (read_cold; run by the fill writer, see
         fills.FillWriter.adopt): leased now and filled with these bytes, unless another process filled it meanwhile (a duplicate fetch,
         counted) or the file was written through the cache since it was asked for
-        (``dropped()``, asked once the lease is ours). A write through the cache cancels
-        the fills in flight, then marks the file dropped: a lease granted before the
-        cancel is cancelled, one granted after the mark sees it here. Between the two,
-        bytes of before the write are cached under the old version's key, which a reader
-        of the new version only computes if both versions have the same token: a strong
-        ETag (and an S3 ETag) changes with the content, so only a store reusing a weak
-        ETag for new content could serve them, as a read pinned to a weak ETag (no
-        If-Match) may already."""
+        (``dropped()``, asked once the lease is ours). A write through the cache marks the
+        file dropped in the node's table, then has the daemon cancel the fills in flight
+        and drop the file's blocks (fs._written): a lease granted before the cancel is
+        cancelled, one granted after the mark sees it here."""
         client = self.client
         asked = time.perf_counter()
         replies = client.lease_many([self._item(piece)])
