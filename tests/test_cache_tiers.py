@@ -31,12 +31,15 @@ def new_fs(runtime_dir, **options):
 
 
 def disk_usage(tier_dir: str) -> int:
-    """Bytes of the block files in a tier directory (its metadata records excluded)."""
+    """Bytes of the block files in a tier directory: its metadata records excluded, and the
+    temp files of a fill or move under way (a restart removes them; a block file's name is
+    its 32-character key)."""
     total = 0
     for sub in os.listdir(tier_dir):
         if len(sub) == 2:
             for entry in os.scandir(os.path.join(tier_dir, sub)):
-                total += entry.stat().st_size
+                if len(entry.name) == 32 and entry.name.startswith(sub):
+                    total += entry.stat().st_size
     return total
 
 
