@@ -196,6 +196,23 @@ class Checkpointer:
                 raise
             return self._submit(step, staged, None, started)
 
+    def reserve(self, state: dict) -> None:
+        """Prepare now what saves of a state shaped like ``state`` need: the plan, and the
+        memory snapshots are copied into (the rank's files in the node's DRAM, or staging
+        buffers), allocated and touched. Without it the first save does this inside its stall
+        (planning, and the first touch of every page: 0.1-0.15 s for 64 MiB on a VM). Call it
+        once before the training loop, on every rank like ``save`` (it is collective where
+        ``save`` is); it waits for saves still pending. A state of another shape later is
+        planned and allocated again at its first save."""
+        with self._lock:
+            for h in [h for h in self._handles if not h.done()]:
+                h._durable.wait()
+            with trace.span("reserve", trace.CHECKPOINT):
+                if self.fast_saver is not None and self.fast_saver.reserve(lambda: to_state_dict(state)):
+                    self.stager.close()  # in-place saves need no buffers
+                    return
+                self._stage(to_state_dict(state))  # buffers made and touched; the copy is discarded
+
     def _stage(self, state_dict: dict) -> dict:
         staged = self.stager.stage(state_dict)
         self.stager.synchronize_staging()

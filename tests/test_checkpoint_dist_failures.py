@@ -1,6 +1,6 @@
 """Local failures of ``save`` on one rank of several (real processes, gloo): the others never hang.
 
-What must hold: a failure in the calling thread on one rank (a value that cannot be copied,
+What must hold: a failure in the calling thread on one rank (of ``save``, or of ``reserve``) (a value that cannot be copied,
 a planning or layout error, out of memory while staging) fails that save on every rank, with
 the collectives still in step, so the next save commits and loads on every rank; one rank's
 fallback to buffers in a shared fast tier takes none of the other ranks' files with it.
@@ -55,6 +55,8 @@ def _inject(mode: str, rank: int):
     first = state(1.0)
     if rank != 1:
         return first
+    if mode == "reserve-layout":
+        mode = "layout"  # the first layout is reserve's
     if mode == "describe":
         first["meta"] = {"epoch": Uncopyable()}
     elif mode in ("layout", "oom"):
@@ -85,6 +87,15 @@ def _rank_main(rank, world, rdv, root, mode, out_dir):
     ck = Checkpointer(root, collective_timeout_s=10, chunk_bytes=256 << 10, fast_root=fast_root)
     res = {"rank": rank}
     first = _inject(mode, rank)
+    if mode.startswith("reserve"):
+        import cachemw.checkpoint.fast_save as fast_save
+        layouts, original = [], fast_save.plan_layout
+        fast_save.plan_layout = lambda *a, **k: layouts.append(1) or original(*a, **k)
+        try:
+            ck.reserve(state(0.0))
+            res["reserve"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            res["reserve"] = f"{type(exc).__name__}: {exc}"
     for step, st in ((1, first), (2, state(2.0))):
         try:
             ck.save(step, st).wait(60)
@@ -97,6 +108,8 @@ def _rank_main(rank, world, rdv, root, mode, out_dir):
         res["ok"] = bool(torch.all(out["w"] == 2.0) and torch.all(out["b"] == 2.0))
     except Exception as exc:  # noqa: BLE001
         res["load"] = f"{type(exc).__name__}: {exc}"
+    if mode.startswith("reserve"):
+        res["layouts"] = len(layouts)
     ck.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
@@ -154,3 +167,18 @@ def test_checkpointers_on_disjoint_subgroups_with_and_without_a_fast_tier_do_not
     assert sorted(results) == [0, 1, 2, 3], results
     for rank, res in results.items():
         assert res["load"] == 1 and res["ok"] and res["fast"] == (rank < 2), res
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["reserve", "reserve-layout"])
+def test_reserve_on_every_rank_lays_out_once_and_a_failure_on_one_is_raised_on_all(tmp_path, mode):
+    """reserve() is collective like save(): planned once for both ranks and reused by their
+    saves; a layout failing on rank 1 fails reserve on both, and the saves after it commit."""
+    for res in run(tmp_path, mode):
+        if mode == "reserve":
+            assert res["reserve"] == "ok" and res["layouts"] == 1, res
+        else:
+            assert res["reserve"].startswith("RuntimeError") and "rank(s) [1]" in res["reserve"], res
+            assert res["layouts"] == 2, res  # the failed one, and every rank's anew at save 1
+        assert res["save1"] == "ok" and res["save2"] == "ok", res
+        assert res["load"] == 2 and res["ok"], res

@@ -8,6 +8,7 @@ round-trips, plain DCP loads the result at the root, and memory stays at one cop
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -145,6 +146,74 @@ def test_compression_with_a_fast_tier_stages_into_buffers(tmp_path):
         assert pools(fast) == [] and ck.stager.nbytes == 2000 * 50 * 4
         out = {"t": torch.ones(2000, 50), "v": 0}
         assert ck.load(out) == 1 and torch.count_nonzero(out["t"]) == 0 and out["v"] == 3
+
+
+def count_layouts(monkeypatch):
+    """How many times a rank lays out its snapshot files (plans them anew)."""
+    import cachemw.checkpoint.fast_save as fast_save
+
+    calls = []
+    original = fast_save.plan_layout
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(fast_save, "plan_layout", counted)
+    return calls
+
+
+def test_reserve_plans_and_makes_the_pool_the_first_save_copies_into(tmp_path, monkeypatch):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    layouts = count_layouts(monkeypatch)
+    state = mixed_state(1.0)
+    with Checkpointer(str(root), fast_root=str(fast), chunk_bytes=300_000) as ck:
+        ck.reserve(state)
+        (pool,) = pools(fast)
+        made = {f.name: f.stat().st_size for f in pool.iterdir()}
+        assert layouts == [1] and made and all(made.values())
+        assert committed(fast) == [] and ck.steps() == []  # nothing saved by it
+        for scale in (1.0, 2.0):
+            state = mixed_state(scale)
+            ck.save(int(scale), state).wait(60)
+            assert [p.name for p in pools(fast)] == [pool.name]  # the reserved files, not new ones
+            out = zeros_like(state)
+            assert ck.load(out) == int(scale)
+            assert_same(out, state)
+        assert layouts == [1]
+        ck.reserve({"t": torch.ones(10, 10)})  # another shape: planned and made again
+        assert layouts == [1, 1] and [p.name for p in pools(fast)] != [pool.name]
+        ck.save(3, {"t": torch.ones(10, 10)}).wait(60)
+        assert layouts == [1, 1]
+    plain = zeros_like(mixed_state(2.0))
+    dcp.load(plain, checkpoint_id=str(root / committed(root)[1]), no_dist=True)  # step 2
+    assert_same(plain, mixed_state(2.0))
+
+
+def test_reserve_without_a_fast_tier_or_in_place_path_makes_the_staging_buffers(tmp_path):
+    state = {"t": torch.randn(2000, 50), "v": 3}
+    for fast_root, options in ((None, {}), (str(tmp_path / "fast"), {"compression": "lz4"})):
+        with Checkpointer(str(tmp_path / f"root-{bool(options)}"), fast_root=fast_root, **options) as ck:
+            ck.reserve(state)
+            assert ck.stager.nbytes == 2000 * 50 * 4 and ck.steps() == []
+            ck.save(1, state).wait(60)
+            out = {"t": torch.zeros(2000, 50), "v": 0}
+            assert ck.load(out) == 1 and torch.equal(out["t"], state["t"]) and out["v"] == 3
+
+
+def test_reserve_waits_for_a_pending_save_before_touching_its_files(tmp_path):
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        gate = gate_writes(ck)
+        handle = ck.save(1, {"t": torch.full((3000, 10), 1.0)})  # its pool is written from behind
+        reserving = threading.Thread(target=ck.reserve, args=({"t": torch.ones(5, 5)},))
+        reserving.start()
+        time.sleep(0.3)
+        assert reserving.is_alive() and not handle.done()
+        gate.set()
+        reserving.join(60)
+        assert not reserving.is_alive() and handle.durable
+        out = {"t": torch.zeros(3000, 10)}
+        assert ck.load(out) == 1 and torch.all(out["t"] == 1.0)
 
 
 def test_layout_reserves_room_for_any_blob_and_is_deterministic():

@@ -8,7 +8,9 @@ same store from the training loop:
   a save first waits for the one before it, as DCP requires;
 - ``Checkpointer``: cachemw's; it snapshots the state and returns, writes in the
   background, and where a cachemw daemon runs (here: the warm cache's) lands the save in
-  the node's DRAM first and drains it to the store.
+  the node's DRAM first and drains it to the store. Before the loop it is told the state's
+  shape (``Checkpointer.reserve``), as the README shows, so that its first save's stall is a
+  copy like the others (not planning and the first touch of the snapshot's memory).
 
 For each save: the training stall (the time the loop was blocked by it, waiting for an
 earlier save included) and the time to durable (from the call until the checkpoint is
@@ -70,6 +72,9 @@ class Method:
         self.records: list[dict] = []
         self._lock = threading.Lock()
         self._watchers: list[threading.Thread] = []
+
+    def prepare(self, state: dict) -> None:
+        """What the method's own API offers to do before the training loop (untimed)."""
 
     def save(self, step: int, state: dict) -> None:
         t0 = time.perf_counter()
@@ -152,6 +157,9 @@ class CachemwCheckpointer(Method):
         daemon = node_daemon(runtime_dir) if runtime_dir else None
         self.fast_root = None if daemon is None else daemon.checkpoints_dir(self.root)
         self.ck = Checkpointer(f"{self.root}/checkpointer", keep_last=2, fast_root=self.fast_root)
+
+    def prepare(self, state):
+        self.ck.reserve(state)  # plan and allocate before the loop, as the README says
 
     def _save(self, step, state, record, t0):
         handle = self.ck.save(step, state)

@@ -147,6 +147,8 @@ def _run_checkpoints(settings, system, loader, src, store, bar) -> dict:
                 method.save(step, state)
 
         try:
+            if method is not None:
+                method.prepare(state)
             epochs = _train(system, loader, wl, store, bar, epochs,
                             f"{system.label} + {key}", checkpoint=save)
             waited = method.finish() if method is not None else 0.0
