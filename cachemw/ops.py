@@ -13,6 +13,9 @@ The lease protocol (how a block missing from every tier of the node gets there o
 
 1. ``LEASE`` / ``LEASE_MANY`` -- ask for one block or a batch (a batch's blocks owned by
    other nodes are fetched from their owners, one Ray call per owner).
+   ``LEASE_FETCHED`` -- the same for blocks the caller has fetched already: a cold read's
+   first block, or a block whose claim it took (cachemw.claims: single flight without
+   the round trip before the fetch); never waits.
 
    Args: key (blake2b of url, version, block index), data length, source url; for a
    batch, ``(key, length, url, source)`` each, ``source`` being what an owner node needs
@@ -51,6 +54,7 @@ class Op(NamedTuple):
 HELLO = "hello"
 LEASE = "lease"
 LEASE_MANY = "lease_many"
+LEASE_FETCHED = "lease_fetched"
 FILLED = "filled"
 ABORT = "abort"
 REPORT = "report"
@@ -69,6 +73,8 @@ OPS: dict[str, Op] = {
               "('ok', node_id, daemon pid)"),
     LEASE: Op(True, "key, length, url", "a lease reply (see 1.)"),
     LEASE_MANY: Op(True, "[(key, length, url, source), ...]", "('ok', [lease reply, ...])"),
+    LEASE_FETCHED: Op(True, "[(key, length, url, source), ...], claimed (the caller holds "
+                            "their claims)", "('ok', [lease reply, ...]), never waiting"),
     FILLED: Op(False, "key, tier, stored bytes, lease", "-"),
     ABORT: Op(False, "key, reason", "-"),
     REPORT: Op(False, "counters, [(key, tier) hit, ...]", "-"),

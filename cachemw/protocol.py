@@ -38,6 +38,8 @@ CLIENT_COUNTERS = (
     "cold_gets",  # cold reads whose GET named the file's version: no info asked first
     "cold_get_fallbacks",  # ... whose GET named none (no ETag, size): info asked, then read
     "cold_get_duplicates",  # ... whose block another process filled meanwhile: fetched twice
+    "claimed_duplicates",  # misses fetched under their claim whose block was filled (or
+                           # being filled) by a process without one: fetched twice
 ) + READ_TIME_COUNTERS + MISS_COUNTERS  # where the readers' time went (readtime.py)
 
 REGISTRY = "daemon.json"

@@ -76,6 +76,7 @@ class CacheFileSystem(_Base):
                                   self.options.write_behind)
         self.meta = MetadataCache(fs, self.options.validate, self.options.ttl, self.client.meta_dir,
                                   defer=self.reader.fills.defer)
+        self.reader.dropped_since = self.meta.dropped_since
 
         stripped: dict[str, str] = {}  # fsspec's path normalisation costs ~5 us a call
         path_of = TargetPaths(fs)

@@ -378,6 +378,11 @@ class DaemonClient(reporting.Reporter):
         reply = self._call(ops.LEASE_MANY, items)
         return None if reply is None else reply[1]
 
+    def lease_fetched(self, items: list[tuple], claimed: bool) -> list[tuple] | None:
+        """Leases for blocks fetched already (ops.LEASE_FETCHED); None if unreachable."""
+        reply = self._call(ops.LEASE_FETCHED, items, claimed)
+        return None if reply is None else reply[1]
+
     def announce(self, items: list[tuple]) -> bool:
         """Tell the daemon the next reads, in order: (key, length, url, source) each."""
         return self._send(ops.ANNOUNCE, items)

@@ -1,9 +1,13 @@
 """The read path: byte ranges of source files, served block by block through the tiers.
 
-A hit is read straight from a tier file and verified. Misses (of one read, or of a batch
-of reads) go to the daemon in one request; for each block it answers: fill it (fetch the
-whole block from the source and write the tier file), it is present now, here are its
-bytes (fetched from the node that owns it), or read the source yourself. Every outcome
+A hit is read straight from a tier file and verified. A miss on a node of its own takes the
+block's claim (cachemw.claims: a file created with O_EXCL, the node's single flight), fetches
+the block, and leaves its lease and its fill to the fill writer (``adopt``): no round trip
+to the daemon before the source request. Misses whose claim another process holds, and
+misses in a cluster of several nodes, go to the daemon in one request; for each block it
+answers: fill it (fetch the whole block from the source and write the tier file), it is
+present now (the claim's holder filled it), here are its bytes (fetched from the node that
+owns it), or read the source yourself. Every outcome
 but a fill or a hit (daemon unreachable, tiers full, filler stuck, owner down, block
 evicted under us) reads the source directly and is counted, so losing the cache costs
 speed and never a read.
@@ -28,6 +32,7 @@ import time
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..blockfile import CorruptBlock
+from ..claims import Claims, claims_dir
 from .link import DaemonClient
 from .direct import DirectReads
 from .fills import Fill, FillWriter
@@ -64,6 +69,10 @@ class BlockReader:
         self._source_json = source.fs.to_json()
         self.direct = DirectReads(client)
         self.fills = FillWriter(client, write_behind)
+        self.claims = Claims(claims_dir(client.runtime_dir))
+        # the node table's "written through the cache since" (metadata.dropped_since), for
+        # blocks fetched before their lease; set by the filesystem that owns the metadata
+        self.dropped_since = None
         self._warned_unsized = False
         self._warned_unversioned = False
 
@@ -180,6 +189,13 @@ class BlockReader:
                     self._missed(started, now)
                     out[first[p.key]] = block if (p.lo, p.hi) == (0, len(block)) else block[p.lo:p.hi]
             unique = [p for p in unique if p.key not in direct]
+        if unique and self.direct.alone():  # claimed: fetched now, leased behind the read
+            claimed, found = self._claim(unique)
+            for key, data in found.items():
+                out[first[key]] = data
+            if claimed:
+                self._fetch_claimed(claimed, first, out, started)
+            unique = [p for p in unique if p.key not in claimed and p.key not in found]
         replies = []
         if unique:
             asked = time.perf_counter()
@@ -206,6 +222,55 @@ class BlockReader:
                 out[i] = data if data is not None else self._direct(p)
         self.client.maybe_flush()
         return [out[i] for i in range(len(pieces))]
+
+    def _claim(self, pieces: list[_Piece]) -> tuple[dict[str, _Piece], dict[str, bytes]]:
+        """The pieces whose claims this process took, and the ones found cached once their
+        claim was ours (a fill publishes its block before its claim ends: it landed since
+        the hit was missed), both by key; none where the node has no claims directory (no
+        daemon has run there yet: the lease path starts one)."""
+        taken: dict[str, _Piece] = {}
+        found: dict[str, bytes] = {}
+        try:
+            for p in pieces:
+                if self.claims.take(p.key):
+                    data = self._hit(p)
+                    if data is None:
+                        taken[p.key] = p
+                    else:
+                        self.claims.release(p.key)
+                        found[p.key] = data
+        except FileNotFoundError:
+            pass
+        return taken, found
+
+    def _fetch_claimed(self, claimed: dict[str, _Piece], first: dict, out: dict,
+                       started: float) -> None:
+        """Fetch the claimed blocks; each is leased and filled behind (adopt), and its claim
+        ends with its lease (or here, if the fetch fails)."""
+        dropped_since = self.dropped_since
+        pending = list(claimed.values())
+        try:
+            while pending:
+                p = pending[0]
+                meta = p.meta
+                self.fills.kick()  # the earlier fills get written while we wait on the source
+                asked = time.time()
+                fetched = time.perf_counter()
+                block = self.source.read_block(meta.path, p.index, self.block_size, meta.size,
+                                               meta.version)
+                pending.pop(0)
+                self._source_read(p, fetched, len(block))
+                self.client.count("bytes_from_source", len(block))
+                self._missed(started, time.perf_counter())
+
+                def dropped(path=meta.path, asked=asked) -> bool:
+                    return dropped_since is not None and dropped_since(path, asked)
+                self.fills.adopt(p.key, block, lambda p=p, block=block, dropped=dropped:
+                                 self._adopt(p, block, dropped, True, "claimed_duplicates"))
+                out[first[p.key]] = block if (p.lo, p.hi) == (0, len(block)) else block[p.lo:p.hi]
+        finally:
+            for p in pending:  # not fetched (the source failed): nobody's claim any more
+                self.claims.release(p.key)
 
     def _resolve(self, piece: _Piece, reply) -> bytes:
         client = self.client
@@ -295,8 +360,13 @@ class BlockReader:
             # leased and filled behind the read, as fills are written (fills.py), before
             # the file's info is shared: a process that learns the version there finds the
             # fill in flight and waits for it, rather than fetching the block again
+            # its claim first, so that a process learning the version misses into a wait
+            try:
+                claimed = self.claims.take(piece.key)
+            except FileNotFoundError:
+                claimed = False
             self.fills.adopt(piece.key, block, lambda: self._adopt(
-                piece, block, lambda: metadata.dropped_since(path, asked)))
+                piece, block, lambda: metadata.dropped_since(path, asked), claimed=claimed))
         metadata.share(path, first.info, asked)
         start, end = clip(start, end, meta.size)
         if end <= start:
@@ -308,17 +378,26 @@ class BlockReader:
             return head
         return b"".join((head, self.read_many([(meta, stop, end)])[0]))
 
-    def _adopt(self, piece: _Piece, block: bytes, dropped) -> None:
-        """Cache a block fetched before its lease (read_cold; run by the fill writer, see
-        fills.FillWriter.adopt): leased now and filled with these bytes, unless another process filled it meanwhile (a duplicate fetch,
-        counted) or the file was written through the cache since it was asked for
-        (``dropped()``, asked once the lease is ours). A write through the cache marks the
-        file dropped in the node's table, then has the daemon cancel the fills in flight
-        and drop the file's blocks (fs._written): a lease granted before the cancel is
-        cancelled, one granted after the mark sees it here."""
+    def _adopt(self, piece: _Piece, block: bytes, dropped, claimed: bool = False,
+               duplicates: str = "cold_get_duplicates") -> None:
+        """Cache a block fetched before its lease (read_cold, or under its claim: run by the
+        fill writer, see fills.FillWriter.adopt): leased now and filled with these bytes,
+        unless another process filled it or is filling it (a duplicate fetch, counted) or the
+        file was written through the cache since it was asked for (``dropped()``, asked once
+        the lease is ours). A write through the cache marks the file dropped in the node's
+        table, then has the daemon cancel the fills in flight and drop the file's blocks
+        (fs._written): a lease granted before the cancel is cancelled, one granted after the
+        mark sees it here. A claim ends with the lease it came with (the daemon releases
+        it), or here when no lease came."""
         client = self.client
         asked = time.perf_counter()
-        replies = client.lease_many([self._item(piece)])
+        replies = None
+        try:
+            replies = client.lease_fetched([self._item(piece)], claimed)
+        finally:
+            granted = replies is not None and replies[0][0] == "fill"
+            if claimed and not granted:
+                self.claims.release(piece.key)
         client.count("lease_requests")
         if not self.fills.on_writer():  # the reader waited for it (a full queue)
             self._took("lease_seconds", "lease_wait", asked, 1)
@@ -333,9 +412,9 @@ class BlockReader:
                 client.count("misses")
                 self.fills.store(Fill(piece.key, tier, block, url_tag(piece.meta.url),
                                       client.link(), reply[2]))
-        elif kind in ("present", "data"):  # filled (or fetched at its owner) meanwhile
+        elif kind in ("present", "data") or reply == ("nofill", "busy"):  # another's fill
             client.count("misses")
-            client.count("cold_get_duplicates")
+            client.count(duplicates)
         else:
             client.count("fallbacks" if kind is None or kind == "fallback" else "bypassed")
 

@@ -24,6 +24,7 @@ from collections import defaultdict
 
 from ..config import DaemonConfig
 from .. import blockfile
+from ..claims import Claims, claims_dir
 from ..keys import url_tag
 from .checkpoints import CheckpointLog
 from .mover import MoveRunner
@@ -56,6 +57,10 @@ class NodeCache(MoveRunner):
                              peer_fallbacks=0, replicas=0)
         self.remote = None  # RemoteReads, set by a daemon that has peers
         self.checkpoints = CheckpointLog()  # what trainers here note of their saves
+        # who fetches which block (claims.py): a lease comes with its block's claim
+        self.claims = Claims(claims_dir(config.runtime_dir))
+        self.claims.make()
+        self.claims.clear()  # no lease outlives a daemon, nor the claims that came with them
         self.metrics_url: str | None = None  # the daemon's Prometheus endpoint, if any
         self._pending: list = []  # moves for the maintenance thread (promotions)
         self._sources: dict[str, tuple] = {}  # announced key -> (length, url, source)
@@ -112,22 +117,31 @@ class NodeCache(MoveRunner):
     # -- leases: single-flight fills ---------------------------------------------
 
     def lease(self, key: str, length: int, url: str | None, conn: object,
-              wait: float | None = None) -> tuple:
+              wait: float | None = None, claimed: bool = False) -> tuple:
         """("present", tier) | ("fill", tier, lease number) | ("nofill", reason). Never blocks
-        past lease_wait.
+        past lease_wait (``wait``: another bound; 0 for a block fetched already).
 
         ``length`` is the block's data length; the tier is charged what the block file
-        will occupy (data + checksums + trailer).
+        will occupy (data + checksums + trailer). A lease comes with the block's claim
+        (claims.py): ``claimed``, the caller holds it already (it fetched the block first);
+        else it is taken here, and while another process holds it this waits as for a fill
+        in flight. The lease's end releases the claim.
         """
         nbytes = length + blockfile.tail_size(length)
         deadline = time.monotonic() + (self.lease_wait if wait is None else wait)
+        counted = False
         while True:
+            claim_held = False
             with self._lock:
                 entry = self._index.get(key)
                 if entry is not None:
                     return ("present", entry.tier)
                 inflight = self._inflight.get(key)
-                if inflight is None:
+                if inflight is None and not claimed and not self._claim(key):
+                    claim_held = True
+                    self.counters["waits"] += not counted
+                    counted = True
+                elif inflight is None:
                     tier, moves = self.placer.miss(key, nbytes)
                     refused = None
                     if tier is None:
@@ -139,6 +153,8 @@ class NodeCache(MoveRunner):
                         self.placer.drop(key)
                         refused = ("nofill", "unusable")
                     if refused is not None:
+                        if not claimed:
+                            self.claims.release(key)
                         break
                     inflight = self._inflight[key] = Inflight(
                         conn, tier, nbytes, url_tag(url) if url else None,
@@ -146,9 +162,17 @@ class NodeCache(MoveRunner):
                     self._tiers[tier].reserved += nbytes
                     self.counters["leases"] += 1
                     break
-                if inflight.conn is conn:  # our own fill (a batch naming a block twice)
+                elif inflight.conn is conn:  # our own fill (a batch naming a block twice)
                     return ("nofill", "busy")
-                self.counters["waits"] += 1
+                else:
+                    self.counters["waits"] += not counted
+                    counted = True
+            if claim_held:  # another process fetches it, its lease to come
+                if self._wait_for_claim(key, deadline):
+                    continue
+                with self._lock:
+                    self.counters["busy"] += 1
+                return ("nofill", "busy")
             landed = self._wait_for_fill(key, inflight, deadline)
             if landed is not None:
                 return landed
@@ -165,6 +189,33 @@ class NodeCache(MoveRunner):
                 return ("fill", tier, inflight.lease)
         self.abort(key, "full", conn)
         return ("nofill", "full")
+
+    def _claim(self, key: str) -> bool:
+        """Take ``key``'s claim for a lease given here; False if another process holds it.
+        Without a usable claims directory, leases alone decide (as before claims)."""
+        try:
+            return self.claims.take(key) or (not self.claims.held(key) and self.claims.take(key))
+        except FileNotFoundError:  # removed under the running daemon: made again
+            self.claims.make()
+            return self.claims.take(key)
+        except OSError as exc:
+            log.warning("cannot claim block %s (%s): leasing it without a claim", key, exc)
+            return True
+
+    def _wait_for_claim(self, key: str, deadline: float) -> bool:
+        """Wait while another process holds ``key``'s claim (it is fetching the block and
+        will ask for the lease with it, or has it): True once the claim is gone or the block
+        is cached or leased (look again); False when time is up."""
+        step = 0.001
+        while time.monotonic() < deadline:
+            time.sleep(min(step, max(0.0, deadline - time.monotonic())))
+            with self._lock:
+                if key in self._index or key in self._inflight:
+                    return True
+            if not self.claims.held(key):
+                return True
+            step = min(step * 2, 0.01)
+        return False
 
     def _wait_for_fill(self, key: str, inflight: Inflight, deadline: float):
         """Wait for another client's fill: until its lease ends, or until its block is
@@ -219,6 +270,7 @@ class NodeCache(MoveRunner):
                 self._add(key, inflight.tier, stored, inflight.tag)
             else:
                 self.placer.drop(key)
+            self.claims.release(key)  # indexed first: a waiter that looks next finds it
         if not indexed:
             ts.tier.unstage(key, inflight.lease)
         inflight.done.set()
@@ -241,6 +293,7 @@ class NodeCache(MoveRunner):
             ts = self._tiers[inflight.tier]
             ts.reserved -= inflight.nbytes
             self.placer.drop(key)
+            self.claims.release(key)
             if reason == "nospace":
                 ts.full_until = time.monotonic() + 5.0
                 log.warning("%s tier %s is out of space; not admitting for 5 s", ts.config.name,
@@ -300,6 +353,13 @@ class NodeCache(MoveRunner):
                 replies[i] = reply
         return replies
 
+    def lease_fetched(self, items: list[tuple], conn: object, claimed: bool) -> list[tuple]:
+        """Leases for blocks the caller fetched already (with their claims if ``claimed``):
+        never waits, since the bytes are in hand; another process's fill in flight or claim
+        makes it ("nofill", "busy")."""
+        return [self.lease(key, length, url, conn, wait=0, claimed=claimed)
+                for key, length, url, _source in items]
+
     def read_local(self, key: str, length: int) -> bytes | None:
         """A block from this node's tiers, verified; a corrupt copy is dropped (None)."""
         with self._lock:
@@ -341,7 +401,7 @@ class NodeCache(MoveRunner):
                 known = self._sources.pop(move.key, None)
                 if move.key in self._index or move.key in self._inflight:
                     continue
-                if known is None:
+                if known is None or not self._claim(move.key):  # (claimed: a reader fetches it)
                     self.placer.drop(move.key)
                     continue
                 url = known[1]
@@ -357,10 +417,11 @@ class NodeCache(MoveRunner):
         nbytes = len(data) + blockfile.tail_size(len(data))
         tag = url_tag(url) if url else None
         with self._lock:
-            if key in self._index or key in self._inflight:
+            if key in self._index or key in self._inflight or not self._claim(key):
                 return False
             tier, moves = self.placer.admit(key, nbytes)
             if tier is None:
+                self.claims.release(key)
                 return False
             # in flight like any fill: a write through the cache meanwhile cancels it
             inflight = self._inflight[key] = Inflight(self, tier, nbytes, tag,

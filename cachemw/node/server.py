@@ -174,6 +174,8 @@ class SocketServer:
             ops.HELLO: hello,
             ops.LEASE: lambda conn, link, key, length, url: node.lease(key, length, url, conn),
             ops.LEASE_MANY: lambda conn, link, items: ("ok", node.lease_many(items, conn)),
+            ops.LEASE_FETCHED: lambda conn, link, items, claimed:
+                ("ok", node.lease_fetched(items, conn, bool(claimed))),
             ops.FILLED: lambda conn, link, key, tier, stored, lease:
                 node.filled(key, tier, stored, conn, lease),
             ops.ABORT: lambda conn, link, key, reason: node.abort(key, reason, conn),
