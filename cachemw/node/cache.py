@@ -129,7 +129,7 @@ class NodeCache(MoveRunner):
         """
         nbytes = length + blockfile.tail_size(length)
         deadline = time.monotonic() + (self.lease_wait if wait is None else wait)
-        counted = False
+        counted = wait == 0  # a fetched block's lease: no wait to count, nor giving up
         while True:
             claim_held = False
             with self._lock:
@@ -171,14 +171,14 @@ class NodeCache(MoveRunner):
                 if self._wait_for_claim(key, deadline):
                     continue
                 with self._lock:
-                    self.counters["busy"] += 1
+                    self.counters["busy"] += wait != 0
                 return ("nofill", "busy")
             landed = self._wait_for_fill(key, inflight, deadline)
             if landed is not None:
                 return landed
             if not inflight.done.is_set():
                 with self._lock:
-                    self.counters["busy"] += 1
+                    self.counters["busy"] += wait != 0
                 return ("nofill", "busy")
         self.run_moves(moves)  # make room first: the tier never holds more than its capacity
         if refused is not None:  # the engine applied its moves even so: they ran above
