@@ -195,8 +195,14 @@ def test_a_hung_daemon_holds_a_reader_for_daemon_timeout(runtime_dir, spawn_daem
         for p in paths[5:8]:
             assert late.cat_file(p) == files[p]
         assert late.stats()["fallbacks"] == nblocks(files, paths[5:8])
+        # its fills' leases, asked behind its reads (claims.py), found the daemon silent:
+        # that is said at its next miss
+        assert late.cat_file(paths[8]) == files[paths[8]]
         # hits are still read from the tier files
         assert late.cat_file(paths[0]) == files[paths[0]]
+        # the first client's reads were not held up either (their leases come behind them,
+        # from its fill writer, which waited daemon_timeout): its next miss says so
+        assert fs.cat_file(paths[5]) == files[paths[5]]
     finally:
         os.kill(daemon.pid, signal.SIGCONT)
     warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]

@@ -129,7 +129,8 @@ def test_a_dataloader_job_traces_every_process(tmp_path, make_tree):
     assert len(workers) == 4, sorted(by_pid)  # two DataLoader workers (forked) per epoch
     names = lambda evs: {e["name"] for e in evs}  # noqa: E731
     read = set().union(*map(names, workers))
-    assert {"miss", "lease_wait", "source_fetch", "fill", "hit"} <= read, read
+    # (no lease_wait: each block has one reader, whose lease comes after its fetch)
+    assert {"miss", "source_fetch", "fill", "hit"} <= read, read
     assert {"save", "snapshot", "persist", "write", "commit"} <= names(trainer), names(trainer)
     assert "evict" in names(daemon), names(daemon)  # 1 MiB of DRAM for 1.5 MiB of files
     misses = [e for evs in workers for e in evs if e["name"] == "source_fetch"]
@@ -140,7 +141,8 @@ def test_a_dataloader_job_traces_every_process(tmp_path, make_tree):
     assert c["source_reads"] == len(misses)
     assert c["hits"] == sum(1 for evs in workers for e in evs if e["name"] == "hit")
     assert c["hits"] > 0 and c["hit_seconds"] > 0
-    assert c["source_seconds"] > 0 and c["lease_seconds"] > 0 and c["lease_requests"] > 0
+    # leases are asked by the workers' fill writers, behind the reads: no reader waited
+    assert c["source_seconds"] > 0 and c["lease_requests"] > 0
     assert c["miss_seconds"] >= c["source_seconds"]
 
 

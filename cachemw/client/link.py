@@ -96,6 +96,8 @@ class DaemonClient(reporting.Reporter):
         self._next_try = 0.0
         self._timeouts = 0  # consecutive timeouts: the back-off grows while a daemon hangs
         self._warned = False
+        self._untold: str | None = None  # why a quiet call found the daemon unreachable
+        self._failed_pid: int | None = None  # the daemon whose failure began the back-off
         self._lock = threading.RLock()
         self._reset_reports()
 
@@ -127,7 +129,12 @@ class DaemonClient(reporting.Reporter):
             self._connect()
 
     def connected(self) -> bool:
-        return self._connect() is not None
+        """This thread has a connection; while another thread backs off from a failure,
+        one that answers (a daemon back from a hang answers on its old connections)."""
+        conn = self._connect()
+        if conn is not None and self._next_try > time.monotonic():
+            return self.ping()
+        return conn is not None
 
     def meta_dir(self) -> str | None:
         """The node-shared metadata records' directory of the daemon (None: none known)."""
@@ -157,7 +164,7 @@ class DaemonClient(reporting.Reporter):
         if conn is not None:
             return conn
         now = time.monotonic()
-        if now < self._next_try:
+        if now < self._next_try and not self._replaced_since_failure():
             return None
         for attempt in (1, 2):
             with self._lock:
@@ -174,7 +181,7 @@ class DaemonClient(reporting.Reporter):
                 self._set_tiers(address)
             state = process_state(address.pid)
             if state in ("T", "t"):  # stopped (SIGSTOP, a debugger): do not wait on it
-                self._unreachable(f"the daemon (pid {address.pid}) is stopped")
+                self._unreachable(f"the daemon (pid {address.pid}) is stopped", pid=address.pid)
                 return None
             try:
                 conn = self._open(address)
@@ -184,17 +191,20 @@ class DaemonClient(reporting.Reporter):
                 if attempt == 1 and self.autostart and lock_holder(self.runtime_dir) is None:
                     continue
                 self._unreachable(f"{address.socket}: {exc}",
-                                  timed_out=isinstance(exc, DaemonUnavailable))
+                                  timed_out=isinstance(exc, DaemonUnavailable), pid=address.pid)
                 return None
         with self._lock:
             self._local.conn = conn
+            self._local.daemon_pid = address.pid  # to tell a replaced daemon (_replaced)
             # sends on this connection come from its thread and from the fill writer
             self._local.send_lock = threading.Lock()
             self._conns.add(conn)
             self._timeouts = 0
+            self._next_try = 0.0  # reachable: no other thread waits out the back-off
             if self._warned:
                 log.warning("cachemw daemon reachable again at %s", address.socket)
                 self._warned = False
+            self._untold = None
         return conn
 
     def _find(self) -> DaemonAddress | None:
@@ -295,8 +305,11 @@ class DaemonClient(reporting.Reporter):
             with self._lock:
                 self._conns.discard(conn)
 
-    def _unreachable(self, why: str, *, timed_out: bool = False) -> None:
-        """Drop this thread's connection, back off, and say so once (not per read)."""
+    def _unreachable(self, why: str, *, timed_out: bool = False, pid: int | None = None) -> None:
+        """Drop this thread's connection, back off, and say so once (not per read).
+        ``pid``: the daemon that failed (default: this thread's), whose replacement by
+        another ends the back-off at once (_replaced_since_failure)."""
+        self._failed_pid = pid if pid is not None else getattr(self._local, "daemon_pid", None)
         self._drop_connection()
         with self._lock:
             # a refused or missing daemon is retried soon; a silent one costs a timeout
@@ -304,11 +317,48 @@ class DaemonClient(reporting.Reporter):
             self._timeouts = self._timeouts + 1 if timed_out else 0
             pause = min(RETRY_SECONDS * 2 ** max(0, self._timeouts - 1), MAX_RETRY_SECONDS)
             self._next_try = time.monotonic() + pause
-            if not self._warned:
-                (log.debug if reporting.exiting else log.warning)(
-                    "cachemw daemon unreachable (%s); misses read the source directly, "
-                    "counted as fallbacks", why)
-                self._warned = True
+            if getattr(self._local, "quiet", False):
+                self._untold = why  # a fill's lease, behind the reads: said at the next miss
+            elif not self._warned:
+                self._say_unreachable(why)
+
+    def _say_unreachable(self, why: str) -> None:
+        (log.debug if reporting.exiting else log.warning)(
+            "cachemw daemon unreachable (%s); misses read the source directly, "
+            "counted as fallbacks", why)
+        self._warned = True
+        self._untold = None
+
+    def tell_unreachable(self) -> None:
+        """A miss is being read: say now that the daemon is unreachable if a fill writer's
+        lease found it so (those fail after the reads that fetched their blocks, and a
+        process that reads nothing more, such as one exiting, has nothing to be told)."""
+        if self._untold is not None:
+            with self._lock:
+                if self._untold is not None and not self._warned:
+                    self._say_unreachable(self._untold)
+
+    def _replaced_since_failure(self) -> bool:
+        """During a back-off: a daemon other than the one that failed is registered now (a
+        restarted daemon, found by this thread before the pause is over: a thread that
+        only sends now and then, such as the fill writer, must not outwait it)."""
+        address = lookup(self.runtime_dir)
+        return address is not None and address.pid != self._failed_pid \
+            and process_state(address.pid) not in (None, "Z", "T", "t")
+
+    def _replaced(self) -> bool:
+        """This thread's connection is to a daemon another has replaced since (another
+        thread of this process, the fill writer's reader, reconnected already): True, with
+        the old connection dropped, so that the caller tries the new daemon at once."""
+        try:
+            address = lookup(self.runtime_dir)
+        except (OSError, ValueError):
+            return False
+        if address is None or address.pid == getattr(self._local, "daemon_pid", None):
+            return False
+        self._drop_connection()
+        self._next_try = 0.0
+        return True
 
     def _lost(self, exc: Exception) -> bool:
         """The connection failed under a message: True if the daemon died and this process
@@ -341,9 +391,12 @@ class DaemonClient(reporting.Reporter):
             try:
                 with self._local.send_lock:
                     conn.send(msg)
-                return self._recv(conn) if answered else True
+                reply = self._recv(conn) if answered else True
+                if answered and self._next_try:  # it answers: no thread need back off now
+                    self._next_try, self._timeouts = 0.0, 0
+                return reply
             except (OSError, EOFError, DaemonUnavailable) as exc:
-                if attempt == 1 and self._lost(exc):
+                if attempt == 1 and (self._replaced() or self._lost(exc)):
                     continue
                 if attempt == 2:
                     self._unreachable(str(exc) or type(exc).__name__,
@@ -379,8 +432,13 @@ class DaemonClient(reporting.Reporter):
         return None if reply is None else reply[1]
 
     def lease_fetched(self, items: list[tuple], claimed: bool) -> list[tuple] | None:
-        """Leases for blocks fetched already (ops.LEASE_FETCHED); None if unreachable."""
-        reply = self._call(ops.LEASE_FETCHED, items, claimed)
+        """Leases for blocks fetched already (ops.LEASE_FETCHED); None if unreachable (said
+        at the next miss: see tell_unreachable)."""
+        self._local.quiet = True
+        try:
+            reply = self._call(ops.LEASE_FETCHED, items, claimed)
+        finally:
+            self._local.quiet = False
         return None if reply is None else reply[1]
 
     def announce(self, items: list[tuple]) -> bool:

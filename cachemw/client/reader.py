@@ -248,6 +248,7 @@ class BlockReader:
         """Fetch the claimed blocks; each is leased and filled behind (adopt), and its claim
         ends with its lease (or here, if the fetch fails)."""
         dropped_since = self.dropped_since
+        self.client.tell_unreachable()  # if a fill's lease behind earlier reads found it so
         pending = list(claimed.values())
         try:
             while pending:
@@ -412,11 +413,18 @@ class BlockReader:
                 client.count("misses")
                 self.fills.store(Fill(piece.key, tier, block, url_tag(piece.meta.url),
                                       client.link(), reply[2]))
+        elif kind == "present" and not self._tier_has(reply[1], piece.key):
+            client.drop(piece.key, "missing")  # indexed but gone: let it be filled again
+            client.count("bypassed")
         elif kind in ("present", "data") or reply == ("nofill", "busy"):  # another's fill
             client.count("misses")
             client.count(duplicates)
         else:
             client.count("fallbacks" if kind is None or kind == "fallback" else "bypassed")
+
+    def _tier_has(self, tier_name: str, key: str) -> bool:
+        tier = self._tier(tier_name)
+        return tier is not None and tier.contains(key)
 
     def _direct(self, piece: _Piece) -> bytes:
         base = piece.index * self.block_size
