@@ -1,0 +1,66 @@
+"""How a lease waits for another process's fetch of the same block: on its claim (the holder
+fetches before asking for its lease, claims.py) or on its lease in flight (the holder
+writes the block file behind its read, and may note it late). A mixin of NodeCache
+(cache.py): it works on the node's index, leases and lock.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from .records import Inflight
+
+log = logging.getLogger(__name__)
+
+
+class LeaseWaits:
+    def _claim(self, key: str) -> bool:
+        """Take ``key``'s claim for a lease given here; False if another process holds it.
+        Without a usable claims directory, leases alone decide (as before claims)."""
+        try:
+            return self.claims.take(key) or (not self.claims.held(key) and self.claims.take(key))
+        except FileNotFoundError:  # removed under the running daemon: made again
+            self.claims.make()
+            return self.claims.take(key)
+        except OSError as exc:
+            log.warning("cannot claim block %s (%s): leasing it without a claim", key, exc)
+            return True
+
+    def _wait_for_claim(self, key: str, deadline: float) -> bool:
+        """Wait while another process holds ``key``'s claim (it is fetching the block and
+        will ask for the lease with it, or has it): True once the claim is gone or the block
+        is cached or leased (look again); False when time is up."""
+        step = 0.001
+        while time.monotonic() < deadline:
+            time.sleep(min(step, max(0.0, deadline - time.monotonic())))
+            with self._lock:
+                if key in self._index or key in self._inflight:
+                    return True
+            if not self.claims.held(key):
+                return True
+            step = min(step * 2, 0.01)
+        return False
+
+    def _wait_for_fill(self, key: str, inflight: Inflight, deadline: float):
+        """Wait for another client's fill: until its lease ends, or until its block is
+        staged, then published here. The file can be staged well before the 'filled'
+        note comes: a client writes fills behind its reads (fills.py), and the note then
+        queues on its connection behind its next request, which may itself be waiting
+        here on a fill of ours: without looking at the file, two such clients would hold
+        each other up for lease_wait. ("present", tier) once published; None when the
+        lease ended otherwise, was cancelled (nothing will be published), or time is up."""
+        staged = self._tiers[inflight.tier].tier.staged_path(key, inflight.lease)
+        step = 0.002
+        while not inflight.cancelled:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or inflight.done.wait(min(step, remaining)):
+                return None
+            try:
+                stored = os.stat(staged).st_size
+            except FileNotFoundError:
+                stored = None
+            if stored == inflight.nbytes and self.land(key, inflight, stored):
+                return ("present", inflight.tier)
+            step = min(step * 2, 0.02)
+        return None
