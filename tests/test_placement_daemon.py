@@ -143,5 +143,10 @@ def test_epoch2_hit_ratio_with_half_the_dataset_beats_lru_and_matches_the_simula
     sim = simulate(trace, "clairvoyant", capacity, announced=True, horizon=n)
     sim_epoch2 = sim.hits / (sim.accesses - n)
     assert sum(e["prefetched"] for e in results["announced"]) > 0
-    assert announced_hits > lru_hits + 0.25, (announced_hits, lru_hits)
+    # with half the data cached, the clairvoyant optimum hits half the reads of epochs 2+
+    # and LRU about a quarter: the announced order gets within a few reads of the optimum
+    # (a read that reaches a block before its prefetch has landed misses: on a loaded
+    # machine a handful do) and well above LRU
+    assert announced_hits >= 0.9 * sim_epoch2, (announced_hits, sim_epoch2)
+    assert announced_hits > 1.5 * lru_hits, (announced_hits, lru_hits)
     assert announced_saved >= 0.95 * sim_epoch2, (announced_saved, sim_epoch2)

@@ -96,6 +96,9 @@ class FillWriter:
         self._busy = 0  # fills taken off the queue and not yet ended
         self._urgent = False  # write what is queued now (kick or drain)
         self._thread: threading.Thread | None = None
+        # notes sent on the writer's own connection (an adopted block's lease and fill)
+        # that no round trip on it has followed yet: see drain
+        self._unsynced = False
 
     def submit(self, fill: Fill, waited: float = float("inf")) -> None:
         """Queue the fill; write it now when the queue is full, when no writer is wanted, or
@@ -172,15 +175,37 @@ class FillWriter:
                     self._cv.notify()
 
     def drain(self, timeout: float = 60.0) -> bool:
-        """Wait until every queued fill has ended; False if that took longer than ``timeout``
-        (or if called from the writer thread itself, which cannot wait on its own work)."""
+        """Wait until every queued fill has ended and the daemon has read its notes; False
+        if that took longer than ``timeout`` (or if called from the writer thread itself,
+        which cannot wait on its own work).
+
+        The daemon reads each connection in order, not connections in order: a note the
+        writer sent on its own connection (an adopted block's "filled") could be read after
+        a request the caller sends next on its own (stats, a lease). So when the writer sent
+        any, it makes one round trip on its connection before the drain returns."""
+        deadline = time.monotonic() + timeout
         with self._cv:
             if threading.current_thread() is self._thread:
                 return not self._queue
             if self._queue:
                 self._urgent = True
                 self._cv.notify()
-            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+            idle = lambda: not self._queue and not self._busy  # noqa: E731
+            if not self._cv.wait_for(idle, timeout):
+                return False
+            if not self._unsynced:
+                return True
+            self._unsynced = False
+            try:
+                self._enqueue((self._sync, None))
+            except _NoWriter:  # at shutdown: its connection is going with it
+                return True
+            self._urgent = True
+            self._cv.notify()
+            return self._cv.wait_for(idle, max(0.0, deadline - time.monotonic()))
+
+    def _sync(self, _) -> None:
+        self.client.ping()
 
     def wait_landed(self, key: str, timeout: float = 60.0) -> None:
         """Wait until the pending fill of ``key`` has ended (written and noted, or aborted)."""
@@ -232,6 +257,8 @@ class FillWriter:
             finally:
                 with self._cv:
                     self._busy -= 1
+                    if isinstance(item, _Adopt):
+                        self._unsynced = True
                     if held is not None:
                         self._queued_bytes -= len(held.data)
                         if self.pending.get(held.key) is held.data:

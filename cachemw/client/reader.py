@@ -149,6 +149,9 @@ class BlockReader:
                 client.count("corrupt_repaired")
                 tier.delete(piece.key)
                 client.drop(piece.key, "corrupt")
+                # answered before the refetch's lease, which may go on another connection
+                # (the fill writer's: see _fetch_claimed), so it is never granted "present"
+                client.ping()
                 continue
             if data is not None:
                 self._hit_done(piece, tier.name, data, started)
