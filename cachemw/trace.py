@@ -23,8 +23,9 @@ event.
 Nesting: Perfetto's JSON importer needs the X events of a thread properly nested, and
 reads a parent before its children when both start in the same microsecond only if it
 comes first. A ``span`` holds the events of its thread until the outermost span ends,
-then emits them sorted by start (longer first on a tie); ``ts`` and the end are both
-floored to the microsecond, which keeps containment and order.
+then emits them sorted by start (longer first on a tie, the enclosing one first when both
+ends fall in the same microseconds); ``ts`` and the end are both floored to the
+microsecond, which keeps containment and order.
 """
 from __future__ import annotations
 
@@ -181,6 +182,10 @@ class span:
             if not self.outermost:
                 return
             del _pending[tid]
+            # reversed first: on an exact tie (both ends in the same microseconds) the
+            # stable sort keeps the one recorded later first, which is the enclosing one (a
+            # span is recorded after everything inside it)
+            pending.reverse()
             pending.sort(key=_start_first)
             _buffer.extend(pending)
         if len(_buffer) >= FLUSH_EVENTS or end > _flush_at:

@@ -183,6 +183,27 @@ def test_spans_nest_and_a_parent_comes_first(tmp_path):
         assert mine.index("inner") < mine.index("leaf")
 
 
+def test_a_parent_comes_first_when_its_events_fall_in_one_microsecond(tmp_path, monkeypatch):
+    """Spans and events whose floored start and end are all the same (a fast machine: a span
+    and what it holds within one microsecond) are written enclosing ones first, so the file
+    nests as recorded."""
+    from cachemw import trace
+
+    monkeypatch.setattr(trace, "_now", lambda: 1000.0)
+    trace.start(str(tmp_path / "t"))
+    try:
+        with trace.span("outer", trace.READ):
+            with trace.span("inner", trace.READ):
+                trace.event("leaf", trace.READ, 1000.0)
+            trace.event("late", trace.READ, 1000.0)  # holds "inner" (it began before it)
+    finally:
+        trace.stop()
+    (path,) = glob.glob(str(tmp_path / "t" / "*.pfw"))
+    events = read_pfw(path)
+    assert_nested(events)
+    assert [e["name"] for e in events] == ["outer", "late", "inner", "leaf"]
+
+
 def test_block_events_name_any_file_exactly(tmp_path, monkeypatch):
     """A hit's file is written as JSON whatever its name holds (quotes, backslashes,
     non-ASCII, control characters), from the cache of quoted names too, and after that
