@@ -47,18 +47,23 @@ class Claims:
 
     def take(self, key: str) -> bool:
         """True if this process now holds ``key``'s claim; False if another process does.
-        Raises FileNotFoundError if there is no claims directory (no daemon made one)."""
+        Raises FileNotFoundError if there is no claims directory (no daemon made one), and
+        another OSError if no claim can be made there (a full tmpfs, say), leaving none."""
         if os.getpid() != self._me_pid:  # a forked child (DataLoader worker): its own name
             self._me_pid = os.getpid()
             self._me = f"{self._me_pid} {process_start(self._me_pid) or 0}".encode()
+        path = self._path(key)
         try:
-            fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             return False
         try:
             os.write(fd, self._me)
-        finally:
+        except OSError:  # an empty claim would hold others up until it is found stale
             os.close(fd)
+            self.release(key)
+            raise
+        os.close(fd)
         return True
 
     def release(self, key: str) -> None:

@@ -238,3 +238,57 @@ def test_a_failed_fetch_leaves_no_claim(make_cache_fs, tmp_path):
     with pytest.raises(FileNotFoundError):
         fs.cat_file(path)
     assert os.listdir(claims_dir(fs.options.runtime_dir)) == []
+
+
+def test_a_claim_that_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch):
+    """A full tmpfs can create the claim's file and fail its write: the empty file would hold
+    every other process up until found stale, so it goes, and the error is raised."""
+    import errno
+
+    claims = Claims(str(tmp_path / "claims"))
+    claims.make()
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as err:
+        claims.take("k")
+    monkeypatch.undo()
+    assert err.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path / "claims") == []
+    assert claims.take("k")
+
+
+def test_reads_go_on_through_leases_when_no_claim_can_be_made(make_cache_fs, tmp_path, caplog):
+    """Claims refused (a full tmpfs, say): every miss asks the daemon for its lease first, as
+    with several nodes; right bytes, each block fetched once and cached, said once."""
+    import errno
+    import logging
+
+    fs = make_cache_fs(block_size=BS)
+    files = {}
+    for i in range(3):
+        path = str(tmp_path / f"f{i}.bin")
+        files[path] = os.urandom(2 * BS + 100)
+        with open(path, "wb") as f:
+            f.write(files[path])
+
+    def refused(key):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fs.reader.claims.take = refused
+    before = dict(fs.stats())
+    with caplog.at_level(logging.WARNING, logger="cachemw.client.reader"):
+        for path, data in files.items():
+            assert fs.cat_file(path) == data
+    after = fs.stats()
+    assert after["misses"] - before["misses"] == 9
+    assert after["lease_requests"] - before["lease_requests"] == 3  # one batch per file
+    assert after["claimed_duplicates"] == before["claimed_duplicates"]
+    assert sum("cannot make a claim" in r.getMessage() for r in caplog.records) == 1
+    assert os.listdir(claims_dir(fs.options.runtime_dir)) == []
+    before = dict(fs.stats())
+    for path, data in files.items():
+        assert fs.cat_file(path) == data
+    assert fs.stats()["hits"] - before["hits"] == 9

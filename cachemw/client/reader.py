@@ -75,6 +75,7 @@ class BlockReader:
         self.dropped_since = None
         self._warned_unsized = False
         self._warned_unversioned = False
+        self._warned_claims = False
 
     def _pieces(self, meta: FileMeta, start: int, end: int) -> list[_Piece]:
         bs = self.block_size
@@ -233,18 +234,31 @@ class BlockReader:
         daemon has run there yet: the lease path starts one)."""
         taken: dict[str, _Piece] = {}
         found: dict[str, bytes] = {}
-        try:
-            for p in pieces:
-                if self.claims.take(p.key):
-                    data = self._hit(p)
-                    if data is None:
-                        taken[p.key] = p
-                    else:
-                        self.claims.release(p.key)
-                        found[p.key] = data
-        except FileNotFoundError:
-            pass
+        for p in pieces:
+            if not self._take_claim(p.key):
+                continue
+            data = self._hit(p)
+            if data is None:
+                taken[p.key] = p
+            else:
+                self.claims.release(p.key)
+                found[p.key] = data
         return taken, found
+
+    def _take_claim(self, key: str) -> bool:
+        """``key``'s claim, if this process can take it. No claims directory (no daemon has
+        run here yet), or one where no claim can be made (a full tmpfs): False, and the miss
+        asks the daemon for its lease first, as with several nodes (said once)."""
+        try:
+            return self.claims.take(key)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if not self._warned_claims:
+                self._warned_claims = True
+                log.warning("cannot make a claim in %s (%s): misses ask the node daemon "
+                            "for their lease before fetching (logged once)", self.claims.dir, exc)
+            return False
 
     def _fetch_claimed(self, claimed: dict[str, _Piece], first: dict, out: dict,
                        started: float) -> None:
@@ -365,10 +379,7 @@ class BlockReader:
             # the file's info is shared: a process that learns the version there finds the
             # fill in flight and waits for it, rather than fetching the block again
             # its claim first, so that a process learning the version misses into a wait
-            try:
-                claimed = self.claims.take(piece.key)
-            except FileNotFoundError:
-                claimed = False
+            claimed = self._take_claim(piece.key)
             self.fills.adopt(piece.key, block, lambda: self._adopt(
                 piece, block, lambda: metadata.dropped_since(path, asked), claimed=claimed))
         metadata.share(path, first.info, asked)
