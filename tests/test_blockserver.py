@@ -18,6 +18,17 @@ L = 100_000
 SECRET = os.urandom(32)
 
 
+def flip_byte(path: str, pos: int, mask: int) -> None:
+    """Change the byte at ``pos`` (read it, then write it back changed at the same place:
+    the read moves the position on, and a write there changed the next byte, or nothing at
+    all when that byte already held the value written: one time in 256)."""
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ mask]))
+
+
 @pytest.fixture
 def served(tmp_path):
     node = NodeCache(DaemonConfig.build(runtime_dir=str(tmp_path / "rt"),
@@ -55,9 +66,7 @@ def test_a_damaged_block_is_never_returned(served):
     node, server, blocks = served
     key = next(iter(blocks))
     path = node.block_path(key)
-    with open(path, "r+b") as f:
-        f.seek(10)
-        f.write(bytes([f.read(1)[0] ^ 0xFF]))
+    flip_byte(path, 10, 0xFF)
     client = BlockClient(server.address, SECRET, timeout=5)
     client.request([(key, L)])
     assert client.receive([(key, L)]) == [None]  # the reader goes the usual way instead
@@ -152,9 +161,7 @@ def test_a_damaged_block_from_an_owner_is_left_out_and_counted(two_owners):
     ring, nodes, servers, blocks = two_owners
     held = [k for k in blocks if ring.owner(k) in nodes]
     bad = held[0]
-    with open(nodes[ring.owner(bad)].block_path(bad), "r+b") as f:
-        f.seek(L // 2)
-        f.write(bytes([f.read(1)[0] ^ 0x01]))
+    flip_byte(nodes[ring.owner(bad)].block_path(bad), L // 2, 0x01)
     directory = _Directory(servers)
     got = DirectReads(directory, timeout=5).fetch([(k, L) for k in blocks])
     assert set(got) == set(held) - {bad}  # the reader fetches it again through its daemon
