@@ -77,6 +77,10 @@ def test_a_killed_daemon_is_replaced_by_the_next_reader(runtime_dir, dataset, re
     # the same process reads on: it starts a new daemon and goes on through the cache
     for p in paths:
         assert fs.cat_file(p) == files[p]
+    # the misses' leases are asked behind the reads, by the fill writer, whose first one
+    # starts the new daemon: the reads can end before it has registered (CI, a loaded
+    # machine), so wait for the writer
+    published(fs)
     second = lookup(runtime_dir)
     assert second is not None and second.pid != first.pid and not gone(second.pid)
     assert fs.stats()["fallbacks"] == 0
