@@ -353,6 +353,55 @@ class _Client:
     def count(self, name, n=1):
         self.counts[name] = self.counts.get(name, 0) + n
 
+    def link(self):
+        return None  # the calling thread has no connection
+
+    def ping(self):
+        self.notes.append(("ping",))
+        return True
+
+
+class _LinkedClient(_Client):
+    """A client whose every thread has a connection of its own (fake: an object per thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self._local = threading.local()
+
+    def link(self):
+        if not hasattr(self._local, "conn"):
+            self._local.conn = (object(), threading.Lock())
+        return self._local.conn
+
+    def ping(self):
+        self.notes.append(("ping", threading.current_thread().name))
+        return True
+
+
+def test_a_drain_sees_the_notes_on_the_callers_connection_read():
+    """A "filled" the writer sent on the reading thread's connection sits in the daemon's
+    socket buffer until the daemon reads it: a drain by that thread ends with a round trip
+    on it, so that another connection (a stats request, a look at the claims) is answered
+    after it. No notes on it, no round trip; another thread's notes are its drain's."""
+    from cachemw.client.fills import Fill, FillWriter
+
+    tier, client = _Tier(), _LinkedClient()
+    writer = FillWriter(client, 1 << 20)
+    assert writer.drain(10) and client.notes == []  # nothing sent: nothing to wait for
+    writer.submit(Fill("k0", tier, b"x" * 4096, b"", client.link(), 1), waited=10.0)
+    assert writer.drain(10)
+    me = ("ping", threading.current_thread().name)
+    assert client.notes[-1] == me  # after the "filled"
+    assert writer.drain(10) and client.notes.count(me) == 1  # once per notes sent
+    other = {}
+    thread = threading.Thread(target=lambda: other.update(link=client.link()), name="other")
+    thread.start()
+    thread.join()
+    writer.submit(Fill("k1", tier, b"x" * 4096, b"", other["link"], 2), waited=10.0)
+    pings = len([n for n in client.notes if n[0] == "ping"])
+    assert writer.drain(10)
+    assert len([n for n in client.notes if n[0] == "ping"]) == pings  # not this thread's
+
 
 def test_a_source_faster_than_the_write_is_filled_on_the_reader_path():
     """Written behind, a fill only helps when the reader has a wait to hide it in."""

@@ -99,6 +99,9 @@ class FillWriter:
         # notes sent on the writer's own connection (an adopted block's lease and fill)
         # that no round trip on it has followed yet: see drain
         self._unsynced = False
+        # the connections (by id) of reading threads on which this writer ended leases
+        # since their thread's last drain: see drain
+        self._noted: set[int] = set()
 
     def submit(self, fill: Fill, waited: float = float("inf")) -> None:
         """Queue the fill; write it now when the queue is full, when no writer is wanted, or
@@ -182,7 +185,12 @@ class FillWriter:
         The daemon reads each connection in order, not connections in order: a note the
         writer sent on its own connection (an adopted block's "filled") could be read after
         a request the caller sends next on its own (stats, a lease). So when the writer sent
-        any, it makes one round trip on its connection before the drain returns."""
+        any, it makes one round trip on its connection before the drain returns. Likewise a
+        "filled" it sent on the caller's connection is only in the daemon's socket buffer:
+        a request on a third connection (another client asking for stats, a process
+        looking at the claims directory) could be served first, so the caller makes one
+        round trip on its own connection too. Another reading thread's notes are its own
+        drain's to see read."""
         deadline = time.monotonic() + timeout
         with self._cv:
             if threading.current_thread() is self._thread:
@@ -193,16 +201,23 @@ class FillWriter:
             idle = lambda: not self._queue and not self._busy  # noqa: E731
             if not self._cv.wait_for(idle, timeout):
                 return False
-            if not self._unsynced:
-                return True
-            self._unsynced = False
-            try:
-                self._enqueue((self._sync, None))
-            except _NoWriter:  # at shutdown: its connection is going with it
-                return True
-            self._urgent = True
-            self._cv.notify()
-            return self._cv.wait_for(idle, max(0.0, deadline - time.monotonic()))
+            mine = self.client.link()
+            noted_here = mine is not None and id(mine[0]) in self._noted
+            self._noted.discard(id(mine[0]) if mine is not None else None)
+            drained = True
+            if self._unsynced:
+                self._unsynced = False
+                try:
+                    self._enqueue((self._sync, None))
+                except _NoWriter:  # at shutdown: its connection is going with it
+                    pass
+                else:
+                    self._urgent = True
+                    self._cv.notify()
+                    drained = self._cv.wait_for(idle, max(0.0, deadline - time.monotonic()))
+        if noted_here and drained:
+            self.client.ping()  # on this thread's connection, past the notes sent on it
+        return drained
 
     def _sync(self, _) -> None:
         self.client.ping()
@@ -279,7 +294,8 @@ class FillWriter:
         except BaseException as exc:  # whatever failed, the lease ends here: no one waits on it
             errno_ = getattr(exc, "errno", None)
             reason = "nospace" if errno_ in (errno.ENOSPC, errno.EDQUOT) else "error"
-            client.note_via(fill.link, ops.ABORT, fill.key, reason)
+            if client.note_via(fill.link, ops.ABORT, fill.key, reason):
+                self._noted_on(fill.link)
             client.count("fill_errors")
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt and the like, on the reader's path
@@ -290,8 +306,19 @@ class FillWriter:
             return
         if client.note_via(fill.link, ops.FILLED, fill.key, fill.tier.name, stored, fill.lease):
             client.count("fills")  # the daemon publishes it (or drops it: see node._land)
+            self._noted_on(fill.link)
         else:  # the daemon ended the lease with the connection (and adopted the staged
             fill.tier.unstage(fill.key, fill.lease)  # file, or not): the rest is no one's
+
+
+    def _noted_on(self, link: tuple) -> None:
+        """A lease taken on ``link`` was ended by a note there (see drain)."""
+        if link is None:
+            return
+        with self._cv:
+            if len(self._noted) > 256:  # threads that never drain: forget them (ids recur)
+                self._noted.clear()
+            self._noted.add(id(link[0]))
 
 
 def drain_all(client=None, timeout: float = 60.0) -> None:
