@@ -356,7 +356,7 @@ class _Client:
     def link(self):
         return None  # the calling thread has no connection
 
-    def ping(self):
+    def settle(self):
         self.notes.append(("ping",))
         return True
 
@@ -373,7 +373,7 @@ class _LinkedClient(_Client):
             self._local.conn = (object(), threading.Lock())
         return self._local.conn
 
-    def ping(self):
+    def settle(self):
         self.notes.append(("ping", threading.current_thread().name))
         return True
 

@@ -126,6 +126,35 @@ def test_a_killed_daemon_is_replaced_by_the_next_reader(runtime_dir, dataset, re
 
 
 @pytest.mark.timeout(90)
+def test_a_drain_after_the_daemon_died_starts_no_daemon(runtime_dir, dataset, reap_daemons,
+                                                         tmp_path):
+    """A drain (fs.stats(), a write, close, exit) waits for the daemon to have read the fill
+    writer's notes with a round trip on the connection they went on; that daemon gone, the
+    drain ends there: it must not start a new daemon just to be answered."""
+    import errno
+
+    fs, first, _ = autostarted(runtime_dir, dataset, reap_daemons, n=2)
+
+    def refused(key):  # leases asked first: their fills are noted on this thread's connection
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fs.reader.claims.take = refused
+    fills = fs.stats()["fills"]
+    fresh = []
+    for i in range(3):
+        path = tmp_path / f"fresh{i}.bin"
+        path.write_bytes(os.urandom(2 * BS))
+        fresh.append(str(path))
+        assert fs.cat_file(str(path)) == path.read_bytes()
+    wait_for(lambda: not fs.reader.fills.pending, 10, what="the fill writer's notes")
+    os.kill(first.pid, signal.SIGKILL)
+    wait_for(lambda: gone(first.pid), 10, what="the daemon to die")
+    assert fs.stats()["fills"] - fills == 6  # noted, before the daemon died
+    address = lookup(runtime_dir)  # (the registry still names the dead one)
+    assert (address is None or address.pid == first.pid) and service_procs(runtime_dir) == []
+
+
+@pytest.mark.timeout(90)
 def test_cachemw_stop_reclaims_what_a_killed_daemon_left(runtime_dir, dataset, reap_daemons):
     fs, address, dram = autostarted(runtime_dir, dataset, reap_daemons)
     os.kill(address.pid, signal.SIGKILL)

@@ -216,11 +216,11 @@ class FillWriter:
                     self._cv.notify()
                     drained = self._cv.wait_for(idle, max(0.0, deadline - time.monotonic()))
         if noted_here and drained:
-            self.client.ping()  # on this thread's connection, past the notes sent on it
+            self.client.settle()  # on this thread's connection, past the notes sent on it
         return drained
 
     def _sync(self, _) -> None:
-        self.client.ping()
+        self.client.settle()
 
     def wait_landed(self, key: str, timeout: float = 60.0) -> None:
         """Wait until the pending fill of ``key`` has ended (written and noted, or aborted)."""

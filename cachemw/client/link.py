@@ -146,6 +146,21 @@ class DaemonClient(reporting.Reporter):
         message this thread sent before it (it reads each connection in order)."""
         return self._call(ops.PING) == ("pong",)
 
+    def settle(self) -> bool:
+        """``ping`` on this thread's connection as it is: never a new connection, nor a new
+        daemon (a drain at close or exit must not start one just to be answered). False,
+        the connection dropped, if it failed."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            return False
+        try:
+            with self._local.send_lock:
+                conn.send((ops.PING,))
+            return self._recv(conn) == ("pong",)
+        except (OSError, EOFError, ValueError, DaemonUnavailable):
+            self._drop_connection()
+            return False
+
     def ring(self) -> dict | None:
         """Who owns which block and where to fetch it directly (None: no daemon, or one
         not in a Ray cluster; a cluster of one node has a ring of one)."""
