@@ -310,7 +310,6 @@ class FillWriter:
         else:  # the daemon ended the lease with the connection (and adopted the staged
             fill.tier.unstage(fill.key, fill.lease)  # file, or not): the rest is no one's
 
-
     def _noted_on(self, link: tuple) -> None:
         """A lease taken on ``link`` was ended by a note there (see drain)."""
         if link is None:
