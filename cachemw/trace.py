@@ -18,7 +18,8 @@ nothing. On, an event is a tuple appended to a deque (no lock); lines are format
 written in batches (every 512 events, or at the first event a second after the last
 batch), each batch whole lines with one ``write``, so a killed process leaves a file whose
 lines all parse. The events of the hit path (``block_event``) skip the dict of a general
-event.
+event. A batch's lines are encoded by msgspec (in C, one call per batch): formatting a
+line in Python cost ~1.1 us, most of a traced 4 KiB hit's budget (issue 15).
 
 Nesting: Perfetto's JSON importer needs the X events of a thread properly nested, and
 reads a parent before its children when both start in the same microsecond only if it
@@ -33,13 +34,11 @@ import atexit
 import collections
 import json
 import logging
-import math
 import multiprocessing.util
 import os
 import socket
 import threading
 import time
-from json.encoder import encode_basestring_ascii as _quote
 
 from .config import check_trace_dir, trace_dir
 
@@ -63,10 +62,8 @@ _dir: str | None = None
 _fd: int | None = None
 _buffer: collections.deque = collections.deque()  # appended without a lock (atomic)
 _pending: dict[int, list] = {}  # thread -> the events of its open outermost span
-# file name -> its JSON string: a reader's files recur (blocks of one file, epochs), and
-# quoting a path per event was a third of a traced hit's cost; bounded, cleared when full
-_quoted: dict[str, str] = {}
-QUOTED_MAX = 1 << 16
+_encoder = None  # msgspec's, made by _encoding() when tracing starts
+_Block = _Event = _to_builtins = None
 _pid = os.getpid()  # this process (kept by the fork hook: no system call per event)
 _file_pid = 0  # the process the open file is for
 _next_id = 1
@@ -84,6 +81,7 @@ def start(directory: str) -> None:
     directory = check_trace_dir(directory, "trace")
     if directory is None:
         return
+    _encoding()  # imported now: a first batch at exit could not import it any more
     with _lock:
         if _dir != directory:
             _flush_locked()
@@ -207,20 +205,46 @@ def _due() -> None:
         _flush_locked()
 
 
-def _args(args: dict | None) -> str:
-    """``args`` as a JSON object (keys are identifiers: code's own names)."""
-    if not args:
-        return "{}"
-    parts = []
-    for k, v in args.items():
-        t = type(v)
-        if t is int or (t is float and math.isfinite(v)):
-            parts.append(f'"{k}":{v!r}')
-        elif t is str:
-            parts.append(f'"{k}":{_quote(v)}')
-        else:
-            parts.append(f'"{k}":{json.dumps(v, default=str)}')
-    return "{" + ",".join(parts) + "}"
+def _encoding():
+    """msgspec's encoder and the event shapes it writes, made by ``start`` (msgspec is
+    imported only by a process that traces: a reader's import stays small). Field order is
+    the line's key order."""
+    global _encoder, _Block, _Event, _to_builtins
+    if _encoder is None:
+        import msgspec
+
+        class BlockArgs(msgspec.Struct, gc=False):
+            tier: str
+            file: str
+            block: int
+            bytes: int
+
+        class Block(msgspec.Struct, gc=False):
+            id: int
+            name: str
+            cat: str
+            pid: int
+            tid: int
+            ts: int
+            dur: int
+            ph: str
+            args: BlockArgs
+
+        class Event(msgspec.Struct, gc=False):
+            id: int
+            name: str
+            cat: str
+            pid: int
+            tid: int
+            ts: int
+            dur: int
+            ph: str
+            args: dict
+
+        _Block, _Event = (Block, BlockArgs), Event
+        _to_builtins = msgspec.to_builtins
+        _encoder = msgspec.json.Encoder(enc_hook=str)  # args of any other type: str(value)
+    return _encoder, _Block, _Event
 
 
 def _flush_locked() -> None:
@@ -231,10 +255,8 @@ def _flush_locked() -> None:
         return
     if not _buffer or (_fd is None and not _open_locked()):
         return
-    n, lines, heads, offset = _next_id, [], {}, _OFFSET_US
-    quoted = _quoted
-    if len(quoted) > QUOTED_MAX:
-        quoted.clear()
+    encoder, (Block, BlockArgs), Event = _encoding()
+    n, events, offset, pid = _next_id, [], _OFFSET_US, _pid
     pop = _buffer.popleft
     while True:  # what other threads append meanwhile is written now or next time
         try:
@@ -244,24 +266,36 @@ def _flush_locked() -> None:
         if len(record) == 8:  # block_event's
             name, tid, start, end, tier, path, block, nbytes = record
             ts = int(start * 1e6)
-            head = heads.get(name)
-            if head is None:
-                head = heads[name] = f'"name":"{name}","cat":"{READ}","pid":{_pid},"tid":'
-            file = quoted.get(path)
-            if file is None:
-                file = quoted[path] = _quote(path)
-            lines.append(f'{{"id":{n},{head}{tid},"ts":{ts + offset},"dur":{int(end * 1e6) - ts},'
-                         f'"ph":"X","args":{{"tier":"{tier}","file":{file},'
-                         f'"block":{block},"bytes":{nbytes}}}}}\n')
+            events.append(Block(n, name, READ, pid, tid, ts + offset, int(end * 1e6) - ts, "X",
+                                BlockArgs(tier, path, block, nbytes)))
         else:
             name, cat, tid, start, end, args = record
             ts = int(start * 1e6)
-            lines.append(f'{{"id":{n},"name":"{name}","cat":"{cat}","pid":{_pid},"tid":{tid},'
-                         f'"ts":{ts + offset},"dur":{int(end * 1e6) - ts},"ph":"X",'
-                         f'"args":{_args(args)}}}\n')
+            events.append(Event(n, name, cat, pid, tid, ts + offset, int(end * 1e6) - ts, "X",
+                                args or {}))
         n += 1
     _next_id = n
-    _write("".join(lines).encode())
+    try:
+        data = encoder.encode_lines(events)
+    except Exception:  # a name msgspec cannot write (a lone surrogate: an undecodable file
+        data = b"".join(map(_line_alone, events))  # name), an args key: event by event
+    _write(data)
+
+
+def _line_alone(event) -> bytes:
+    """One event's line when the batch's encoding failed: msgspec if it can, else the json
+    module (which escapes lone surrogates, as Python's own file names can hold them)."""
+    try:
+        return _encoder.encode(event) + b"\n"
+    except Exception:
+        pass
+    try:
+        plain = _to_builtins(event, enc_hook=str)
+        return (json.dumps(plain, separators=(",", ":"), default=str, skipkeys=True)
+                + "\n").encode()
+    except Exception as exc:  # never fail the read that made the event: drop it, said
+        log.warning("trace event %r not written: %s", event.name, exc)
+        return b""
 
 
 def _open_locked() -> bool:
