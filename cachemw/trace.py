@@ -219,17 +219,6 @@ def _encoding():
             block: int
             bytes: int
 
-        class Block(msgspec.Struct, gc=False):
-            id: int
-            name: str
-            cat: str
-            pid: int
-            tid: int
-            ts: int
-            dur: int
-            ph: str
-            args: BlockArgs
-
         class Event(msgspec.Struct, gc=False):
             id: int
             name: str
@@ -240,6 +229,9 @@ def _encoding():
             dur: int
             ph: str
             args: dict
+
+        class Block(Event, gc=False):  # the same keys in the same order; flat args
+            args: BlockArgs
 
         _Block, _Event = (Block, BlockArgs), Event
         _to_builtins = msgspec.to_builtins
