@@ -64,6 +64,16 @@ def test_the_job_writes_its_figures_and_says_what_it_showed(tmp_path):
         assert all(e["store_bytes"] == 0 and e["samples"] == 24 and e["au"] < 0.5
                    for e in flat), flat
     assert "warm epochs with no compute" in run.stdout
+    # the DataLoader's own floor: the same loader flat out over samples in memory
+    floor = res["floor"]["io_epochs"]
+    assert [e["epoch"] for e in floor] == [3, 4]
+    assert all(e["samples"] == 24 and "store_bytes" not in e for e in floor), floor
+    beyond = res["over_floor"]
+    assert beyond["floor_us"] == pytest.approx(
+        1e6 / statistics.median(e["samples_per_s"] for e in floor))
+    assert beyond["cachemw_added_us"] == pytest.approx(1e6 / statistics.median(
+        e["samples_per_s"] for e in res["systems"]["cachemw"]["io_epochs"]) - beyond["floor_us"])
+    assert "over the DataLoader's own floor" in run.stdout
     target = next(t for t in res["targets"] if t["key"] == "vs_simplecache")
     flat_rate = [statistics.median(e["samples_per_s"] for e in res["systems"][k]["io_epochs"])
                  for k in ("cachemw", "simplecache")]

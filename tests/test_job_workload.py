@@ -199,6 +199,17 @@ def test_targets_and_verdict_from_a_run():
     text = results.table({**run, "targets": list(checked.values())})
     assert "NOT met" in text and "Checkpointer" in text
     assert "cachemw / simplecache samples/s: 1.33 with no compute; 1.10 in training" in text
+    assert results.over_floor(run) is None and "own floor" not in text  # no floor measured
+    # the DataLoader's floor (samples in memory): what each cache adds per sample (medians)
+    run["floor"] = {"label": "floor", "io_epochs": _system(
+        "f", [(1, 0, 2500), (1, 0, 2000), (1, 0, 900)])["epochs"]}
+    beyond = results.over_floor(run)
+    assert beyond == pytest.approx({"floor_us": 500.0, "cachemw_added_us": 1e6 / 1600 - 500,
+                                    "simplecache_added_us": 1e6 / 1200 - 500})
+    text = results.table({**run, "targets": list(checked.values())})
+    assert ("per sample over the DataLoader's own floor (500 us, samples in memory): "
+            "cachemw adds 125 us, simplecache 333 us") in text
+    assert [t["value"] for t in results.targets(run)] == [t["value"] for t in checked.values()]
     # nothing measured: said so, not "all met"
     empty = results.targets({"systems": {}})
     assert all(t["met"] is None for t in empty)

@@ -35,10 +35,12 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint-saves", type=int, default=3, metavar="N",
                    help="checkpoints per method, on the workload's schedule (checkpoint.*); "
                         "as many epochs are trained as that takes (default 3)")
-    p.add_argument("--io-epochs", type=int, default=5, metavar="N",
+    p.add_argument("--io-epochs", type=int, default=10, metavar="N",
                    help="after the training epochs of simplecache and cachemw, N more warm "
                         "epochs without compute: the loader flat out, where the readers set "
-                        "the pace (the cache-vs-cache target is taken there, median epoch; default 5, 0: none)")
+                        "the pace (the cache-vs-cache target is taken there, median epoch); "
+                        "as many of the same DataLoader over samples in memory, its own floor "
+                        "(default 10, 0: none)")
     p.add_argument("--out", default="cachemw-job", metavar="DIR",
                    help="where results.json, results.png and results.txt go (default ./cachemw-job)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -33,7 +33,8 @@ from . import storefs
 from .settings import CACHES, JobSettings, StoreProfile
 from .store import EmulatedStore
 from .systems import build, scratch_dir
-from .training import Compute, SampleDataset, base_sampler, make_loader, train_epoch
+from .training import (Compute, MemorySamples, SampleDataset, base_sampler, make_loader,
+                       train_epoch)
 from .workload import Workload, load
 
 COUNTERS = ("hits", "misses", "prefetched", "bytes_from_source", "fallbacks", "bypassed")
@@ -99,11 +100,11 @@ def _train(system, loader, wl: Workload, store, bar, epochs, label, checkpoint=N
     step, out = 0, []
     for e in range(first, first + epochs):
         bar.set_description(f"{label} epoch {e}/{first + epochs - 1}")
-        s0, c0 = _store_counts(store), system.daemon_counters()
+        s0, c0 = _store_counts(store), system.daemon_counters() if system else None
         epoch, step = train_epoch(loader, wl, e, step, compute, checkpoint, on_step=bar.update)
         flusher = loader.dataset.flusher  # the workers' last counts, before the snapshot
         complete = flusher.flush() if flusher is not None else True
-        s1, c1 = _store_counts(store), system.daemon_counters()
+        s1, c1 = _store_counts(store), system.daemon_counters() if system else None
         rec = _epoch_record(epoch, wl, s0, s1, c0, c1, complete)
         out.append(rec)
         _say(bar, f"{label:<34} epoch {e}: {rec['wall_s']:6.2f} s, "
@@ -131,6 +132,32 @@ def _run_system(system, src, wl: Workload, store, bar, io_epochs: int) -> tuple[
                                   f"{system.label} (no compute)", compute=Compute(wl, flat_out=True),
                                   first=wl.epochs + 1)
     return out, loader
+
+
+FLOOR_MAX_BYTES = 2 << 30  # the floor holds the whole dataset in the trainer's memory
+
+
+def _run_floor(system, loader, wl: Workload, bar, io_epochs: int) -> dict | None:
+    """The same DataLoader flat out over samples already in memory (read once through the
+    warm cache): what the loader costs with no reader at all. The caches' flat-out
+    epochs are bounded by it; None (skipped, said) for a dataset over FLOOR_MAX_BYTES."""
+    entries = loader.dataset.entries
+    if wl.num_files_train * wl.num_samples_per_file * wl.record_length_bytes > FLOOR_MAX_BYTES:
+        _say(bar, "note: the dataset is over 2 GiB: no DataLoader floor measured")
+        return None
+    fs = system.opener.fs()
+    samples = {}
+    for path, start, end in entries:
+        samples[(path, start, end)] = (fs.cat_file(path) if start is None
+                                       else fs.cat_file(path, start=start, end=end))
+    floor = make_loader(SampleDataset(MemorySamples(samples), entries), wl,
+                        base_sampler(wl, len(entries)))
+    try:
+        epochs = _train(None, floor, wl, None, bar, io_epochs, "DataLoader floor (no compute)",
+                        compute=Compute(wl, flat_out=True), first=wl.epochs + 1)
+    finally:
+        del floor
+    return {"label": "DataLoader floor (in memory)", "io_epochs": epochs}
 
 
 def _run_checkpoints(settings, system, loader, src, store, bar) -> dict:
@@ -192,6 +219,8 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
     reader = "cachemw" if "cachemw" in settings.systems else settings.systems[0]
     total = len(settings.systems) * wl.epochs * wl.steps_per_epoch
     total += sum(s in CACHES for s in settings.systems) * settings.io_epochs * wl.steps_per_epoch
+    if "cachemw" in settings.systems:  # the DataLoader's floor, after cachemw's epochs
+        total += settings.io_epochs * wl.steps_per_epoch
     if want_ck:
         total += ((1 + len(settings.methods)) * wl.epochs_for_saves(settings.checkpoint_saves)
                   * wl.steps_per_epoch)
@@ -200,7 +229,7 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
         "cpus": os.cpu_count(), "workload": dataclasses.asdict(wl),
         "store": settings.source or f"the emulated store ({settings.profile.describe()})",
         "profile": dataclasses.asdict(settings.profile) if settings.source is None else None,
-    }, "systems": {}, "checkpoints": None}
+    }, "systems": {}, "floor": None, "checkpoints": None}
     work = scratch_dir("cachemw-job-")
     store, src, kept = None, None, None
     bar = tqdm(total=total, unit="step", disable=not settings.progress, file=sys.stderr,
@@ -216,6 +245,8 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
             try:
                 out, loader = _run_system(system, src, wl, store, bar, settings.io_epochs)
                 results["systems"][key] = out
+                if key == "cachemw" and settings.io_epochs:
+                    results["floor"] = _run_floor(system, loader, wl, bar, settings.io_epochs)
                 if want_ck and key == reader:
                     kept, system = (system, loader), None
                 del loader
@@ -238,6 +269,7 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
         if store is not None:
             store.close()
         shutil.rmtree(work, ignore_errors=True)
+    results["over_floor"] = report.over_floor(results)
     results["targets"] = report.targets(results)
     results["verdict"] = report.verdict(results["targets"])
     report.write_json(results, os.path.join(settings.out_dir, "results.json"))

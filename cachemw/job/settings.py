@@ -63,7 +63,7 @@ class JobSettings:
     checkpoint_saves: int = 3  # saves per checkpoint method (whole epochs are trained)
     # warm epochs with no compute after a cache's training epochs (simplecache, cachemw):
     # the loader flat out, where the readers and not the emulated accelerator set the pace
-    io_epochs: int = 5
+    io_epochs: int = 10
     out_dir: str = "cachemw-job"
     progress: bool = True
 

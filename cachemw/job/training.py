@@ -66,6 +66,23 @@ class SampleDataset(torch.utils.data.Dataset):
         return fs.cat_file(path, start=start, end=end)
 
 
+class MemorySamples:
+    """The samples already in the process's memory, as an Opener's filesystem serves them
+    (``fs().cat_file``): the DataLoader's own floor, the same loader with no reader at all
+    (collate, the workers' hand-over to the trainer in shared memory, its own bookkeeping),
+    measured in the same run as the caches it bounds. Workers inherit the bytes by fork
+    (spawn pickles them)."""
+
+    def __init__(self, samples: dict) -> None:
+        self.samples = samples  # (path, start, end) -> bytes
+
+    def fs(self) -> "MemorySamples":
+        return self
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self.samples[(path, start, end)]
+
+
 def collate(batch: list) -> tuple:
     """A batch as one flat uint8 tensor and the samples' lengths (samples may differ in
     size, as with DLIO's ``record_length_bytes_stdev``): one copy, one shared-memory
