@@ -162,6 +162,20 @@ def test_storefs_writes_streams_and_manages_files(store_root):
             for i in range(0, len(payload), 100_000):
                 f.write(payload[i:i + 100_000])
         assert (store_root / "ckpt" / "a.bin").read_bytes() == payload
+        # writes of a block or more go out as they are (no copy), between buffered ones;
+        # any object of the buffer protocol
+        pieces = [payload[:10], payload[10:(2 << 20) + 10], memoryview(payload)[(2 << 20) + 10:],
+                  bytearray(payload[:1 << 20])]
+        with fs.open(f"{base}/c.bin", "wb", block_size=1 << 20) as f:
+            assert [f.write(p) for p in pieces] == [len(p) for p in pieces]
+            assert f.tell() == len(payload) + (1 << 20)
+        assert (store_root / "ckpt" / "c.bin").read_bytes() == payload + payload[:1 << 20]
+        with fs.open(f"{base}/d.bin", "wb", block_size=1 << 20) as f:  # large ones first
+            f.write(payload[:2 << 20])
+            assert f.buffer.tell() == 0  # sent, not copied into the buffer
+            f.write(payload[2 << 20:])
+        assert (store_root / "ckpt" / "d.bin").read_bytes() == payload
+        fs.rm([f"{base}/c.bin", f"{base}/d.bin"])
         assert fs.cat_file(f"{base}/a.bin", start=5, end=99) == payload[5:99]
         with fs.open(f"{base}/a.bin", "rb") as f:
             f.seek(1 << 20)
@@ -175,7 +189,7 @@ def test_storefs_writes_streams_and_manages_files(store_root):
             fs.cat_file(f"{base}/missing")
         fs.rm(base, recursive=True)
         assert not (store_root / "ckpt").exists()
-        assert s.stats()["bytes_received"] == len(payload)
+        assert s.stats()["bytes_received"] == 3 * len(payload) + (1 << 20)
 
 
 @pytest.mark.timeout(90)
