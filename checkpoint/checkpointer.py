@@ -29,6 +29,7 @@ from cachemw import trace
 from cachemw.node_daemon import node_daemon
 
 from . import watch as watch_channel
+from .background import niceness, run_at
 from .chunk_plan import DEFAULT_CHUNK_BYTES
 from .coordination import Coordinator, report
 from .fast_save import FastSaver, FastSnapshot
@@ -69,6 +70,10 @@ class CheckpointerConfig:
     stale_after_s: float = 3600.0
     collective_timeout_s: float = 600.0
     watch_poll_s: float = 30.0
+    # How much lower the save's background threads (write, commit, drain) run than the
+    # trainer (a nice increment, 0-19; 0: the same): they take the cores training leaves
+    # idle, not the DataLoader's (background.py).
+    background_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and self.keep_last < 1:
@@ -79,6 +84,9 @@ class CheckpointerConfig:
             raise ValueError(f"if_busy must be one of {BUSY_POLICIES}, got {self.if_busy!r}")
         if self.compression not in (None, "lz4"):
             raise ValueError(f"compression must be None or 'lz4', got {self.compression!r}")
+        if isinstance(self.background_nice, bool) or not isinstance(self.background_nice, int) \
+                or not 0 <= self.background_nice <= 19:
+            raise ValueError(f"background_nice must be a whole number from 0 to 19, got {self.background_nice!r}")
         for name in ("chunk_bytes", "thread_count", "stale_after_s", "collective_timeout_s", "watch_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -142,7 +150,10 @@ class Checkpointer:
             self.fast, self.root, self.coord, chunk_bytes=self.config.chunk_bytes,
             thread_count=self.config.thread_count, in_place=in_place)
         self.stager = BufferStager(device=self.config.device, memory_budget=self.config.memory_budget)
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachemw-ckpt")
+        # the save's background: the threads it starts (writes, drains) inherit its priority
+        self._background = niceness(self.config.background_nice)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachemw-ckpt",
+                                          initializer=run_at, initargs=(self._background,))
         self._handles: list[SaveHandle] = []
         self._lock = threading.Lock()
         self._channel = watch_channel.channel_dir(self.root.location.url, fast_root)
@@ -291,7 +302,8 @@ class Checkpointer:
                 self.root.location.makedirs(name)
 
         self.coord.run_everywhere(begin)
-        drainer = Drainer(first.location.child(name), self.root.location.child(name)) if self.fast else None
+        drainer = Drainer(first.location.child(name), self.root.location.child(name),
+                          niceness=self._background) if self.fast else None
         writer = CachemwStorageWriter(
             first.location.child(name), compression=self.config.compression, thread_count=self.config.thread_count,
             manifest_extra={"step": step, "world_size": self.coord.world_size},

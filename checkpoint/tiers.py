@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from cachemw import trace
 from cachemw.files import fsync_path
 
+from .background import run_at
 from .storage_io import Location
 
 COPY_BLOCK = 8 << 20
@@ -36,9 +37,12 @@ def copy_file(src: Location, dst: Location, rel: str) -> None:
 class Drainer:
     """Copies files of one save from ``src`` to ``dst`` in the background, as they complete."""
 
-    def __init__(self, src: Location, dst: Location, threads: int = 2) -> None:
+    def __init__(self, src: Location, dst: Location, threads: int = 2,
+                 niceness: int | None = None) -> None:
         self.src, self.dst = src, dst
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="cachemw-drain")
+        # at the save's background priority whichever thread starts them (background.py)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="cachemw-drain",
+                                        initializer=run_at, initargs=(niceness,))
         self._futures: list[Future] = []
 
     def submit(self, rel: str) -> None:

@@ -343,3 +343,46 @@ def test_full_fast_tier_or_root_fails_the_handle_not_the_training(tmp_path, tiny
         ck.save(3, small).wait(60)  # and the next save works
         assert ck.steps() == [1, 3]
         assert ck.load(out) == 3 and torch.equal(out["t"], small["t"])
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="nice is per thread on Linux")
+@pytest.mark.parametrize("nice", [10, 0])
+def test_the_background_of_a_save_runs_niced_and_the_caller_is_left_as_it_was(tmp_path, monkeypatch, nice):
+    """Writing and draining run at ``background_nice`` above the trainer's priority (they
+    take the cores training leaves idle); the trainer's thread keeps its own; 0: the same."""
+    import os
+
+    from cachemw.checkpoint import tiers, writer
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen = {"drain": set(), "write": set()}
+    copy_file, write_data = tiers.copy_file, writer.CachemwStorageWriter.write_data
+
+    def copying(*args, **kwargs):
+        seen["drain"].add(niceness())
+        return copy_file(*args, **kwargs)
+
+    def writing(self, *args, **kwargs):
+        seen["write"].add(niceness())
+        return write_data(self, *args, **kwargs)
+
+    monkeypatch.setattr(tiers, "copy_file", copying)
+    monkeypatch.setattr(writer.CachemwStorageWriter, "write_data", writing)
+    own = niceness()
+    with Checkpointer(str(tmp_path / "root"), fast_root=str(tmp_path / "fast"),
+                      chunk_bytes=300_000, background_nice=nice) as ck:
+        for step in (1, 2):
+            ck.save(step, mixed_state(float(step))).wait(60)
+        out = zeros_like(mixed_state())
+        assert ck.load(out) == 2
+    assert_same(out, mixed_state(2.0))
+    assert niceness() == own
+    assert seen["drain"] == seen["write"] == {min(19, own + nice)}, seen
+
+
+def test_background_nice_is_checked(tmp_path):
+    for bad in (20, -1, 2.5, True):
+        with pytest.raises(ValueError, match="background_nice"):
+            Checkpointer(str(tmp_path), fast_root=None, background_nice=bad)
