@@ -309,3 +309,29 @@ def test_stop_removes_the_daemons_checkpoint_copies(runtime_dir, dataset, reap_d
     with Checkpointer(str(root), fast_root=None) as ck:  # the durable copy is untouched
         out = {"w": torch.zeros(4096)}
         assert ck.load(out) == 1 and torch.equal(out["w"], state["w"])
+
+
+@pytest.mark.timeout(90)
+def test_closing_a_client_after_the_daemon_died_starts_no_daemon(runtime_dir, dataset,
+                                                                 reap_daemons, caplog):
+    """close() sends the client's last report (hits not yet reported); with the daemon gone
+    it is dropped, quietly: no daemon is started just to receive it. The client, used
+    again, starts one as any reader does."""
+    _, files = dataset
+    fs, first, _ = autostarted(runtime_dir, dataset, reap_daemons, n=4)
+    for p in sorted(files)[:4]:  # hits: counted, reported later
+        assert fs.cat_file(p) == files[p]
+    assert fs.client._unsent["hits"] > 0
+    os.kill(first.pid, signal.SIGKILL)
+    wait_for(lambda: gone(first.pid), 10, what="the daemon to die")
+    caplog.set_level(logging.DEBUG, logger="cachemw")
+    caplog.clear()
+    fs.client.close()
+    assert service_procs(runtime_dir) == []
+    address = lookup(runtime_dir)
+    assert address is None or address.pid == first.pid
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    path = sorted(files)[5]  # a miss afterwards: a new daemon, as for any reader
+    assert fs.cat_file(path) == files[path]
+    published(fs)
+    assert lookup(runtime_dir).pid != first.pid

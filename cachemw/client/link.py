@@ -98,6 +98,7 @@ class DaemonClient(reporting.Reporter):
         self._warned = False
         self._untold: str | None = None  # why a quiet call found the daemon unreachable
         self._failed_pid: int | None = None  # the daemon whose failure began the back-off
+        self._closing = False  # close()'s last report: no daemon is started just for it
         self._lock = threading.RLock()
         self._reset_reports()
 
@@ -203,7 +204,7 @@ class DaemonClient(reporting.Reporter):
                 break
             except (OSError, EOFError, AuthenticationError, DaemonUnavailable) as exc:
                 # refused with its lock free: it died; the second attempt replaces it
-                if attempt == 1 and self.autostart and lock_holder(self.runtime_dir) is None:
+                if attempt == 1 and self._may_start() and lock_holder(self.runtime_dir) is None:
                     continue
                 self._unreachable(f"{address.socket}: {exc}",
                                   timed_out=isinstance(exc, DaemonUnavailable), pid=address.pid)
@@ -232,12 +233,17 @@ class DaemonClient(reporting.Reporter):
         holder = lock_holder(self.runtime_dir)
         if holder is None:  # no daemon lives; a published address is a dead one's
             # (not for the exit flush's last report: no daemon is started just for that)
-            if self.autostart and not reporting.exiting and (address is None or address.kind != "ray"):
+            if self._may_start() and (address is None or address.kind != "ray"):
                 return self._autostart()
             return address  # its tier files still serve hits
         if address is not None and address.pid == holder.get("pid"):
             return address
         return await_address(self.runtime_dir, min(START_WAIT, self.timeout)) or address
+
+    def _may_start(self) -> bool:
+        """Whether a dead daemon may be replaced now: not by the last report of a closing
+        client or an exiting process (a daemon stopped before them is no news)."""
+        return self.autostart and not reporting.exiting and not self._closing
 
     def _autostart(self) -> DaemonAddress | None:
         """No daemon lives: start one, as a process of its own (never threads in the
@@ -338,9 +344,11 @@ class DaemonClient(reporting.Reporter):
                 self._say_unreachable(why)
 
     def _say_unreachable(self, why: str) -> None:
-        (log.debug if reporting.exiting else log.warning)(
-            "cachemw daemon unreachable (%s); misses read the source directly, "
-            "counted as fallbacks", why)
+        if reporting.exiting or self._closing:  # no read follows: nothing to warn about
+            log.debug("cachemw daemon unreachable at the last report (%s)", why)
+            return
+        log.warning("cachemw daemon unreachable (%s); misses read the source directly, "
+                    "counted as fallbacks", why)
         self._warned = True
         self._untold = None
 
@@ -379,8 +387,7 @@ class DaemonClient(reporting.Reporter):
         """The connection failed under a message: True if the daemon died and this process
         may start the next one (the caller tries again at once), else it is unreachable."""
         hung = isinstance(exc, DaemonUnavailable)
-        if not hung and self.autostart and not reporting.exiting and \
-                lock_holder(self.runtime_dir) is None:
+        if not hung and self._may_start() and lock_holder(self.runtime_dir) is None:
             self._drop_connection()
             log.info("cachemw daemon gone (%s): starting another", exc)
             self._next_try = 0.0
@@ -490,8 +497,12 @@ class DaemonClient(reporting.Reporter):
                           [(key, tier) for tier, keys in accesses.items() for key in keys])
 
     def close(self) -> None:
-        drain_all(self)
-        self.flush()
+        self._closing = True
+        try:
+            drain_all(self)
+            self.flush()
+        finally:
+            self._closing = False  # (a client used again after close connects anew)
         with self._lock:
             conns, self._conns = list(self._conns), weakref.WeakSet()
         self._local = threading.local()
