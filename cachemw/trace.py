@@ -63,7 +63,7 @@ _fd: int | None = None
 _buffer: collections.deque = collections.deque()  # appended without a lock (atomic)
 _pending: dict[int, list] = {}  # thread -> the events of its open outermost span
 _encoder = None  # msgspec's, made by _encoding() when tracing starts
-_Block = _Event = _to_builtins = None
+_BlockTypes = _Event = _to_builtins = None
 _pid = os.getpid()  # this process (kept by the fork hook: no system call per event)
 _file_pid = 0  # the process the open file is for
 _next_id = 1
@@ -81,7 +81,11 @@ def start(directory: str) -> None:
     directory = check_trace_dir(directory, "trace")
     if directory is None:
         return
-    _encoding()  # imported now: a first batch at exit could not import it any more
+    try:
+        _encoding()  # imported now: a first batch at exit could not import it any more
+    except ImportError as exc:  # a broken install must not break the reads: no traces
+        log.warning("cannot trace (%s): not tracing", exc)
+        return
     with _lock:
         if _dir != directory:
             _flush_locked()
@@ -129,9 +133,9 @@ def event(name: str, cat: str, start: float, end: float | None = None,
 def block_event(name: str, start: float, end: float, tier: str, path: str, block: int,
                 nbytes: int) -> None:
     """A read of one block (``hit``, ``source_fetch``): the events of the hit path, their
-    args (``tier``, ``file``, ``block``, ``bytes``) kept flat in the record and written from
-    a fixed template (a dict per event, and encoding it, cost as much as the rest of the
-    event; all conversion is left to the batch). Call it only when ENABLED."""
+    args (``tier``, ``file``, ``block``, ``bytes``) kept flat in the record and written as
+    a fixed shape (a dict per event cost as much as the rest of the event; all conversion
+    is left to the batch). Call it only when ENABLED."""
     tid = _thread_id()
     record = (name, tid, start, end, tier, path, block, nbytes)
     pending = _pending.get(tid) if _pending else None
@@ -209,7 +213,7 @@ def _encoding():
     """msgspec's encoder and the event shapes it writes, made by ``start`` (msgspec is
     imported only by a process that traces: a reader's import stays small). Field order is
     the line's key order."""
-    global _encoder, _Block, _Event, _to_builtins
+    global _encoder, _BlockTypes, _Event, _to_builtins
     if _encoder is None:
         import msgspec
 
@@ -233,10 +237,10 @@ def _encoding():
         class Block(Event, gc=False):  # the same keys in the same order; flat args
             args: BlockArgs
 
-        _Block, _Event = (Block, BlockArgs), Event
+        _BlockTypes, _Event = (Block, BlockArgs), Event
         _to_builtins = msgspec.to_builtins
         _encoder = msgspec.json.Encoder(enc_hook=str)  # args of any other type: str(value)
-    return _encoder, _Block, _Event
+    return _encoder, _BlockTypes, _Event
 
 
 def _flush_locked() -> None:

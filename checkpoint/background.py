@@ -5,8 +5,11 @@ training goes on. At the same priority they take their share of the cores from t
 DataLoader's workers and the trainer's own threads, which then deliver batches late: the
 accelerator waits, the AU lost to checkpoints grows. Niced, they run on the cycles the
 training leaves idle (an accelerator step frees the cores it waits on) and yield them when
-the loader needs them. On Linux a nice value is per thread, and threads started by a niced
-thread inherit it; elsewhere a nice value would be the whole process's, so nothing is done.
+the loader needs them (a nice of +10 still gets about a tenth of a contended core). On
+Linux a nice value is per thread, and threads started by a niced thread inherit it;
+elsewhere a nice value would be the whole process's, so nothing is done. The cost: a
+trainer that waits for a save (``wait``, ``close``, a save finding the previous one busy)
+waits for work running at the lower priority.
 """
 from __future__ import annotations
 
@@ -25,7 +28,11 @@ def niceness(nice: int) -> int | None:
     given by ``run_at``); None where nothing is to be done."""
     if nice <= 0 or not PER_THREAD:
         return None
-    return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + nice)
+    try:
+        return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + nice)
+    except OSError as exc:
+        log.debug("could not read this thread's priority: %s", exc)
+        return None
 
 
 def run_at(value: int | None) -> None:

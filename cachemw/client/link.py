@@ -98,7 +98,6 @@ class DaemonClient(reporting.Reporter):
         self._warned = False
         self._untold: str | None = None  # why a quiet call found the daemon unreachable
         self._failed_pid: int | None = None  # the daemon whose failure began the back-off
-        self._closing = False  # close()'s last report: no daemon is started just for it
         self._lock = threading.RLock()
         self._reset_reports()
 
@@ -243,7 +242,8 @@ class DaemonClient(reporting.Reporter):
     def _may_start(self) -> bool:
         """Whether a dead daemon may be replaced now: not by the last report of a closing
         client or an exiting process (a daemon stopped before them is no news)."""
-        return self.autostart and not reporting.exiting and not self._closing
+        return (self.autostart and not reporting.exiting
+                and not getattr(self._local, "closing", False))
 
     def _autostart(self) -> DaemonAddress | None:
         """No daemon lives: start one, as a process of its own (never threads in the
@@ -344,7 +344,7 @@ class DaemonClient(reporting.Reporter):
                 self._say_unreachable(why)
 
     def _say_unreachable(self, why: str) -> None:
-        if reporting.exiting or self._closing:  # no read follows: nothing to warn about
+        if reporting.exiting or getattr(self._local, "closing", False):  # no read follows
             log.debug("cachemw daemon unreachable at the last report (%s)", why)
             return
         log.warning("cachemw daemon unreachable (%s); misses read the source directly, "
@@ -497,13 +497,14 @@ class DaemonClient(reporting.Reporter):
                           [(key, tier) for tier, keys in accesses.items() for key in keys])
 
     def close(self) -> None:
-        self._closing = True
+        self._local.closing = True  # this thread's last report (other threads read on)
         try:
             drain_all(self)
             self.flush()
         finally:
-            self._closing = False  # (a client used again after close connects anew)
-        with self._lock:
+            self._local.closing = False
+        with self._lock:  # used again after close, it connects anew: no back-off left
+            self._next_try, self._timeouts = 0.0, 0
             conns, self._conns = list(self._conns), weakref.WeakSet()
         self._local = threading.local()
         for conn in conns:

@@ -62,8 +62,9 @@ def over_floor(results: dict) -> dict | None:
     """Per sample, what each cache's flat-out epochs take beyond the DataLoader's own floor
     (the same loader over samples in memory, same run: median epochs), in microseconds, and
     None without the three measured. Informative: the target stays the ratio of samples/s,
-    which the floor's share bounds (no ratio of the additions: two small differences of
-    noisy epochs)."""
+    which the floor's share bounds. The ratio of the two additions (docs/benchmarks.md
+    proposes it as the target) is left to be taken over runs: one run's is a ratio of two
+    differences of noisy epochs."""
     systems = results.get("systems", {})
     rates = {"floor": _flat_out(results.get("floor")),
              "cachemw": _flat_out(systems.get("cachemw")),

@@ -20,6 +20,7 @@ import time
 import warnings
 
 import fsspec
+import psutil
 from fsspec.implementations.local import LocalFileSystem
 from tqdm import tqdm
 
@@ -134,27 +135,33 @@ def _run_system(system, src, wl: Workload, store, bar, io_epochs: int) -> tuple[
     return out, loader
 
 
-FLOOR_MAX_BYTES = 2 << 30  # the floor holds the whole dataset in the trainer's memory
-
-
 def _run_floor(system, loader, wl: Workload, bar, io_epochs: int) -> dict | None:
     """The same DataLoader flat out over samples already in memory (read once through the
-    warm cache): what the loader costs with no reader at all. The caches' flat-out
-    epochs are bounded by it; None (skipped, said) for a dataset over FLOOR_MAX_BYTES."""
+    warm cache): what the loader costs with no reader at all, which bounds the caches'
+    flat-out epochs. Informative only: None, said, where the samples would not fit in a
+    quarter of the free memory (a copy per worker counted: spawn pickles one, and under
+    fork reading them touches their pages), or if it fails."""
     entries = loader.dataset.entries
-    if wl.num_files_train * wl.num_samples_per_file * wl.record_length_bytes > FLOOR_MAX_BYTES:
-        _say(bar, "note: the dataset is over 2 GiB: no DataLoader floor measured")
+    size = wl.num_files_train * wl.num_samples_per_file * wl.record_length_bytes
+    if size * (1 + wl.read_threads) > psutil.virtual_memory().available // 4:
+        _say(bar, f"note: {size / 2**20:.0f} MiB of samples per process would not fit in "
+                  "memory here: no DataLoader floor measured")
         return None
-    fs = system.opener.fs()
-    samples = {}
-    for path, start, end in entries:
-        samples[(path, start, end)] = (fs.cat_file(path) if start is None
-                                       else fs.cat_file(path, start=start, end=end))
-    floor = make_loader(SampleDataset(MemorySamples(samples), entries), wl,
-                        base_sampler(wl, len(entries)))
+    floor = None
     try:
+        fs = system.opener.fs()
+        samples = {(path, start, end): (fs.cat_file(path) if start is None
+                                        else fs.cat_file(path, start=start, end=end))
+                   for path, start, end in entries}
+        floor = make_loader(SampleDataset(MemorySamples(samples), entries), wl,
+                            base_sampler(wl, len(entries)))
+        for _ in floor:  # untimed: its workers start, as the caches' had before their epochs
+            pass
         epochs = _train(None, floor, wl, None, bar, io_epochs, "DataLoader floor (no compute)",
                         compute=Compute(wl, flat_out=True), first=wl.epochs + 1)
+    except Exception as exc:  # the floor only informs: the job's own figures stand
+        _say(bar, f"warning: the DataLoader floor could not be measured: {exc}")
+        return None
     finally:
         del floor
     return {"label": "DataLoader floor (in memory)", "io_epochs": epochs}

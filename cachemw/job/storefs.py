@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import http.client
+import io
 import json
 import threading
 import urllib.parse
@@ -202,21 +203,24 @@ class StoreFile(AbstractBufferedFile):
         self._conn.endheaders()
 
     def write(self, data):
-        view = memoryview(data).cast("B")
-        if (self.mode != "wb" or self.closed or self.forced or self.buffer.tell()
-                or view.nbytes < self.blocksize):
-            return super().write(data)  # small, or after small ones: buffered (checks there)
-        if self.offset is None:
-            self.offset = 0
-            try:
-                self._initiate_upload()
-            except Exception:
-                self.closed = True
-                raise
-        self._send_chunk(view)
-        self.loc += view.nbytes
-        self.offset += view.nbytes
-        return view.nbytes
+        with memoryview(data) as whole, whole.cast("B") as view:
+            if self.mode != "wb" or self.closed or self.forced or view.nbytes < self.blocksize:
+                return super().write(data)  # small: buffered (the checks are there)
+            if self.offset is None:
+                self.offset = 0
+                try:
+                    self._initiate_upload()
+                except Exception:
+                    self.closed = True
+                    raise
+            if self.buffer.tell():  # small writes before it (torch.save's record headers)
+                self._upload_chunk()
+                self.offset += self.buffer.tell()
+                self.buffer = io.BytesIO()
+            self._send_chunk(view)
+            self.loc += view.nbytes
+            self.offset += view.nbytes
+            return view.nbytes
 
     def _send_chunk(self, view: memoryview) -> None:
         if view.nbytes:
