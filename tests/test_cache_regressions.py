@@ -188,8 +188,10 @@ def test_an_autostarted_daemon_frees_the_dram_tier_when_its_process_ends(tmp_pat
     dram = out.stdout.strip().splitlines()[-1]
     (tmp_path / "rt" / "dram" / "not-ours.txt").write_text("keep me")
     from conftest import wait_for
-    from cachemw.protocol import lookup
+    from cachemw.protocol import lock_holder, lookup
 
     wait_for(lambda: lookup(str(rt)) is None, 20, what="the daemon to exit with its trainer")
-    wait_for(lambda: not any(len(n) == 2 for n in os.listdir(dram)), 10, what="the tier to be freed")
+    # it frees the tier (blocks, then metadata records) before it lets go of its lock:
+    # what is there once the lock is free is the end state (not between the two)
+    wait_for(lambda: lock_holder(str(rt)) is None, 20, what="the daemon to let go of its lock")
     assert os.listdir(dram) == ["not-ours.txt"]
