@@ -71,8 +71,9 @@ class CheckpointerConfig:
     collective_timeout_s: float = 600.0
     watch_poll_s: float = 30.0
     # How much lower the save's background threads (write, commit, drain) run than the
-    # trainer (a nice increment, 0-19; 0: the same): they take the cores training leaves
-    # idle, not the DataLoader's (background.py).
+    # trainer (a nice increment, 0-19; 0: the same): they run on the cycles training leaves
+    # idle and yield the cores to the DataLoader's workers when those need them
+    # (background.py).
     background_nice: int = 10
 
     def __post_init__(self) -> None:

@@ -135,26 +135,23 @@ def _run_system(system, src, wl: Workload, store, bar, io_epochs: int) -> tuple[
     return out, loader
 
 
-def _run_floor(system, loader, wl: Workload, bar, io_epochs: int) -> dict | None:
+def _run_floor(loader, wl: Workload, bar, io_epochs: int) -> dict | None:
     """The same DataLoader flat out over samples already in memory (read once through the
     warm cache): what the loader costs with no reader at all, which bounds the caches'
     flat-out epochs. Informative only: None, said, where the samples would not fit in a
     quarter of the free memory (a copy per worker counted: spawn pickles one, and under
     fork reading them touches their pages), or if it fails."""
-    entries = loader.dataset.entries
-    size = wl.num_files_train * wl.num_samples_per_file * wl.record_length_bytes
+    dataset = loader.dataset
+    size = wl.dataset_bytes
     if size * (1 + wl.read_threads) > psutil.virtual_memory().available // 4:
         _say(bar, f"note: {size / 2**20:.0f} MiB of samples per process would not fit in "
                   "memory here: no DataLoader floor measured")
         return None
     floor = None
     try:
-        fs = system.opener.fs()
-        samples = {(path, start, end): (fs.cat_file(path) if start is None
-                                        else fs.cat_file(path, start=start, end=end))
-                   for path, start, end in entries}
-        floor = make_loader(SampleDataset(MemorySamples(samples), entries), wl,
-                            base_sampler(wl, len(entries)))
+        samples = {entry: dataset[i] for i, entry in enumerate(dataset.entries)}
+        floor = make_loader(SampleDataset(MemorySamples(samples), dataset.entries), wl,
+                            base_sampler(wl, len(dataset.entries)))
         for _ in floor:  # untimed: its workers start, as the caches' had before their epochs
             pass
         epochs = _train(None, floor, wl, None, bar, io_epochs, "DataLoader floor (no compute)",
@@ -253,7 +250,7 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
                 out, loader = _run_system(system, src, wl, store, bar, settings.io_epochs)
                 results["systems"][key] = out
                 if key == "cachemw" and settings.io_epochs:
-                    results["floor"] = _run_floor(system, loader, wl, bar, settings.io_epochs)
+                    results["floor"] = _run_floor(loader, wl, bar, settings.io_epochs)
                 if want_ck and key == reader:
                     kept, system = (system, loader), None
                 del loader
