@@ -204,25 +204,33 @@ def test_other_processes_wait_for_the_pending_fill(make_cache_fs, counting_targe
 @pytest.mark.timeout(60)
 def test_lost_connection_before_the_write_leaves_no_unaccounted_file(make_cache_fs, tmp_path,
                                                                      gate):
+    """The connection holding a fill's lease drops before the block is written: the daemon
+    ends the lease, the writer's staged file is deleted (nobody would account it), and the
+    next read reconnects at once to the daemon, which still runs, and fills the block."""
     fs = make_cache_fs(block_size=BS)
+    rt = fs.options.runtime_dir
     path = str(tmp_path / "f.bin")
     data = os.urandom(BS)
     _write(path, data)
     assert fs.cat_file(path) == data
     block = _block_file(fs, path)
-    fs.client._unreachable("test: connection dropped")  # the daemon aborts the lease
-    wait_for(lambda: _cached_bytes(fs.options.runtime_dir, drain=False)[1] == 0, 10,
+    # the fill writer leases the block after the fetch (adopt), then waits at the gate
+    wait_for(lambda: _cached_bytes(rt, drain=False)[1] == 1, 10, what="the fill's lease")
+    for conn in list(fs.client._conns):  # the process's connections drop, the lease's too
+        conn.close()
+    wait_for(lambda: _cached_bytes(rt, drain=False)[1] == 0, 10,
              what="the daemon to drop the lease")
     gate.set()
     assert fs.reader.fills.drain(30)
     assert not os.path.exists(block)  # staged, then deleted: nobody would account it
     assert not staged_files(fs.client.tiers()[0], os.path.basename(block))
-    assert _cached_bytes(fs.options.runtime_dir) == (0, 0)
+    assert _cached_bytes(rt) == (0, 0)
     assert fs.stats()["fills"] == 0
-    fs.client._next_try = 0  # reconnect now rather than after the back-off
-    assert fs.cat_file(path) == data
+    assert fs.cat_file(path) == data  # no back-off: the daemon lives
     published(fs)
     assert os.path.exists(block)
+    s = fs.stats()
+    assert s["fills"] == 1 and s["fallbacks"] == 0
 
 
 @pytest.mark.timeout(60)

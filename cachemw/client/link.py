@@ -19,17 +19,17 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import socket
 import threading
 import time
 import weakref
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, answer_challenge
+from multiprocessing.connection import Connection
 
 from ..config import DaemonConfig
 from .fills import drain_all
 from .. import ops, reports
-from . import reporting
+from . import reporting, wire
+from .wire import DaemonUnavailable
 from ..processes import process_state
 from ..protocol import (DaemonAddress, UnsafeDirectory, check_private_dir,
                         lock_holder, lookup)
@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 
 RETRY_SECONDS = 2.0
 MAX_RETRY_SECONDS = 30.0  # the back-off after repeated timeouts (a hung daemon)
-BUSY_CAP_SECONDS = 300.0  # a backstop: the daemon bounds its own waits well below this
 
 _clients: "weakref.WeakSet[DaemonClient]" = weakref.WeakSet()
 
@@ -60,10 +59,6 @@ os.register_at_fork(after_in_child=_reset_all_in_child)
 
 def is_main_process() -> bool:
     return multiprocessing.parent_process() is None
-
-
-class DaemonUnavailable(ConnectionError):
-    """The node daemon could not be reached (the caller falls back to the source)."""
 
 
 class DaemonClient(reporting.Reporter):
@@ -276,43 +271,10 @@ class DaemonClient(reporting.Reporter):
             self._tiers = [DirectoryTier(t["name"], t["path"]) for t in address.tiers]
 
     def _open(self, address: DaemonAddress) -> Connection:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(5.0)
-            sock.connect(address.socket)
-            sock.setblocking(True)
-        except OSError:
-            sock.close()
-            raise
-        conn = Connection(sock.detach())
-        try:
-            if not conn.poll(self.timeout):
-                raise DaemonUnavailable(f"daemon did not answer the handshake within "
-                                        f"{self.timeout} s")
-            answer_challenge(conn, address.authkey)
-            # the daemon says "busy" every third of our timeout while it works on a request
-            conn.send((ops.HELLO, os.getpid(), self.timeout / 3))
-            self._recv(conn)
-        except BaseException:  # no half-open connection left, whatever failed; re-raised
-            conn.close()
-            raise
-        return conn
+        return wire.dial(address, self.timeout)
 
     def _recv(self, conn: Connection):
-        """The reply to the request just sent; DaemonUnavailable if the daemon is silent
-        (no reply, no "busy") for ``timeout`` seconds."""
-        cap = time.monotonic() + BUSY_CAP_SECONDS
-        while True:
-            if not conn.poll(self.timeout):
-                raise DaemonUnavailable(f"daemon silent for {self.timeout} s")
-            reply = conn.recv()
-            if reply[0] == ops.BUSY:  # at work on it
-                if time.monotonic() > cap:
-                    raise DaemonUnavailable(f"no reply within {BUSY_CAP_SECONDS} s")
-                continue
-            if reply[0] == "error":
-                raise DaemonUnavailable(f"daemon error: {reply[1]}")
-            return reply
+        return wire.receive(conn, self.timeout)
 
     def _drop_connection(self):
         conn = getattr(self._local, "conn", None)
@@ -383,14 +345,31 @@ class DaemonClient(reporting.Reporter):
         self._next_try = 0.0
         return True
 
+    def _still_serving(self) -> bool:
+        """The daemon this thread's connection was to is still the registered one and
+        alive: a connection it closed (or that broke) says nothing about the daemon, so it
+        is reopened once at once rather than sending the process into a back-off."""
+        pid = getattr(self._local, "daemon_pid", None)
+        try:
+            address = lookup(self.runtime_dir)
+        except (OSError, ValueError):
+            return False
+        return (pid is not None and address is not None and address.pid == pid
+                and process_state(pid) not in (None, "Z", "T", "t"))
+
     def _lost(self, exc: Exception) -> bool:
         """The connection failed under a message: True if the daemon died and this process
-        may start the next one (the caller tries again at once), else it is unreachable."""
+        may start the next one, or if it lives and only the connection was lost (the caller
+        tries again at once, on a new connection), else it is unreachable."""
         hung = isinstance(exc, DaemonUnavailable)
         if not hung and self._may_start() and lock_holder(self.runtime_dir) is None:
             self._drop_connection()
             log.info("cachemw daemon gone (%s): starting another", exc)
             self._next_try = 0.0
+            return True
+        if not hung and self._still_serving():  # only the connection was lost: a new one
+            self._drop_connection()
+            log.info("cachemw daemon connection lost (%s): reconnecting", exc)
             return True
         self._unreachable(str(exc) or type(exc).__name__, timed_out=hung)
         return False
