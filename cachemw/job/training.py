@@ -85,15 +85,30 @@ class MemorySamples:
 
 def collate(batch: list) -> tuple:
     """A batch as one flat uint8 tensor and the samples' lengths (samples may differ in
-    size, as with DLIO's ``record_length_bytes_stdev``): one copy, one shared-memory
-    tensor to hand to the trainer."""
+    size, as with DLIO's ``record_length_bytes_stdev``): one copy per sample. In a worker
+    the batch is built in shared memory, as torch's default_collate builds its batches:
+    a batch in private memory is copied once more into shared memory on its way to the
+    trainer."""
     lengths = [len(b) for b in batch]
-    flat = np.empty(sum(lengths), dtype=np.uint8)
+    flat = _batch_tensor(sum(lengths))
+    view = flat.numpy()
     offset = 0
     for b in batch:
-        flat[offset:offset + len(b)] = np.frombuffer(b, dtype=np.uint8)
+        view[offset:offset + len(b)] = np.frombuffer(b, dtype=np.uint8)
         offset += len(b)
-    return torch.from_numpy(flat), torch.tensor(lengths)
+    return flat, torch.tensor(lengths)
+
+
+def _batch_tensor(n: int) -> torch.Tensor:
+    """``n`` uninitialised bytes, in shared memory in a DataLoader worker (with the call
+    default_collate makes; plain memory where this torch lacks it)."""
+    if torch.utils.data.get_worker_info() is not None:
+        empty = torch.empty(0, dtype=torch.uint8)
+        try:
+            return empty.new(empty._typed_storage()._new_shared(n, device=empty.device))
+        except (AttributeError, TypeError):
+            pass
+    return torch.empty(n, dtype=torch.uint8)
 
 
 def base_sampler(workload: Workload, n: int):
