@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - older fsspec
 
 from .link import DaemonClient
 from .. import trace as tracing
-from ..config import CacheOptions, DaemonConfig
+from ..config import CacheOptions, DaemonConfig, keep_heap_in_workers
 from ..keys import block_count, block_key
 from .metadata import MetadataCache
 from .openfile import BytesFile, CachedFile, clip
@@ -65,6 +65,7 @@ class CacheFileSystem(_Base):
         if self.options.trace:  # this process, and a daemon it starts
             tracing.start(self.options.trace)
             daemon_options = {"trace_dir": self.options.trace, **(daemon_options or {})}
+        keep_heap_in_workers()  # a bad CACHEMW_WORKER_HEAP fails here, not in a worker
         if daemon_options:  # a bad daemon option fails here, not as fallbacks on every read
             DaemonConfig.build(runtime_dir=self.options.runtime_dir, **daemon_options)
         self.target = fs

@@ -17,6 +17,7 @@ import time
 import weakref
 
 from ..protocol import CLIENT_COUNTERS
+from . import heap
 from .fills import drain_all
 
 _reporters: "weakref.WeakSet[Reporter]" = weakref.WeakSet()
@@ -32,9 +33,10 @@ def _flush_all() -> None:
         reporter.flush()
 
 
-def ensure_exit_hook() -> int:
-    """Flush reports when this process exits, whatever kind of process it is; returns the
-    pid it is registered in.
+def first_use_in_process() -> int:
+    """Once in each process, at its first read or count: flush reports when the process
+    exits, whatever kind of process it is, and in a DataLoader worker keep the heap between
+    batches (heap.py). Returns the pid it ran in.
 
     multiprocessing children (DataLoader workers) skip atexit and clear the finalizer
     registry when they start, so the hook is registered on first use in each process.
@@ -44,6 +46,7 @@ def ensure_exit_hook() -> int:
         _exit_hook_pid = os.getpid()
         atexit.register(_flush_all)
         multiprocessing.util.Finalize(None, _flush_all, exitpriority=10)
+        heap.keep_in_worker()
     return _exit_hook_pid
 
 
@@ -83,14 +86,14 @@ class Reporter:
 
     def count(self, name: str, n: int = 1) -> None:
         if self._hook_pid != self._pid:
-            self._hook_pid = ensure_exit_hook()
+            self._hook_pid = first_use_in_process()
         with self._lock:
             self.counters[name] += n
             self._unsent[name] += n
 
     def hit(self, key: str, tier: str, nbytes: int, seconds: float = 0.0) -> None:
         if self._hook_pid != self._pid:
-            self._hook_pid = ensure_exit_hook()
+            self._hook_pid = first_use_in_process()
         with self._lock:
             self.counters["hits"] += 1
             self.counters["hit_bytes"] += nbytes
