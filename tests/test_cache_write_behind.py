@@ -226,7 +226,9 @@ def test_lost_connection_before_the_write_leaves_no_unaccounted_file(make_cache_
     assert not staged_files(fs.client.tiers()[0], os.path.basename(block))
     assert _cached_bytes(rt) == (0, 0)
     assert fs.stats()["fills"] == 0
-    assert fs.cat_file(path) == data  # no back-off: the daemon lives
+    # no back-off: the daemon lives, so the next message on a closed connection (stats'
+    # report, the fill's lease) goes on a new one at once
+    assert fs.cat_file(path) == data
     published(fs)
     assert os.path.exists(block)
     s = fs.stats()

@@ -357,17 +357,18 @@ class DaemonClient(reporting.Reporter):
         return (pid is not None and address is not None and address.pid == pid
                 and process_state(pid) not in (None, "Z", "T", "t"))
 
-    def _lost(self, exc: Exception) -> bool:
+    def _lost(self, exc: Exception, unsent: bool = False) -> bool:
         """The connection failed under a message: True if the daemon died and this process
-        may start the next one, or if it lives and only the connection was lost (the caller
-        tries again at once, on a new connection), else it is unreachable."""
+        may start the next one, or if it lives, only the connection was lost and the message
+        never left (``unsent``): the caller tries again at once, on a new connection. Else
+        the daemon is unreachable (the back-off)."""
         hung = isinstance(exc, DaemonUnavailable)
         if not hung and self._may_start() and lock_holder(self.runtime_dir) is None:
             self._drop_connection()
             log.info("cachemw daemon gone (%s): starting another", exc)
             self._next_try = 0.0
             return True
-        if not hung and self._still_serving():  # only the connection was lost: a new one
+        if unsent and not hung and self._still_serving():  # only the connection was lost
             self._drop_connection()
             log.info("cachemw daemon connection lost (%s): reconnecting", exc)
             return True
@@ -383,21 +384,25 @@ class DaemonClient(reporting.Reporter):
         return self._exchange(msg, answered=False) is not None
 
     def _exchange(self, msg: tuple, answered: bool):
-        """Send ``msg`` on this thread's connection, once more on a new one if the daemon
-        was replaced meanwhile; the reply (True for a one-way note), or None."""
+        """Send ``msg`` on this thread's connection; once more on a new one if the daemon
+        was replaced or restarted meanwhile, or if it still runs and this connection broke
+        before the message left (a message that reached it, such as a lease with a claim,
+        is not sent twice). The reply (True for a one-way note), or None."""
         for attempt in (1, 2):
             conn = self._connect()
             if conn is None:
                 return None
+            sent = False
             try:
                 with self._local.send_lock:
                     conn.send(msg)
+                sent = True
                 reply = self._recv(conn) if answered else True
                 if answered and self._next_try:  # it answers: no thread need back off now
                     self._next_try, self._timeouts = 0.0, 0
                 return reply
             except (OSError, EOFError, DaemonUnavailable) as exc:
-                if attempt == 1 and (self._replaced() or self._lost(exc)):
+                if attempt == 1 and (self._replaced() or self._lost(exc, unsent=not sent)):
                     continue
                 if attempt == 2:
                     self._unreachable(str(exc) or type(exc).__name__,

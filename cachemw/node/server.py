@@ -154,6 +154,8 @@ class SocketServer:
                 self._conns.discard(conn)
                 self._links.pop(conn, None)
                 self._last_activity = time.monotonic()
+            # leases end before the connection closes: a client that sees it closed may
+            # ask again on a new one at once (client/link.py), and finds them ended
             self.node.release(conn)
             try:
                 conn.close()
