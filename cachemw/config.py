@@ -388,9 +388,9 @@ def freeze_gc_in_workers(env: Mapping[str, str] | None = None) -> bool:
 
 
 def keep_heap_in_workers(env: Mapping[str, str] | None = None) -> bool:
-    """``CACHEMW_WORKER_HEAP`` (default on): whether a DataLoader worker (any multiprocessing
-    child) reading through cachemw keeps its heap's freed top for the next batch instead of
-    faulting fresh pages for every sample (glibc's mallopt; see cachemw/client/heap.py)."""
+    """``CACHEMW_WORKER_HEAP`` (default on): whether a torch DataLoader worker reading
+    through cachemw keeps its heap's freed top for the next batch instead of faulting fresh
+    pages for every sample (glibc's mallopt; see cachemw/client/heap.py)."""
     env = os.environ if env is None else env
     value = _bool_or_none(env.get("CACHEMW_WORKER_HEAP"), "CACHEMW_WORKER_HEAP")
     return True if value is None else value

@@ -154,8 +154,8 @@ class SocketServer:
                 self._conns.discard(conn)
                 self._links.pop(conn, None)
                 self._last_activity = time.monotonic()
-            # leases end before the connection closes: a client that sees it closed may
-            # ask again on a new one at once (client/link.py), and finds them ended
+            # leases end before the connection closes: a client that finds it closed asks
+            # again on a new one (client/link.py), and must find its old leases over
             self.node.release(conn)
             try:
                 conn.close()
