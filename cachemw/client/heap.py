@@ -42,17 +42,18 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
 _USERS_OWN = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 _done_pid = 0
+applied = False  # this process's heap is kept (its thresholds set)
 
 
 def keep_in_worker() -> None:
     """Once per process (cheap to call again): in a DataLoader worker with glibc, keep the
     heap's freed top between batches (see the module's docstring). Never raises: a read
     must not fail over its allocator."""
-    global _done_pid
+    global _done_pid, applied
     pid = os.getpid()
     if _done_pid == pid:
         return
-    _done_pid = pid
+    _done_pid, applied = pid, False
     if not _in_dataloader_worker():
         return
     try:
@@ -64,16 +65,26 @@ def keep_in_worker() -> None:
     if any(name in os.environ for name in _USERS_OWN) \
             or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return
+    mallopt = _mallopt()
+    if mallopt is None:
+        return
+    # the mmap threshold first: refused (a 32-bit glibc), nothing is changed
+    applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_BYTES)
+                   and mallopt(_M_TRIM_THRESHOLD, TRIM_BYTES))
+    if not applied:
+        log.debug("mallopt refused the worker heap's thresholds")
+
+
+def _mallopt():
+    """glibc's mallopt, or None (another C library)."""
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):
-            return
+            return None
         mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError, ValueError):  # not glibc
-        return
+    except (AttributeError, OSError, ValueError):
+        return None
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    # the mmap threshold first: refused (a 32-bit glibc), nothing is changed
-    if not (mallopt(_M_MMAP_THRESHOLD, MMAP_BYTES) and mallopt(_M_TRIM_THRESHOLD, TRIM_BYTES)):
-        log.debug("mallopt refused the worker heap's thresholds")
+    return mallopt
 
 
 def _in_dataloader_worker() -> bool:
