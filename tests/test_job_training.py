@@ -7,18 +7,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cachemw.job.training import collate  # noqa: E402
+from cachemw.job.training import MemorySamples, SampleDataset, collate  # noqa: E402
 
 
-class _Samples(torch.utils.data.Dataset):
-    def __init__(self, samples):
-        self.samples = samples
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, i):
-        return self.samples[i]
+def _in_memory(samples):
+    """The job's own dataset over samples in memory (as its DataLoader floor reads them)."""
+    entries = [(str(i), None, None) for i in range(len(samples))]
+    return SampleDataset(MemorySamples(dict(zip(entries, samples))), entries)
 
 
 def _collate_and_say_where(batch):
@@ -39,7 +34,7 @@ def test_a_worker_builds_its_batch_in_shared_memory():
     """As torch's default_collate does: a batch built in private memory would be copied
     once more into shared memory on its way to the trainer."""
     samples = [os.urandom(4096 + i) for i in range(8)]
-    loader = torch.utils.data.DataLoader(_Samples(samples), batch_size=4, num_workers=1,
+    loader = torch.utils.data.DataLoader(_in_memory(samples), batch_size=4, num_workers=1,
                                          collate_fn=_collate_and_say_where,
                                          multiprocessing_context="fork", timeout=30)
     got = list(loader)

@@ -151,7 +151,7 @@ class DaemonClient(reporting.Reporter):
         try:
             with self._local.send_lock:
                 conn.send((ops.PING,))
-            return self._recv(conn) == ("pong",)
+            return wire.receive(conn, self.timeout) == ("pong",)
         except (OSError, EOFError, ValueError, DaemonUnavailable):
             self._drop_connection()
             return False
@@ -194,7 +194,7 @@ class DaemonClient(reporting.Reporter):
                 self._unreachable(f"the daemon (pid {address.pid}) is stopped", pid=address.pid)
                 return None
             try:
-                conn = self._open(address)
+                conn = wire.dial(address, self.timeout)
                 break
             except (OSError, EOFError, AuthenticationError, DaemonUnavailable) as exc:
                 # refused with its lock free: it died; the second attempt replaces it
@@ -269,12 +269,6 @@ class DaemonClient(reporting.Reporter):
         if address != self._address:
             self._address = address
             self._tiers = [DirectoryTier(t["name"], t["path"]) for t in address.tiers]
-
-    def _open(self, address: DaemonAddress) -> Connection:
-        return wire.dial(address, self.timeout)
-
-    def _recv(self, conn: Connection):
-        return wire.receive(conn, self.timeout)
 
     def _drop_connection(self):
         conn = getattr(self._local, "conn", None)
@@ -397,7 +391,7 @@ class DaemonClient(reporting.Reporter):
                 with self._local.send_lock:
                     conn.send(msg)
                 sent = True
-                reply = self._recv(conn) if answered else True
+                reply = wire.receive(conn, self.timeout) if answered else True
                 if answered and self._next_try:  # it answers: no thread need back off now
                     self._next_try, self._timeouts = 0.0, 0
                 return reply
