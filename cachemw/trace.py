@@ -14,12 +14,14 @@ handlers that call ``sys.exit`` (a daemon's clean stop, a Ray actor's, depend on
 own). The file format is the contract; writing it takes the small writer below.
 
 Cost: off, a caller checks ``ENABLED`` (a module attribute) once per read and allocates
-nothing. On, an event is a tuple appended to a deque (no lock); lines are formatted and
-written in batches (every 512 events, or at the first event a second after the last
-batch), each batch whole lines with one ``write``, so a killed process leaves a file whose
+nothing. On, an event is made in its final shape where it happens (a msgspec Struct: its
+id, microseconds and thread id filled in then, the thread id kept per thread instead of a
+system call per event) and appended to a deque (no lock); lines are written in batches
+(every 512 events, or at the first event a second after the last batch) by one msgspec call
+(in C: no Python code per event) and one ``write``, so a killed process leaves a file whose
 lines all parse. The events of the hit path (``block_event``) skip the dict of a general
-event. A batch's lines are encoded by msgspec (in C, one call per batch): formatting a
-line in Python cost ~1.1 us, most of a traced 4 KiB hit's budget (issue 15).
+event. A traced 4 KiB hit costs ~20 us here: formatting its line in Python cost ~1.1 us,
+and converting a buffered tuple into a Struct per event at the batch ~0.5 us (issue 15).
 
 Nesting: Perfetto's JSON importer needs the X events of a thread properly nested, and
 reads a parent before its children when both start in the same microsecond only if it
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import itertools
 import json
 import logging
 import multiprocessing.util
@@ -55,18 +58,19 @@ FLUSH_SECONDS = 1.0
 
 _OFFSET_US = int((time.time() - time.perf_counter()) * 1e6)  # perf_counter -> epoch
 _now = time.perf_counter
-_thread_id = threading.get_native_id
+_thread_id = threading.get_native_id  # a system call: kept per thread in _tls
+_US = 1e6
 
 _lock = threading.Lock()  # the file, and whoever writes a batch into it
 _dir: str | None = None
 _fd: int | None = None
 _buffer: collections.deque = collections.deque()  # appended without a lock (atomic)
 _pending: dict[int, list] = {}  # thread -> the events of its open outermost span
+_tls = threading.local()  # .tid: this thread's native id
+_ids = itertools.count(1)  # event ids of this process (0: the file's process_name line)
 _encoder = None  # msgspec's, made by _encoding() when tracing starts
-_BlockTypes = _Event = _to_builtins = None
+_Block = _BlockArgs = _Event = _to_builtins = None
 _pid = os.getpid()  # this process (kept by the fork hook: no system call per event)
-_file_pid = 0  # the process the open file is for
-_next_id = 1
 _flush_at = 0.0  # perf_counter time of the next flush by time (0: at the next event)
 _closed = False
 _hooked_pid = 0
@@ -119,8 +123,8 @@ def event(name: str, cat: str, start: float, end: float | None = None,
     values; ``end`` None: now). Call it only when ENABLED (its caller checks)."""
     if end is None:
         end = _now()
-    tid = _thread_id()
-    record = (name, cat, tid, start, end, args)
+    tid = _tid()
+    record = _general(name, cat, tid, start, end, args)
     pending = _pending.get(tid) if _pending else None
     if pending is not None:  # inside a span of this thread: emitted with its outermost one
         pending.append(record)
@@ -133,11 +137,16 @@ def event(name: str, cat: str, start: float, end: float | None = None,
 def block_event(name: str, start: float, end: float, tier: str, path: str, block: int,
                 nbytes: int) -> None:
     """A read of one block (``hit``, ``source_fetch``): the events of the hit path, their
-    args (``tier``, ``file``, ``block``, ``bytes``) kept flat in the record and written as
-    a fixed shape (a dict per event cost as much as the rest of the event; all conversion
-    is left to the batch). Call it only when ENABLED."""
-    tid = _thread_id()
-    record = (name, tid, start, end, tier, path, block, nbytes)
+    args (``tier``, ``file``, ``block``, ``bytes``) a fixed shape (a dict per event cost as
+    much as the rest of the event). Call it only when ENABLED. Never the parent of another
+    event."""
+    try:
+        tid = _tls.tid
+    except AttributeError:
+        tid = _tls.tid = _thread_id()
+    ts = int(start * _US)
+    record = _Block(next(_ids), name, READ, _pid, tid, ts + _OFFSET_US, int(end * _US) - ts, "X",
+                    _BlockArgs(tier, path, block, nbytes))
     pending = _pending.get(tid) if _pending else None
     if pending is not None:
         pending.append(record)
@@ -161,7 +170,7 @@ class span:
 
     def __enter__(self) -> "span":
         if ENABLED:
-            tid = _thread_id()
+            tid = _tid()
             if tid not in _pending:
                 _pending[tid] = []
                 self.outermost = True
@@ -174,8 +183,8 @@ class span:
         if exc_type is not None:
             self.args["error"] = exc_type.__name__
         end = _now()
-        tid = _thread_id()
-        record = (self.name, self.cat, tid, self.start, end, self.args)
+        tid = _tid()
+        record = _general(self.name, self.cat, tid, self.start, end, self.args)
         pending = _pending.get(tid)
         if pending is None:  # the process forked inside the span: emit it alone
             _buffer.append(record)
@@ -194,12 +203,26 @@ class span:
             _due()
 
 
-def _start_first(record: tuple) -> tuple:
+def _start_first(record) -> tuple:
     """Sort key: by start, the longer first (a parent before the children it starts with);
     times as written (floored microseconds), so ties are seen as the file shows them."""
-    start, end = record[2:4] if len(record) == 8 else record[3:5]
-    ts = int(start * 1e6)
-    return ts, ts - int(end * 1e6)
+    return record.ts, -record.dur
+
+
+def _tid() -> int:
+    try:
+        return _tls.tid
+    except AttributeError:
+        tid = _tls.tid = _thread_id()
+        return tid
+
+
+def _general(name: str, cat: str, tid: int, start: float, end: float, args: dict | None):
+    """An event's record, as it will be written: ``ts`` and the end both floored to the
+    microsecond, which keeps containment and order."""
+    ts = int(start * _US)
+    return _Event(next(_ids), name, cat, _pid, tid, ts + _OFFSET_US, int(end * _US) - ts, "X",
+                  args or {})
 
 
 def _due() -> None:
@@ -213,7 +236,7 @@ def _encoding():
     """msgspec's encoder and the event shapes it writes, made by ``start`` (msgspec is
     imported only by a process that traces: a reader's import stays small). Field order is
     the line's key order."""
-    global _encoder, _BlockTypes, _Event, _to_builtins
+    global _encoder, _Block, _BlockArgs, _Event, _to_builtins
     if _encoder is None:
         import msgspec
 
@@ -237,42 +260,24 @@ def _encoding():
         class Block(Event, gc=False):  # the same keys in the same order; flat args
             args: BlockArgs
 
-        _BlockTypes, _Event = (Block, BlockArgs), Event
+        _Block, _BlockArgs, _Event = Block, BlockArgs, Event
         _to_builtins = msgspec.to_builtins
         _encoder = msgspec.json.Encoder(enc_hook=str)  # args of any other type: str(value)
-    return _encoder, _BlockTypes, _Event
+    return _encoder
 
 
 def _flush_locked() -> None:
-    global _next_id, _flush_at
+    global _flush_at
     _flush_at = _now() + FLUSH_SECONDS
     if _closed:
         _buffer.clear()
         return
     if not _buffer or (_fd is None and not _open_locked()):
         return
-    encoder, (Block, BlockArgs), Event = _encoding()
-    n, events, offset, pid = _next_id, [], _OFFSET_US, _pid
-    pop = _buffer.popleft
-    while True:  # what other threads append meanwhile is written now or next time
-        try:
-            record = pop()
-        except IndexError:
-            break
-        if len(record) == 8:  # block_event's
-            name, tid, start, end, tier, path, block, nbytes = record
-            ts = int(start * 1e6)
-            events.append(Block(n, name, READ, pid, tid, ts + offset, int(end * 1e6) - ts, "X",
-                                BlockArgs(tier, path, block, nbytes)))
-        else:
-            name, cat, tid, start, end, args = record
-            ts = int(start * 1e6)
-            events.append(Event(n, name, cat, pid, tid, ts + offset, int(end * 1e6) - ts, "X",
-                                args or {}))
-        n += 1
-    _next_id = n
+    pop = _buffer.popleft  # what other threads append meanwhile is written next time
+    events = [pop() for _ in range(len(_buffer))]
     try:
-        data = encoder.encode_lines(events)
+        data = _encoder.encode_lines(events)
     except Exception:  # a name msgspec cannot write (a lone surrogate: an undecodable file
         data = b"".join(map(_line_alone, events))  # name), an args key: event by event
     _write(data)
@@ -296,7 +301,7 @@ def _line_alone(event) -> bytes:
 
 def _open_locked() -> bool:
     """Open this process's trace file; on failure tracing stops here, said once."""
-    global _fd, _file_pid, ENABLED, _warned, _next_id
+    global _fd, ENABLED, _warned
     path = os.path.join(_dir, f"cachemw-{socket.gethostname()}-{_pid}.pfw")
     try:
         if not os.path.isdir(_dir):
@@ -311,7 +316,6 @@ def _open_locked() -> bool:
             log.warning("cannot write the trace file %s (%s): not tracing this process",
                         path, exc)
         return False
-    _file_pid, _next_id = _pid, 1
     name = json.dumps(f"cachemw {multiprocessing.current_process().name} ({_pid})")
     _write(f'[\n{{"id":0,"name":"process_name","cat":"dftracer","pid":{_pid},'
            f'"tid":{_thread_id()},"ph":"M","args":{{"name":{name}}}}}\n'.encode())
@@ -359,8 +363,10 @@ def _at_exit() -> None:
 def _after_fork_in_child() -> None:
     """A forked child traces into a file of its own; the parent's buffered events stay the
     parent's to write."""
-    global _lock, _buffer, _fd, _pending, _pid, _closed, _flush_at
+    global _lock, _buffer, _fd, _pending, _pid, _closed, _flush_at, _tls, _ids
     _pid = os.getpid()
+    _tls = threading.local()  # the forking thread's id is the parent's
+    _ids = itertools.count(1)
     _flush_at = 0.0  # its first event flushes: its exit hook is made there
     _lock = threading.Lock()
     _buffer = collections.deque()

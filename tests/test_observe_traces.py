@@ -283,3 +283,43 @@ def test_off_by_default_and_a_bad_directory_is_named(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "CACHEMW_TRACE: must be an absolute" in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_writes_its_own_pid_thread_and_ids(tmp_path):
+    """The thread id is kept per thread (no system call per event) and event ids are counted
+    per process: a forked child's events carry its own pid and thread id, not the ones its
+    parent had kept, and each file's ids are distinct."""
+    import multiprocessing
+    import threading
+    import time
+
+    from cachemw import trace
+
+    def child():
+        now = time.perf_counter()
+        trace.block_event("hit", now, now, "dram", "/d/child", 0, 1)
+        trace.event("e", trace.READ, now, now)
+        trace.stop()
+
+    trace.start(str(tmp_path / "t"))
+    try:
+        now = time.perf_counter()
+        trace.block_event("hit", now, now, "dram", "/d/parent", 0, 1)  # the parent's tid kept
+        proc = multiprocessing.get_context("fork").Process(target=child)
+        proc.start()
+        proc.join(30)
+        assert proc.exitcode == 0
+        trace.event("e", trace.READ, now, now)
+    finally:
+        trace.stop()
+    by_pid = {}
+    for path in glob.glob(str(tmp_path / "t" / "*.pfw")):
+        events = [e for e in read_pfw(path) if e["ph"] == "X"]
+        by_pid[events[0]["pid"]] = events
+    assert set(by_pid) == {os.getpid(), proc.pid}
+    for pid, events in by_pid.items():
+        assert len({e["id"] for e in events}) == len(events) == 2
+        assert {e["pid"] for e in events} == {pid}
+    assert {e["tid"] for e in by_pid[proc.pid]} == {proc.pid}  # the child's main thread
+    assert {e["tid"] for e in by_pid[os.getpid()]} == {threading.get_native_id()}
