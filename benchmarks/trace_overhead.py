@@ -5,6 +5,7 @@ revision (before the trace and read-time hooks), all in the same run.
     python benchmarks/trace_overhead.py                        # off vs on
     python benchmarks/trace_overhead.py --baseline-rev afcb71c # also off vs that revision
     python benchmarks/trace_overhead.py --quick                # fewer files and rounds
+    python benchmarks/trace_overhead.py --instructions         # counted by callgrind
 
 In each session two fresh reader processes, one of this code and one of the baseline's,
 each with its own autostarted daemon and runtime dir in /dev/shm (the source files in
@@ -19,6 +20,14 @@ printed: the min / median / max over sessions. Passes are timed in the reader's 
 (the hit path does no waiting: the daemon takes no part in a hit, so on a machine shared
 with other work this is the steadier measure of what the code costs) and in wall time.
 Targets: off / baseline within noise, on / off >= 0.90.
+
+With ``--instructions`` the same variants are counted instead of timed: each reader runs
+under valgrind's callgrind (its daemon, started beforehand, natively) once with no timed
+pass and once with ``--counted-passes``; the difference over the hits is the user-space
+instructions a hit costs. A count does not swing with the other work on the machine, as
+CPU time does here by +-10 % from pass to pass, and it says what the code does; it leaves
+out the kernel's share (the hit's system calls) and the hardware's (cache misses), so a
+traced hit's share of the instructions is an upper bound on its share of the time.
 """
 from __future__ import annotations
 
@@ -67,6 +76,29 @@ for line in sys.stdin:  # one timed pass per line: hits per second of wall and o
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     print(len(paths) / wall, len(paths) / cpu, flush=True)
 assert fs.stats()["hits"] >= 2 * len(paths)
+"""
+
+COUNTED = r"""
+import os, sys
+import fsspec
+try:
+    from cachemw import trace
+except ImportError:
+    trace = None
+src, runtime_dir, trace_dir, mode, passes = sys.argv[1:6]
+fs = fsspec.filesystem("cachemw", runtime_dir=runtime_dir, skip_instance_cache=True,
+                       daemon_options={"dram_capacity": "2GiB"})
+paths = sorted(os.path.join(src, p) for p in os.listdir(src))
+for p in paths:  # filled by an earlier run: hits
+    fs.cat_file(p)
+if trace is not None:
+    trace.start(trace_dir)
+    trace.ENABLED = mode == "on"
+for _ in range(int(passes)):
+    for p in paths:
+        fs.cat_file(p)
+if trace is not None:
+    trace.flush()
 """
 
 
@@ -120,6 +152,36 @@ def finish(proc: subprocess.Popen) -> None:
         raise RuntimeError("a reader failed")
 
 
+def counted(variants: list[str], src: str, work: str, baseline: str | None,
+            passes: int) -> dict[str, float]:
+    """User-space instructions per hit of each variant, counted by callgrind (see the
+    module docstring)."""
+    n = len(os.listdir(src))
+    out = {}
+    for variant in variants:
+        env = {k: v for k, v in os.environ.items() if k not in ("CACHEMW_TRACE", "PYTHONPATH")}
+        if variant == "baseline":
+            env["PYTHONPATH"] = baseline
+        runtime_dir = tempfile.mkdtemp(prefix=f"rt-{variant}-", dir=work)
+        trace_dir = tempfile.mkdtemp(prefix="trace-", dir=work)
+        run = [sys.executable, "-c", COUNTED, src, runtime_dir, trace_dir, variant]
+        try:
+            subprocess.run(run + ["0"], env=env, check=True, timeout=600)  # fills; the daemon
+            totals = []
+            for k in (0, passes):
+                out_file = os.path.join(work, f"callgrind.{variant}.{k}")
+                subprocess.run(["valgrind", "--tool=callgrind", "--trace-children=no",
+                                f"--callgrind-out-file={out_file}"] + run + [str(k)],
+                               env=env, check=True, timeout=1800, capture_output=True)
+                with open(out_file) as f:
+                    totals.append(next(int(line.split()[1]) for line in f
+                                       if line.startswith("totals:")))
+            out[variant] = (totals[1] - totals[0]) / (passes * n)
+        finally:
+            stop_local(runtime_dir)
+    return out
+
+
 def off_check_cost(n: int = 2_000_000) -> float:
     """Nanoseconds of the check a traced point costs when tracing is off."""
     from cachemw import trace
@@ -155,7 +217,12 @@ def main() -> int:
     p.add_argument("--sessions", type=int, default=5)
     p.add_argument("--passes", type=int, default=6, help="per variant and session")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--instructions", action="store_true",
+                   help="count instructions per hit under callgrind instead of timing")
+    p.add_argument("--counted-passes", type=int, default=8)
     args = p.parse_args()
+    if args.instructions and shutil.which("valgrind") is None:
+        p.error("--instructions needs valgrind (apt-get install valgrind)")
     sessions, passes = (2, 3) if args.quick else (args.sessions, args.passes)
     cases = [("128 KiB", 128 << 10, 300 if args.quick else 1000),
              ("4 KiB", 4 << 10, 1000 if args.quick else 4000)]
@@ -166,11 +233,21 @@ def main() -> int:
             baseline = checkout(args.baseline_rev, os.path.join(work, "baseline"))
         variants = ["off", "on"] + (["baseline"] if baseline else [])
         readers = {"off": "current", "on": "current", "baseline": "baseline"}
-        print(f"{sessions} sessions x {passes} passes; variants {variants}; hits/s of cat_file")
+        print(f"variants {variants}; " + (
+            f"{args.counted_passes} counted passes over 500 files" if args.instructions else
+            f"{sessions} sessions x {passes} passes; hits/s of cat_file"))
         pairs = [("on", "off", ">= 0.90")] + ([("off", "baseline", "within noise")]
                                                if baseline else [])
         for label, size, n in cases:
             src = os.path.join(work, f"src-{size}")
+            if args.instructions:
+                make_files(src, min(n, 500), size)
+                per_hit = counted(variants, src, work, baseline, args.counted_passes)
+                print(f"{label}: user-space instructions per hit, " + "; ".join(
+                    f"{v} {x:,.0f}" for v, x in per_hit.items())
+                    + f"; tracing adds {per_hit['on'] / per_hit['off'] - 1:.1%}", flush=True)
+                shutil.rmtree(src)
+                continue
             make_files(src, n, size)
             ratios = {(a, b, i): [] for a, b, _ in pairs for i in (0, 1)}
             for session in range(sessions):
@@ -196,6 +273,8 @@ def main() -> int:
                     print(f"{label}: {a} / {b} ({clock} time), sessions' medians "
                           f"{fmt(ratios[(a, b, i)])} (target {target})")
             shutil.rmtree(src)
+        if args.instructions:
+            return 0
         ns = off_check_cost()
         print(f"the off check at a traced point: {ns:.1f} ns")
         return 0
