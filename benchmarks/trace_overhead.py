@@ -118,15 +118,35 @@ def checkout(rev: str, into: str) -> str:
     return into
 
 
+def code_of(variant: str, baseline: str | None) -> tuple[dict, str]:
+    """(environment, working directory) that make a reader and the daemon it starts import
+    the variant's cachemw. The directory matters: ``python -c`` and ``python -m`` (how a
+    daemon starts) put it first on sys.path, ahead of PYTHONPATH and the installed package,
+    so a baseline's reader started from this checkout would run this code."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CACHEMW_TRACE", "PYTHONPATH")}
+    if variant == "baseline":
+        env["PYTHONPATH"] = baseline
+        return env, baseline
+    return env, REPO
+
+
+def check_code(variant: str, baseline: str | None) -> None:
+    """Fail unless the variant's reader imports the code it is meant to measure."""
+    env, cwd = code_of(variant, baseline)
+    where = subprocess.run([sys.executable, "-c", "import cachemw; print(cachemw.__file__)"],
+                           env=env, cwd=cwd, capture_output=True, text=True, check=True).stdout
+    want = os.path.join(cwd, "cachemw", "__init__.py")
+    if os.path.realpath(where.strip()) != os.path.realpath(want):
+        raise RuntimeError(f"the {variant} reader imports {where.strip()}, not {want}")
+
+
 def reader(variant: str, src: str, work: str, baseline: str | None) -> subprocess.Popen:
     """A reader process, its cache filled and warm, waiting for its first pass."""
-    env = {k: v for k, v in os.environ.items() if k not in ("CACHEMW_TRACE", "PYTHONPATH")}
+    env, cwd = code_of(variant, baseline)
     trace_dir = tempfile.mkdtemp(prefix="trace-", dir=work)
-    if variant == "baseline":
-        env["PYTHONPATH"] = baseline  # its cachemw first, for the reader and its daemon
     runtime_dir = tempfile.mkdtemp(prefix=f"rt-{variant}-", dir=work)
     proc = subprocess.Popen([sys.executable, "-c", READER, src, runtime_dir, trace_dir], env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                            cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     proc.runtime_dir = runtime_dir
     if proc.stdout.readline().strip() != "ready":
         raise RuntimeError(f"the {variant} reader did not start")
@@ -159,20 +179,18 @@ def counted(variants: list[str], src: str, work: str, baseline: str | None,
     n = len(os.listdir(src))
     out = {}
     for variant in variants:
-        env = {k: v for k, v in os.environ.items() if k not in ("CACHEMW_TRACE", "PYTHONPATH")}
-        if variant == "baseline":
-            env["PYTHONPATH"] = baseline
+        env, cwd = code_of(variant, baseline)
         runtime_dir = tempfile.mkdtemp(prefix=f"rt-{variant}-", dir=work)
         trace_dir = tempfile.mkdtemp(prefix="trace-", dir=work)
         run = [sys.executable, "-c", COUNTED, src, runtime_dir, trace_dir, variant]
         try:
-            subprocess.run(run + ["0"], env=env, check=True, timeout=600)  # fills; the daemon
+            subprocess.run(run + ["0"], env=env, cwd=cwd, check=True, timeout=600)  # fills; the daemon
             totals = []
             for k in (0, passes):
                 out_file = os.path.join(work, f"callgrind.{variant}.{k}")
                 subprocess.run(["valgrind", "--tool=callgrind", "--trace-children=no",
                                 f"--callgrind-out-file={out_file}"] + run + [str(k)],
-                               env=env, check=True, timeout=1800, capture_output=True)
+                               env=env, cwd=cwd, check=True, timeout=1800, capture_output=True)
                 with open(out_file) as f:
                     totals.append(next(int(line.split()[1]) for line in f
                                        if line.startswith("totals:")))
@@ -233,6 +251,8 @@ def main() -> int:
             baseline = checkout(args.baseline_rev, os.path.join(work, "baseline"))
         variants = ["off", "on"] + (["baseline"] if baseline else [])
         readers = {"off": "current", "on": "current", "baseline": "baseline"}
+        for r in set(readers[v] for v in variants):
+            check_code(r, baseline)
         print(f"variants {variants}; " + (
             f"{args.counted_passes} counted passes over 500 files" if args.instructions else
             f"{sessions} sessions x {passes} passes; hits/s of cat_file"))
