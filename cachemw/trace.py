@@ -20,8 +20,13 @@ system call per event) and appended to a deque (no lock); lines are written in b
 (every 512 events, or at the first event a second after the last batch) by one msgspec call
 (in C: no Python code per event) and one ``write``, so a killed process leaves a file whose
 lines all parse. The events of the hit path (``block_event``) skip the dict of a general
-event. A traced 4 KiB hit costs ~20 us here: formatting its line in Python cost ~1.1 us,
-and converting a buffered tuple into a Struct per event at the batch ~0.5 us (issue 15).
+event. Python code per event is what tracing costs on a hit (a 4 KiB hit is a few tens of
+microseconds; formatting a line in Python took ~1.1 us, converting a buffered tuple at the
+batch ~0.5 us more: docs/benchmarks.md, "Tracing"). Ids are given as events happen, so a
+span's (made when it ends) is above its children's though it is written before them.
+
+A process writes one file per ``start``: after ``stop`` (or a failed write), a ``start``
+opens ``cachemw-<host>-<pid>.<n>.pfw``, never truncating what it wrote before.
 
 Nesting: Perfetto's JSON importer needs the X events of a thread properly nested, and
 reads a parent before its children when both start in the same microsecond only if it
@@ -47,7 +52,7 @@ from .config import check_trace_dir, trace_dir
 
 log = logging.getLogger(__name__)
 
-ENABLED = False  # checked by callers before they build an event: off costs one lookup
+ENABLED = False  # set by start()/stop(); callers check it before making an event
 
 READ = "cachemw.read"  # categories (the ``cat`` field)
 PLACEMENT = "cachemw.placement"
@@ -59,7 +64,6 @@ FLUSH_SECONDS = 1.0
 _OFFSET_US = int((time.time() - time.perf_counter()) * 1e6)  # perf_counter -> epoch
 _now = time.perf_counter
 _thread_id = threading.get_native_id  # a system call: kept per thread in _tls
-_US = 1e6
 
 _lock = threading.Lock()  # the file, and whoever writes a batch into it
 _dir: str | None = None
@@ -140,12 +144,12 @@ def block_event(name: str, start: float, end: float, tier: str, path: str, block
     args (``tier``, ``file``, ``block``, ``bytes``) a fixed shape (a dict per event cost as
     much as the rest of the event). Call it only when ENABLED. Never the parent of another
     event."""
-    try:
+    try:  # _tid() inline: a call is a measurable part of a traced hit
         tid = _tls.tid
     except AttributeError:
         tid = _tls.tid = _thread_id()
-    ts = int(start * _US)
-    record = _Block(next(_ids), name, READ, _pid, tid, ts + _OFFSET_US, int(end * _US) - ts, "X",
+    ts = int(start * 1e6)
+    record = _Block(next(_ids), name, READ, _pid, tid, ts + _OFFSET_US, int(end * 1e6) - ts, "X",
                     _BlockArgs(tier, path, block, nbytes))
     pending = _pending.get(tid) if _pending else None
     if pending is not None:
@@ -220,8 +224,8 @@ def _tid() -> int:
 def _general(name: str, cat: str, tid: int, start: float, end: float, args: dict | None):
     """An event's record, as it will be written: ``ts`` and the end both floored to the
     microsecond, which keeps containment and order."""
-    ts = int(start * _US)
-    return _Event(next(_ids), name, cat, _pid, tid, ts + _OFFSET_US, int(end * _US) - ts, "X",
+    ts = int(start * 1e6)
+    return _Event(next(_ids), name, cat, _pid, tid, ts + _OFFSET_US, int(end * 1e6) - ts, "X",
                   args or {})
 
 
@@ -302,12 +306,20 @@ def _line_alone(event) -> bytes:
 def _open_locked() -> bool:
     """Open this process's trace file; on failure tracing stops here, said once."""
     global _fd, ENABLED, _warned
-    path = os.path.join(_dir, f"cachemw-{socket.gethostname()}-{_pid}.pfw")
+    stem = os.path.join(_dir, f"cachemw-{socket.gethostname()}-{_pid}")
+    path = stem + ".pfw"
     try:
         if not os.path.isdir(_dir):
             os.makedirs(_dir, mode=0o700, exist_ok=True)
-        _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
-                      0o600)
+        for n in range(1, 1000):  # a new file: never what this process (or one of the same
+            try:                  # pid before it) wrote before
+                _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND
+                              | os.O_CLOEXEC, 0o600)
+                break
+            except FileExistsError:
+                path = f"{stem}.{n}.pfw"
+        else:
+            raise FileExistsError(f"{stem}.pfw and 999 more exist")
     except OSError as exc:
         ENABLED = False
         _buffer.clear()

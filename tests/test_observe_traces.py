@@ -321,5 +321,29 @@ def test_a_forked_child_writes_its_own_pid_thread_and_ids(tmp_path):
     for pid, events in by_pid.items():
         assert len({e["id"] for e in events}) == len(events) == 2
         assert {e["pid"] for e in events} == {pid}
+    assert {e["id"] for e in by_pid[proc.pid]} == {1, 2}  # counted from 1 in the child
     assert {e["tid"] for e in by_pid[proc.pid]} == {proc.pid}  # the child's main thread
     assert {e["tid"] for e in by_pid[os.getpid()]} == {threading.get_native_id()}
+
+
+def test_a_second_start_writes_a_new_file(tmp_path):
+    """start, stop, start again in one process: the second session's events go to a file of
+    their own, and the first file keeps its events (it is never truncated)."""
+    import time
+
+    from cachemw import trace
+
+    for name in ("first", "second"):
+        trace.start(str(tmp_path / "t"))
+        try:
+            now = time.perf_counter()
+            trace.event(name, trace.READ, now, now)
+        finally:
+            trace.stop()
+    import socket
+
+    stem = str(tmp_path / "t" / f"cachemw-{socket.gethostname()}-{os.getpid()}")
+    files = [stem + ".pfw", stem + ".1.pfw"]
+    assert sorted(glob.glob(str(tmp_path / "t" / "*.pfw"))) == sorted(files)
+    names = [[e["name"] for e in read_pfw(f) if e["ph"] == "X"] for f in files]
+    assert names == [["first"], ["second"]]
