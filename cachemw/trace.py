@@ -319,7 +319,7 @@ def _open_locked() -> bool:
             except FileExistsError:
                 path = f"{stem}.{n}.pfw"
         else:
-            raise FileExistsError(f"{stem}.pfw and 999 more exist")
+            raise FileExistsError(f"{stem}.pfw and {stem}.1-998.pfw all exist")
     except OSError as exc:
         ENABLED = False
         _buffer.clear()
