@@ -150,3 +150,22 @@ def test_a_new_process_reads_a_changed_source_once_the_ttl_has_passed(
     wait_for(lambda: _read_in_new_process(runtime_dir, path, validate="ttl",
                                           ttl=60)[1] == 0, 10, what="the new info to be shared")
     assert _read_in_new_process(runtime_dir, path, validate="ttl", ttl=60) == ["two", 0]
+
+
+def test_a_files_metadata_round_trips_through_the_packed_form_a_process_keeps():
+    """What a process keeps per file (client/metadata.py: a string, no object for the garbage
+    collector) gives back the FileMeta it was made from, whatever the URL and version hold."""
+    from cachemw.client.metadata import FileMeta, _pack, _unpack
+
+    undecodable = os.fsdecode(b"/d/latin1-\xff")
+    for meta in (FileMeta("/d/f", "file:///d/f", 4096, "mtime=1.5:size=4096", 1764132000.123456),
+                 FileMeta(undecodable, "file://" + undecodable, 0, "", 0.0),
+                 FileMeta("/d/\u65e5", "s3://b/\u65e5\0x", 2 ** 62, "v\0\u00e9\U0001f600",
+                          1.5e9 + 1 / 3),
+                 FileMeta("p", "", 1, "etag=\"abc\"", time.time())):
+        packed = _pack(meta)
+        assert type(packed) is str
+        back = _unpack(meta.path, packed)
+        assert back == meta and type(back) is FileMeta
+        assert (back.url, back.version, back.size, back.fetched) == (
+            meta.url, meta.version, meta.size, meta.fetched)
