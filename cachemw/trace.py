@@ -236,8 +236,8 @@ def _due() -> None:
         _flush_locked()
 
 
-def _encoding():
-    """msgspec's encoder and the event shapes it writes, made by ``start`` (msgspec is
+def _encoding() -> None:
+    """Make msgspec's encoder and the event shapes it writes, from ``start`` (msgspec is
     imported only by a process that traces: a reader's import stays small). Field order is
     the line's key order."""
     global _encoder, _Block, _BlockArgs, _Event, _to_builtins
@@ -267,7 +267,6 @@ def _encoding():
         _Block, _BlockArgs, _Event = Block, BlockArgs, Event
         _to_builtins = msgspec.to_builtins
         _encoder = msgspec.json.Encoder(enc_hook=str)  # args of any other type: str(value)
-    return _encoder
 
 
 def _flush_locked() -> None:
