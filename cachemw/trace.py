@@ -14,16 +14,17 @@ handlers that call ``sys.exit`` (a daemon's clean stop, a Ray actor's, depend on
 own). The file format is the contract; writing it takes the small writer below.
 
 Cost: off, a caller checks ``ENABLED`` (a module attribute) once per read and allocates
-nothing. On, an event is made in its final shape where it happens (a msgspec Struct: its
-id, microseconds and thread id filled in then, the thread id kept per thread instead of a
-system call per event) and appended to a deque (no lock); lines are written in batches
-(every 512 events, or at the first event a second after the last batch) by one msgspec call
-(in C: no Python code per event) and one ``write``, so a killed process leaves a file whose
-lines all parse. The events of the hit path (``block_event``) skip the dict of a general
-event. Python code per event is what tracing costs on a hit (a 4 KiB hit is a few tens of
-microseconds; formatting a line in Python took ~1.1 us, converting a buffered tuple at the
-batch ~0.5 us more: docs/benchmarks.md, "Tracing"). Ids are given as events happen, so a
-span's (made when it ends) is above its children's though it is written before them.
+nothing. On, the hit path's events (``block_event``: ``hit``, ``source_fetch``, ``map``) are
+formatted by _blocktrace.c straight into a buffer, about 1.3k instructions against a 4 KiB
+hit's ~70k; the same events made in Python cost ~8k (docs/benchmarks.md, "Tracing"), and
+that is the writer where the extension could not be built, or where the thread is inside a
+span. The other events are made in their final shape where they happen (a msgspec Struct:
+its id, microseconds and thread id filled in then, the thread id kept per thread instead of
+a system call per event) and appended to a deque (no lock). Lines are written in batches
+(every 512 events, or at the first event a second after the last batch): the deque's by one
+msgspec call, then the C buffer, in one ``write``, so a killed process leaves a file whose
+lines all parse. Ids (one count for both writers) are given as events happen, so a span's
+(made when it ends) is above its children's though it is written before them.
 
 A process writes one file per ``start``: after ``stop`` (or a failed write), a ``start``
 opens ``cachemw-<host>-<pid>.<n>.pfw``, never truncating what it wrote before.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import importlib
 import itertools
 import json
 import logging
@@ -49,6 +51,11 @@ import threading
 import time
 
 from .config import check_trace_dir, trace_dir
+
+try:  # the hit path's events formatted in C (_blocktrace.c), built at install when a compiler
+    _native = importlib.import_module(f"{__package__}._blocktrace")  # is there (by name: a C
+except ImportError:  # module imports nothing of cachemw, which import-linter cannot see)
+    _native = None  # the Python writer
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +79,7 @@ _buffer: collections.deque = collections.deque()  # appended without a lock (ato
 _pending: dict[int, list] = {}  # thread -> the events of its open outermost span
 _tls = threading.local()  # .tid: this thread's native id
 _ids = itertools.count(1)  # event ids of this process (0: the file's process_name line)
+_next_id = _native.new_id if _native is not None else _ids.__next__  # one count with C's
 _encoder = None  # msgspec's, made by _encoding() when tracing starts
 _Block = _BlockArgs = _Event = _to_builtins = None
 _pid = os.getpid()  # this process (kept by the fork hook: no system call per event)
@@ -138,8 +146,8 @@ def event(name: str, cat: str, start: float, end: float | None = None,
         _due()
 
 
-def block_event(name: str, start: float, end: float, tier: str, path: str, block: int,
-                nbytes: int) -> None:
+def _block_event_py(name: str, start: float, end: float, tier: str, path: str, block: int,
+                    nbytes: int) -> None:
     """A read of one block (``hit``, ``source_fetch``): the events of the hit path, their
     args (``tier``, ``file``, ``block``, ``bytes``) a fixed shape (a dict per event cost as
     much as the rest of the event). Call it only when ENABLED. Never the parent of another
@@ -149,7 +157,7 @@ def block_event(name: str, start: float, end: float, tier: str, path: str, block
     except AttributeError:
         tid = _tls.tid = _thread_id()
     ts = int(start * 1e6)
-    record = _Block(next(_ids), name, READ, _pid, tid, ts + _OFFSET_US, int(end * 1e6) - ts, "X",
+    record = _Block(_next_id(), name, READ, _pid, tid, ts + _OFFSET_US, int(end * 1e6) - ts, "X",
                     _BlockArgs(tier, path, block, nbytes))
     pending = _pending.get(tid) if _pending else None
     if pending is not None:
@@ -158,6 +166,13 @@ def block_event(name: str, start: float, end: float, tier: str, path: str, block
     _buffer.append(record)
     if len(_buffer) >= FLUSH_EVENTS or end > _flush_at:
         _due()
+
+
+block_event = _block_event_py
+"""``block_event(name, start, end, tier, path, block, nbytes)``: a read of one block (``hit``,
+``source_fetch``, ``map``), args ``tier``, ``file``, ``block``, ``bytes``. Call it only when
+ENABLED. In C where built (the same line; a thread inside a span, or a name that is not
+UTF-8, goes to the Python writer)."""
 
 
 class span:
@@ -178,6 +193,8 @@ class span:
             if tid not in _pending:
                 _pending[tid] = []
                 self.outermost = True
+                if _native is not None:  # its block events to _pending too, to be sorted
+                    _native.span_open()
             self.start = _now()
         return self
 
@@ -197,6 +214,8 @@ class span:
             if not self.outermost:
                 return
             del _pending[tid]
+            if _native is not None:
+                _native.span_closed()
             # reversed first: on an exact tie (both ends in the same microseconds) the
             # stable sort keeps the one recorded later first, which is the enclosing one (a
             # span is recorded after everything inside it)
@@ -225,7 +244,7 @@ def _general(name: str, cat: str, tid: int, start: float, end: float, args: dict
     """An event's record, as it will be written: ``ts`` and the end both floored to the
     microsecond, which keeps containment and order."""
     ts = int(start * 1e6)
-    return _Event(next(_ids), name, cat, _pid, tid, ts + _OFFSET_US, int(end * 1e6) - ts, "X",
+    return _Event(_next_id(), name, cat, _pid, tid, ts + _OFFSET_US, int(end * 1e6) - ts, "X",
                   args or {})
 
 
@@ -272,18 +291,24 @@ def _encoding() -> None:
 def _flush_locked() -> None:
     global _flush_at
     _flush_at = _now() + FLUSH_SECONDS
+    native = b""
+    if _native is not None:
+        _native.set_flush_at(_flush_at)
+        native = _native.take()  # the lines C wrote (all GIL-held: none is half written)
     if _closed:
         _buffer.clear()
         return
-    if not _buffer or (_fd is None and not _open_locked()):
+    if not (_buffer or native) or (_fd is None and not _open_locked()):
         return
     pop = _buffer.popleft  # what other threads append meanwhile is written next time
     events = [pop() for _ in range(len(_buffer))]
-    try:
-        data = _encoder.encode_lines(events)
-    except Exception:  # a name msgspec cannot write (a lone surrogate: an undecodable file
-        data = b"".join(map(_line_alone, events))  # name), an args key: event by event
-    _write(data)
+    data = b""
+    if events:
+        try:
+            data = _encoder.encode_lines(events)
+        except Exception:  # a name msgspec cannot write (a lone surrogate: an undecodable
+            data = b"".join(map(_line_alone, events))  # file name), an args key: one by one
+    _write(data + native)
 
 
 def _line_alone(event) -> bytes:
@@ -374,10 +399,14 @@ def _at_exit() -> None:
 def _after_fork_in_child() -> None:
     """A forked child traces into a file of its own; the parent's buffered events stay the
     parent's to write."""
-    global _lock, _buffer, _fd, _pending, _pid, _closed, _flush_at, _tls, _ids
+    global _lock, _buffer, _fd, _pending, _pid, _closed, _flush_at, _tls, _ids, _next_id
     _pid = os.getpid()
     _tls = threading.local()  # the forking thread's id is the parent's
     _ids = itertools.count(1)
+    if _native is not None:
+        _native.after_fork(_pid)  # its lines, ids, cached thread ids and span mark reset
+    else:
+        _next_id = _ids.__next__
     _flush_at = 0.0  # its first event flushes: its exit hook is made there
     _lock = threading.Lock()
     _buffer = collections.deque()
@@ -388,6 +417,9 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+if _native is not None:
+    _native.configure(_block_event_py, _due, _pid, _OFFSET_US, FLUSH_EVENTS)
+    block_event = _native.block_event
 
 try:
     _from_env = trace_dir()

@@ -208,7 +208,102 @@ def test_a_parent_comes_first_when_its_events_fall_in_one_microsecond(tmp_path, 
     assert [e["name"] for e in events] == ["outer", "late", "inner", "leaf"]
 
 
-def test_block_events_name_any_file_exactly(tmp_path):
+@pytest.fixture(params=["c", "python"])
+def writer(request, monkeypatch):
+    """Block events through the C writer (where it is built) and through the Python one."""
+    from cachemw import trace
+
+    if request.param == "python":
+        monkeypatch.setattr(trace, "block_event", trace._block_event_py)
+    elif trace._native is None:
+        pytest.skip("cachemw._blocktrace is not built here")
+    return request.param
+
+
+def test_the_c_writer_is_built_where_there_is_a_compiler():
+    """An install builds the hit path's writer (optional: a machine without a compiler
+    writes from Python, slower); where a compiler and Python's headers are, a missing build
+    is a bug."""
+    import shutil
+    import sysconfig
+
+    from cachemw import trace
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on this machine")
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        pytest.skip("no Python headers on this machine")
+    assert trace._native is not None
+    assert trace.block_event is trace._native.block_event
+
+
+NAMES = ['/d/plain', '/d/a"b', "/d/back\\slash", "/d/\u00fcber/\u65e5\u672c", "/d/tab\there",
+         "/d/ctl-" + "".join(map(chr, range(32))) + "\x7f", "/d/emoji-\U0001f600", ""]
+
+
+def _lines(directory) -> list[bytes]:
+    (path,) = glob.glob(str(directory / "*.pfw"))
+    with open(path, "rb") as f:
+        return [line for line in f.read().splitlines() if b'"ph":"X"' in line]
+
+
+def test_the_c_writer_writes_msgspecs_line_byte_for_byte(tmp_path):
+    """The same block event through C and through the Python writer (msgspec) is the same
+    line but for its id: escapes of quotes, backslashes, every control character, non-ASCII
+    and 4-byte characters, an empty name; negative and large integers."""
+    import re
+
+    from cachemw import trace
+
+    if trace._native is None:
+        pytest.skip("cachemw._blocktrace is not built here")
+    cases = [(name, i, 4096) for i, name in enumerate(NAMES)] + [("/d/x", -1, 2**62), ("/d/y", 0, 0)]
+    trace.start(str(tmp_path / "t"))
+    try:
+        for name, block, nbytes in cases:
+            for write in (trace._native.block_event, trace._block_event_py):
+                write("hit\u00e9\n", 1234.5678919, 1234.5679, "dram", name, block, nbytes)
+                trace.flush()
+    finally:
+        trace.stop()
+    lines = [re.sub(rb'^\{"id":\d+,', b"{", line) for line in _lines(tmp_path / "t")]
+    assert len(lines) == 2 * len(cases)
+    for c_line, py_line in zip(lines[::2], lines[1::2]):
+        assert c_line == py_line
+    ids = [json.loads(line)["id"] for line in _lines(tmp_path / "t")]
+    assert ids == sorted(set(ids))  # one count for both writers
+
+
+def test_block_events_inside_a_span_are_sorted_with_it(tmp_path, writer):
+    """A block event inside a span (a miss's source_fetch) waits for the span and comes
+    after it in the file; outside any span, after the span closed, it is written directly."""
+    import threading
+
+    from cachemw import trace
+
+    trace.start(str(tmp_path / "t"))
+    try:
+        def work():
+            with trace.span("miss", trace.READ):
+                now = trace._now()
+                trace.block_event("source_fetch", now, trace._now(), "source", "/d/f", 0, 1)
+            now = trace._now()
+            trace.block_event("hit", now, trace._now(), "dram", "/d/f", 0, 1)
+
+        other = threading.Thread(target=work)
+        other.start()
+        other.join()
+        work()
+    finally:
+        trace.stop()
+    (path,) = glob.glob(str(tmp_path / "t" / "*.pfw"))
+    events = read_pfw(path)
+    assert_nested(events)
+    for tid in {e["tid"] for e in events}:
+        assert [e["name"] for e in events if e["tid"] == tid] == ["miss", "source_fetch", "hit"]
+
+
+def test_block_events_name_any_file_exactly(tmp_path, writer):
     """A hit's file is written as JSON whatever its name holds (quotes, backslashes,
     non-ASCII, control characters, a byte that is not UTF-8, which Python holds as a lone
     surrogate and msgspec cannot encode): in a batch with such a name the other events
@@ -286,7 +381,7 @@ def test_off_by_default_and_a_bad_directory_is_named(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_forked_child_writes_its_own_pid_thread_and_ids(tmp_path):
+def test_a_forked_child_writes_its_own_pid_thread_and_ids(tmp_path, writer):
     """The thread id is kept per thread (no system call per event) and event ids are counted
     per process: a forked child's events carry its own pid and thread id, not the ones its
     parent had kept, and each file's ids are distinct."""
