@@ -13,6 +13,7 @@ held and never releases it, so the buffer needs no lock. The line is the one msg
 for trace.py's Block struct, byte for byte. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -108,6 +109,12 @@ static char *put_unicode(char *p, PyObject *s) {
     return p;
 }
 
+/* The line's fixed text (every PUT below); each of its 7 integers takes at most 20 bytes,
+   each string at most 6 per byte or code point. */
+#define LINE_FIXED (sizeof("{\"id\":,\"name\":\"\",\"cat\":\"cachemw.read\",\"pid\":,\"tid\":" \
+                           ",\"ts\":,\"dur\":,\"ph\":\"X\",\"args\":{\"tier\":\"\",\"file\":\"\"," \
+                           "\"block\":,\"bytes\":}}\n") - 1)
+
 #define PUT(lit) (memcpy(p, lit, sizeof(lit) - 1), p += sizeof(lit) - 1)
 
 /* block_event(name, start, end, tier, path, block, nbytes) */
@@ -129,18 +136,26 @@ static PyObject *block_event(PyObject *self, PyObject *const *args, Py_ssize_t n
         if (PyUnicode_READY(args[4]) < 0) goto python_clear;
         npath = PyUnicode_GET_LENGTH(args[4]);
     }
+    /* each conversion checked before the next (one may run Python code: __float__) */
     double start = PyFloat_AsDouble(args[1]);
+    if (start == -1.0 && PyErr_Occurred()) goto python_clear;
     double end = PyFloat_AsDouble(args[2]);
+    if (end == -1.0 && PyErr_Occurred()) goto python_clear;
+    if (PyBool_Check(args[5]) || PyBool_Check(args[6])) goto python;  /* msgspec: true/false */
     long long block = PyLong_AsLongLong(args[5]);
+    if (block == -1 && PyErr_Occurred()) goto python_clear;
     long long nbytes = PyLong_AsLongLong(args[6]);
-    if (PyErr_Occurred()) goto python_clear;
+    if (nbytes == -1 && PyErr_Occurred()) goto python_clear;
+    /* microseconds that fit (and leave room for the offset); else the Python writer, which
+       raises as int() does for inf and NaN */
+    if (!(fabs(start) < 4e18 / 1e6 && fabs(end) < 4e18 / 1e6)) goto python;
     if (tid_generation != generation) {
         tid_cache = (long long)syscall(SYS_gettid);
         tid_generation = generation;
     }
     long long ts = (long long)(start * 1e6);
     long long dur = (long long)(end * 1e6) - ts;
-    if (reserve(220 + 6 * (nname + ntier + npath)) < 0) return NULL;
+    if (reserve(LINE_FIXED + 7 * 21 + 6 * (nname + ntier + npath)) < 0) return NULL;
     char *p = buf + used;
     PUT("{\"id\":"); p = put_int(p, next_id++);
     PUT(",\"name\":\""); p = put_str(p, name, nname);

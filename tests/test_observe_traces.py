@@ -229,8 +229,9 @@ def test_the_c_writer_is_built_where_there_is_a_compiler():
 
     from cachemw import trace
 
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler on this machine")
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]  # the one setuptools uses
+    if not shutil.which(compiler):
+        pytest.skip(f"no C compiler ({compiler}) on this machine")
     if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
         pytest.skip("no Python headers on this machine")
     assert trace._native is not None
@@ -257,7 +258,8 @@ def test_the_c_writer_writes_msgspecs_line_byte_for_byte(tmp_path):
 
     if trace._native is None:
         pytest.skip("cachemw._blocktrace is not built here")
-    cases = [(name, i, 4096) for i, name in enumerate(NAMES)] + [("/d/x", -1, 2**62), ("/d/y", 0, 0)]
+    cases = [(name, i, 4096) for i, name in enumerate(NAMES)] + [
+        ("/d/x", -1, 2**62), ("/d/y", 0, 0), ("/d/z", -2**63, 2**63 - 1)]
     trace.start(str(tmp_path / "t"))
     try:
         for name, block, nbytes in cases:
@@ -274,6 +276,42 @@ def test_the_c_writer_writes_msgspecs_line_byte_for_byte(tmp_path):
     assert ids == sorted(set(ids))  # one count for both writers
 
 
+def test_odd_block_arguments_behave_as_in_the_python_writer(tmp_path):
+    """What the C writer does not write itself goes to the Python writer, which raises or
+    writes as it always did: times that are not numbers or not finite, integers past 64 bits,
+    booleans (written as true/false)."""
+    from cachemw import trace
+
+    if trace._native is None:
+        pytest.skip("cachemw._blocktrace is not built here")
+
+    class Seconds:
+        def __float__(self):
+            return 2.0
+
+    trace.start(str(tmp_path / "t"))
+    try:
+        for write in (trace._native.block_event, trace._block_event_py):
+            with pytest.raises(TypeError):
+                write("hit", "x", Seconds(), "dram", "/d/f", 0, 1)
+            for bad in (float("inf"), float("nan")):
+                with pytest.raises((OverflowError, ValueError)):
+                    write("hit", 1.0, bad, "dram", "/d/f", 0, 1)
+            write("hit", 1.0, 1e300, "dram", "/d/big", 2**64, 1)
+            write("hit", 1.0, 2.0, "dram", "/d/f", True, False)
+            trace.flush()
+    finally:
+        trace.stop()
+    lines = _lines(tmp_path / "t")
+    assert len(lines) == 4
+    for line in lines:
+        event = json.loads(line)
+        if event["args"]["file"] == "/d/big":
+            assert event["args"]["block"] == 2**64 and event["dur"] == int(1e300 * 1e6) - 1000000
+        else:
+            assert b'"block":true,"bytes":false' in line
+
+
 def test_block_events_inside_a_span_are_sorted_with_it(tmp_path, writer):
     """A block event inside a span (a miss's source_fetch) waits for the span and comes
     after it in the file; outside any span, after the span closed, it is written directly."""
@@ -287,6 +325,7 @@ def test_block_events_inside_a_span_are_sorted_with_it(tmp_path, writer):
             with trace.span("miss", trace.READ):
                 now = trace._now()
                 trace.block_event("source_fetch", now, trace._now(), "source", "/d/f", 0, 1)
+                trace.flush()  # a batch now: an event not held for the span is written first
             now = trace._now()
             trace.block_event("hit", now, trace._now(), "dram", "/d/f", 0, 1)
 
