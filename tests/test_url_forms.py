@@ -180,3 +180,38 @@ def test_cli_warm_takes_a_relative_directory(autostarted, tmp_path, monkeypatch,
     assert main(["warm", "--quiet", "data/train"]) == 0
     assert "warmed 4.0 KiB" in capsys.readouterr().out
     assert _leases(autostarted) == 2
+
+
+def test_local_paths_resolve_as_fsspec_resolves_them(tmp_path, monkeypatch):
+    """The shortcut for absolute local paths (urls.plain_local: no fsspec call per path)
+    gives fsspec's own answer, for the local filesystem and a subclass of it with its own
+    protocol; a subclass that parses paths itself gets its own parsing."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    from cachemw.client.urls import TargetPaths, plain_local, target_url
+
+    class Other(LocalFileSystem):
+        protocol = "otherfile"
+
+    class Parses(LocalFileSystem):
+        protocol = "parsesfile"
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return "/parsed" + LocalFileSystem._strip_protocol(path)
+
+    monkeypatch.chdir(tmp_path)
+    paths = ["/d/f", "/d/f/", "/", "/d//f", "/d/./f", "rel/f", "./f", "~/f", "file:///d/f",
+             "local:///d/f", "/d/\u00fc ber", "/d/a:b"]
+    for fs, plain in ((LocalFileSystem(), True), (Other(), True), (Parses(), False)):
+        assert plain_local(fs) is plain
+        url = target_url(fs)
+        for path in paths:
+            if not path.startswith(("file:", "local:")):
+                assert url(path) == fs.unstrip_protocol(path), (fs, path)
+            assert TargetPaths(fs)(path) == fs._strip_protocol(path), (fs, path)
+    cfs = fsspec.filesystem("cachemw", target_protocol="file", runtime_dir=str(tmp_path / "rt"),
+                            skip_instance_cache=True)
+    for path in paths:
+        assert cfs._strip_protocol(path) == LocalFileSystem._strip_protocol(path), path

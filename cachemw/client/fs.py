@@ -81,11 +81,14 @@ class CacheFileSystem(_Base):
 
         stripped: dict[str, str] = {}  # fsspec's path normalisation costs ~5 us a call
         path_of = TargetPaths(fs)
+        plain = path_of.plain
 
         def _strip_protocol(path):  # per instance: the target decides what a path is
             if isinstance(path, (list, tuple)):
                 return [_strip_protocol(p) for p in path]
             if type(path) is str:
+                if plain and path[:1] == "/" and path[-1:] != "/":
+                    return path  # what fsspec would return (urls.plain_local), at once
                 hit = stripped.get(path)
                 if hit is not None:
                     return hit

@@ -35,6 +35,7 @@ from typing import Callable, NamedTuple
 from ..files import atomic_write, make_private_dirs
 from ..keys import path_key, version_token
 from .metatable import MetaTable
+from .urls import target_url
 
 
 class FileMeta(NamedTuple):
@@ -66,6 +67,7 @@ class MetadataCache:
         self._warned_drop = False
         _caches.add(self)
         self.target = target
+        self._url = target_url(target)  # target.unstrip_protocol, cheaper for local paths
         self.validate = validate
         self.ttl = ttl
         self._meta_dir = meta_dir
@@ -105,7 +107,7 @@ class MetadataCache:
         """(value, fetched) the node shares for ``path``, or None."""
         if kind == "info":
             table = self._shared_table()
-            found = None if table is None else table.get(self.target.unstrip_protocol(path))
+            found = None if table is None else table.get(self._url(path))
             if found is None or found[1]:  # none, or dropped
                 return None
             try:
@@ -154,7 +156,7 @@ class MetadataCache:
         if kind == "info":
             table = self._shared_table()
             if table is not None:  # refused if dropped since
-                table.store(self.target.unstrip_protocol(path), value, fetched,
+                table.store(self._url(path), value, fetched,
                             (int(value.get("size") or 0), version_token(value),
                              value.get("type", "file")))
             return
@@ -194,7 +196,7 @@ class MetadataCache:
             now = time.time()
             if kind == "info":
                 table = self._shared_table()
-                url = self.target.unstrip_protocol(path)
+                url = self._url(path)
                 if table is not None and not table.drop(url, now) and not self._warned_drop:
                     self._warned_drop = True
                     log.warning("could not mark %s dropped in the node's metadata table %s; "
@@ -269,7 +271,7 @@ class MetadataCache:
         if self.validate == "always":
             return None, seen
         table = self._shared_table()
-        url = self.target.unstrip_protocol(path)
+        url = self._url(path)
         shared = None if table is None else table.get(url)
         if shared is not None and not shared[1]:  # a record, not a drop
             if not self._fresh(shared[0]):
@@ -300,13 +302,13 @@ class MetadataCache:
         """True if a process of the node dropped what it knew of ``path`` (a write through
         the cache) at or after ``when``."""
         table = self._shared_table()
-        found = None if table is None else table.get(self.target.unstrip_protocol(path))
+        found = None if table is None else table.get(self._url(path))
         return found is not None and bool(found[1]) and found[0] >= when
 
     def _keep(self, path: str, info: dict, fetched: float) -> FileMeta:
         if info.get("type", "file") == "directory":
             raise IsADirectoryError(f"{path}: is a directory")
-        meta = FileMeta(path, self.target.unstrip_protocol(path), int(info["size"]),
+        meta = FileMeta(path, self._url(path), int(info["size"]),
                         version_token(info), fetched)
         self._files[path] = _pack(meta)
         return meta
@@ -345,7 +347,7 @@ class MetadataCache:
         if found is None or found[0].get("type", "file") != "file":
             return None
         info = found[0]
-        return FileMeta(path, self.target.unstrip_protocol(path), int(info["size"]),
+        return FileMeta(path, self._url(path), int(info["size"]),
                         version_token(info), found[1])
 
     # -- ls --------------------------------------------------------------------------

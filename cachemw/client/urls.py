@@ -9,6 +9,9 @@ off to whatever glob returned, rewrites ``x:///abs`` as ``x://abs`` and hands fl
 """
 from __future__ import annotations
 
+import os
+from typing import Callable
+
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
@@ -37,6 +40,7 @@ class TargetPaths:
         protocols = fs.protocol if isinstance(fs.protocol, (list, tuple)) else (fs.protocol,)
         self.protocols = tuple(protocols)
         self.local = isinstance(fs, LocalFileSystem)
+        self.plain = plain_local(fs)  # absolute paths are their own target paths
 
     def relative(self, path: str) -> bool:
         """Whether what ``path`` names depends on the working directory (a relative local
@@ -64,6 +68,34 @@ class TargetPaths:
                 return fs._strip_protocol("/" + rest.lstrip("/"))
             return fs._strip_protocol(f"{self.protocols[0]}://{rest}")
         return fs._strip_protocol(path)
+
+
+def plain_local(fs: AbstractFileSystem) -> bool:
+    """Whether ``fs`` takes paths as fsspec's local filesystem does on POSIX, where an
+    absolute path without a trailing slash is its own path (``_strip_protocol`` returns it
+    as it is) and its URL is ``<protocol>://`` + the path. A fresh DataLoader worker reads
+    every file once: fsspec's two calls for it cost ~10 us of a 4 KiB read's ~50."""
+    cls = type(fs)
+    return (os.sep == "/" and isinstance(fs, LocalFileSystem)
+            and getattr(cls._strip_protocol, "__func__", None)
+            is LocalFileSystem._strip_protocol.__func__
+            and cls.unstrip_protocol is LocalFileSystem.unstrip_protocol)
+
+
+def target_url(fs: AbstractFileSystem) -> Callable[[str], str]:
+    """``fs.unstrip_protocol``, made without its calls for the paths of plain_local."""
+    unstrip = fs.unstrip_protocol
+    if not plain_local(fs):
+        return unstrip
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    scheme = f"{protocol}://"
+
+    def url(path: str) -> str:
+        if path[:1] == "/" and path[-1:] != "/":
+            return scheme + path
+        return unstrip(path)
+
+    return url
 
 
 def own_options(kwargs: dict, target_options: dict) -> dict:
