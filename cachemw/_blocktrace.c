@@ -8,9 +8,11 @@ the file, batches, spans, forks; it takes this buffer with take() when it writes
 An event is written here only when the thread has no open span (trace.py marks the thread
 with span_open/span_closed: the events of a span are sorted in Python before they are
 written) and its arguments have the documented types; else the Python writer (the
-`fallback` given to configure) takes it. Every call runs with the GIL
-held and never releases it, so the buffer needs no lock. The line is the one msgspec writes
-for trace.py's Block struct, byte for byte. */
+`fallback` given to configure) takes it. Every call runs with the GIL held and never
+releases it, so the buffer needs no lock. The line is the one msgspec writes
+for trace.py's Block struct, byte for byte, for every name msgspec can write (a name with a
+lone surrogate, which msgspec cannot, gets a JSON escape for the surrogate, as Python's json
+module writes it). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -76,7 +78,7 @@ static char *put_str(char *p, const char *s, Py_ssize_t n) {
 }
 
 /* A string that has no UTF-8 form (a lone surrogate: a file name's undecodable byte, as
-   os.fsdecode holds it), code point by code point: surrogates as \\uXXXX escapes, as
+   os.fsdecode holds it), code point by code point: surrogates as JSON escapes, as
    Python's json module writes them, the rest as put_str would. At most 6 bytes out per
    code point. */
 static char *put_unicode(char *p, PyObject *s) {

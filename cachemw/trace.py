@@ -171,8 +171,8 @@ def _block_event_py(name: str, start: float, end: float, tier: str, path: str, b
 block_event = _block_event_py
 """``block_event(name, start, end, tier, path, block, nbytes)``: a read of one block (``hit``,
 ``source_fetch``, ``map``), args ``tier``, ``file``, ``block``, ``bytes``. Call it only when
-ENABLED. In C where built (the same line; a thread inside a span, or a name that is not
-UTF-8, goes to the Python writer)."""
+ENABLED. Written in C where built (the same line); a thread inside a span, and arguments
+the C writer does not take (times not finite, booleans), go to the Python writer."""
 
 
 class span:
