@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test test-fast bench clean
 
-$(STAMP): pyproject.toml cachemw/_blocktrace.c
+$(STAMP): pyproject.toml setup.py cachemw/_blocktrace.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
 	# torch 2.13.0 CPU build from local disk; plain `torch` would pull a multi-GB CUDA build.
