@@ -260,19 +260,26 @@ def test_the_c_writer_writes_msgspecs_line_byte_for_byte(tmp_path):
         pytest.skip("cachemw._blocktrace is not built here")
     cases = [(name, i, 4096) for i, name in enumerate(NAMES)] + [
         ("/d/x", -1, 2**62), ("/d/y", 0, 0), ("/d/z", -2**63, 2**63 - 1)]
+    c_lines = []
     trace.start(str(tmp_path / "t"))
     try:
+        trace._native.set_flush_at(float("inf"))  # no batch by time: C's lines stay with it
         for name, block, nbytes in cases:
-            for write in (trace._native.block_event, trace._block_event_py):
-                write("hit\u00e9\n", 1234.5678919, 1234.5679, "dram", name, block, nbytes)
-                trace.flush()
+            args = ("hit\u00e9\n", 1234.5678919, 1234.5679, "dram", name, block, nbytes)
+            trace._native.block_event(*args)
+            c_lines.append(trace._native.take())  # written by C, not handed to Python
+            trace._block_event_py(*args)
+            trace.flush()
     finally:
         trace.stop()
-    lines = [re.sub(rb'^\{"id":\d+,', b"{", line) for line in _lines(tmp_path / "t")]
-    assert len(lines) == 2 * len(cases)
-    for c_line, py_line in zip(lines[::2], lines[1::2]):
-        assert c_line == py_line
-    ids = [json.loads(line)["id"] for line in _lines(tmp_path / "t")]
+    py_lines = _lines(tmp_path / "t")
+    assert len(py_lines) == len(c_lines) == len(cases)
+    assert all(line.count(b"\n") == 1 for line in c_lines)
+    ids = []
+    for c_line, py_line in zip(c_lines, py_lines):
+        ids += [json.loads(c_line)["id"], json.loads(py_line)["id"]]
+        assert re.sub(rb'^\{"id":\d+,', b"{", c_line.rstrip(b"\n")) == \
+            re.sub(rb'^\{"id":\d+,', b"{", py_line)
     assert ids == sorted(set(ids))  # one count for both writers
 
 

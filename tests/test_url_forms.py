@@ -202,16 +202,20 @@ def test_local_paths_resolve_as_fsspec_resolves_them(tmp_path, monkeypatch):
             return "/parsed" + LocalFileSystem._strip_protocol(path)
 
     monkeypatch.chdir(tmp_path)
-    paths = ["/d/f", "/d/f/", "/", "/d//f", "/d/./f", "rel/f", "./f", "~/f", "file:///d/f",
-             "local:///d/f", "/d/\u00fc ber", "/d/a:b"]
+    paths = ["/d/f", "/d/f/", "/", "/d//f", "/d/./f", "/d/../f", "rel/f", "./f", "~/f",
+             "file:///d/f", "local:///d/f", "/d/\u00fc ber", "/d/a:b"]
     for fs, plain in ((LocalFileSystem(), True), (Other(), True), (Parses(), False)):
         assert plain_local(fs) is plain
         url = target_url(fs)
         for path in paths:
             if not path.startswith(("file:", "local:")):
                 assert url(path) == fs.unstrip_protocol(path), (fs, path)
-            assert TargetPaths(fs)(path) == fs._strip_protocol(path), (fs, path)
-    cfs = fsspec.filesystem("cachemw", target_protocol="file", runtime_dir=str(tmp_path / "rt"),
-                            skip_instance_cache=True)
-    for path in paths:
-        assert cfs._strip_protocol(path) == LocalFileSystem._strip_protocol(path), path
+    fsspec.register_implementation("otherfile", Other, clobber=True)
+    fsspec.register_implementation("parsesfile", Parses, clobber=True)
+    for protocol in ("file", "otherfile", "parsesfile"):
+        cfs = fsspec.filesystem("cachemw", target_protocol=protocol,
+                                runtime_dir=str(tmp_path / "rt"), skip_instance_cache=True)
+        for path in paths:  # the filesystem's paths, and the URLs its metadata and blocks
+            stripped = cfs._strip_protocol(path)  # are keyed by (the key a write drops)
+            assert stripped == TargetPaths(cfs.target)(path), (protocol, path)
+            assert cfs.meta._url(stripped) == cfs.target.unstrip_protocol(stripped), (protocol, path)

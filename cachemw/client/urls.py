@@ -83,12 +83,16 @@ def plain_local(fs: AbstractFileSystem) -> bool:
 
 
 def target_url(fs: AbstractFileSystem) -> Callable[[str], str]:
-    """``fs.unstrip_protocol``, made without its calls for the paths of plain_local."""
+    """``fs.unstrip_protocol``, made without its calls for the paths of plain_local: its
+    answer for one such path gives the prefix (fsspec before 2026.4 wrote ``file://`` for
+    every local filesystem, later ones the filesystem's own protocol)."""
     unstrip = fs.unstrip_protocol
     if not plain_local(fs):
         return unstrip
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    scheme = f"{protocol}://"
+    probe = unstrip("/x")
+    if not probe.endswith("/x"):
+        return unstrip
+    scheme = probe[:-2]
 
     def url(path: str) -> str:
         if path[:1] == "/" and path[-1:] != "/":
