@@ -192,12 +192,6 @@ static PyObject *take(PyObject *self, PyObject *unused) {
     return data;
 }
 
-static PyObject *clear(PyObject *self, PyObject *unused) {
-    used = 0;
-    events = 0;
-    Py_RETURN_NONE;
-}
-
 static PyObject *new_id(PyObject *self, PyObject *unused) {
     return PyLong_FromLongLong(next_id++);
 }
@@ -255,7 +249,6 @@ static PyMethodDef methods[] = {
     {"block_event", (PyCFunction)(void (*)(void))block_event, METH_FASTCALL,
      "block_event(name, start, end, tier, path, block, nbytes): a block's event, buffered"},
     {"take", take, METH_NOARGS, "the buffered lines, as bytes; the buffer emptied"},
-    {"clear", clear, METH_NOARGS, "drop the buffered lines"},
     {"new_id", new_id, METH_NOARGS, "the next event id of this process"},
     {"span_open", span_open, METH_NOARGS, "this thread's events go to the fallback"},
     {"span_closed", span_closed, METH_NOARGS, "this thread's events are written here again"},

@@ -78,8 +78,8 @@ _fd: int | None = None
 _buffer: collections.deque = collections.deque()  # appended without a lock (atomic)
 _pending: dict[int, list] = {}  # thread -> the events of its open outermost span
 _tls = threading.local()  # .tid: this thread's native id
-_ids = itertools.count(1)  # event ids of this process (0: the file's process_name line)
-_next_id = _native.new_id if _native is not None else _ids.__next__  # one count with C's
+# event ids of this process (0: the file's process_name line), one count with C's writer
+_next_id = _native.new_id if _native is not None else itertools.count(1).__next__
 _encoder = None  # msgspec's, made by _encoding() when tracing starts
 _Block = _BlockArgs = _Event = _to_builtins = None
 _pid = os.getpid()  # this process (kept by the fork hook: no system call per event)
@@ -399,14 +399,13 @@ def _at_exit() -> None:
 def _after_fork_in_child() -> None:
     """A forked child traces into a file of its own; the parent's buffered events stay the
     parent's to write."""
-    global _lock, _buffer, _fd, _pending, _pid, _closed, _flush_at, _tls, _ids, _next_id
+    global _lock, _buffer, _fd, _pending, _pid, _closed, _flush_at, _tls, _next_id
     _pid = os.getpid()
     _tls = threading.local()  # the forking thread's id is the parent's
-    _ids = itertools.count(1)
     if _native is not None:
         _native.after_fork(_pid)  # its lines, ids, cached thread ids and span mark reset
     else:
-        _next_id = _ids.__next__
+        _next_id = itertools.count(1).__next__
     _flush_at = 0.0  # its first event flushes: its exit hook is made there
     _lock = threading.Lock()
     _buffer = collections.deque()
