@@ -48,7 +48,10 @@ def encode_tail(data: bytes | memoryview, page_size: int = PAGE_SIZE, tag: bytes
     view = memoryview(data)
     length = len(view)
     n = n_pages(length, page_size)
-    table = struct.pack(f"<{n}Q", *(_hash(view[i * page_size:(i + 1) * page_size]) for i in range(n)))
+    # map over a list of views: a generator's frame per page cost half as much as the
+    # hashing itself (an 8 MiB block has 2,048 pages)
+    table = struct.pack(f"<{n}Q", *map(_hash, [view[i:i + page_size]
+                                               for i in range(0, n * page_size, page_size)]))
     tag = tag.ljust(16, b"\0")
     return table + _TRAILER.pack(MAGIC, FORMAT_VERSION, length, page_size, n,
                                  _hash(table + tag), _hash(view), tag)

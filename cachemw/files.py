@@ -17,12 +17,14 @@ def atomic_write(path: str, *chunks, mode: int = 0o600, durable: bool = False) -
     written = 0
     try:
         try:
-            for chunk in chunks:
-                view = memoryview(chunk)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                    written += n
+            views = [memoryview(c).cast("B") for c in chunks]
+            while views:  # one system call for all chunks, unless the kernel writes less
+                n = os.writev(fd, views) if len(views) > 1 else os.write(fd, views[0])
+                written += n
+                while views and n >= len(views[0]):
+                    n -= len(views.pop(0))
+                if views and n:
+                    views[0] = views[0][n:]
             if durable:
                 os.fsync(fd)
         finally:

@@ -26,11 +26,12 @@ The lease protocol (how a block missing from every tier of the node gets there o
    stages it in ``tier`` under the lease number; ``("present", tier)``: read it from
    ``tier`` (another process filled it meanwhile: single flight); ``("data", bytes)``: an
    owner node sent it; ``("nofill", why)`` / ``("fallback", why)``: read the source
-   directly, and count it.
+   directly, and count it. ``LEASE_FETCHED`` may answer ``("nofill", "later")`` for part
+   of a batch (never for all of it): ask again once the fills granted have been noted.
 
 2. ``FILLED`` (one-way) -- the fill of a lease is staged: the daemon publishes it under the
    block's key, unless a write through the cache cancelled the lease meanwhile (then the
-   staged file is deleted, never served).
+   staged file is deleted, never served). ``FILLED_MANY``: the same for a batch.
    ``ABORT`` (one-way) -- the fill of a lease failed (source error, full tier): the lease
    ends with nothing cached, and a waiter gets its own lease.
 
@@ -56,6 +57,7 @@ LEASE = "lease"
 LEASE_MANY = "lease_many"
 LEASE_FETCHED = "lease_fetched"
 FILLED = "filled"
+FILLED_MANY = "filled_many"
 ABORT = "abort"
 REPORT = "report"
 ANNOUNCE = "announce"
@@ -76,6 +78,7 @@ OPS: dict[str, Op] = {
     LEASE_FETCHED: Op(True, "[(key, length, url, source), ...], claimed (the caller holds "
                             "their claims)", "('ok', [lease reply, ...]), never waiting"),
     FILLED: Op(False, "key, tier, stored bytes, lease", "-"),
+    FILLED_MANY: Op(False, "[(key, tier, stored bytes, lease), ...]: FILLED for each", "-"),
     ABORT: Op(False, "key, reason", "-"),
     REPORT: Op(False, "counters, [(key, tier) hit, ...]", "-"),
     ANNOUNCE: Op(False, "[(key, length, url, source), ...] in read order", "-"),

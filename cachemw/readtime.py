@@ -8,7 +8,9 @@ them would cost a tenth of such a read), ``remote_hit_seconds`` (blocks sent by 
 owner node's block server), ``lease_seconds`` (asking the daemon for blocks not here:
 waits for another process's fill, for an owner node's fetch), ``source_seconds`` (reads
 from the source store: fills and fallbacks). Counts: ``hits``, ``remote_hits`` (kept
-elsewhere), ``lease_requests``, ``source_reads``.
+elsewhere), ``lease_waits`` (blocks a reader waited on the daemon for), ``source_reads``;
+and ``lease_requests``, every request for blocks not here (a fill writer's too, which
+leases the blocks its reader fetched under their claims, many to a request).
 
 Misses also land in a latency histogram (per block not in the node's tiers: from the
 miss to its bytes in hand), as one counter per bucket (not cumulative; the Prometheus
@@ -20,6 +22,7 @@ import bisect
 
 READ_TIME_COUNTERS = (
     "hit_seconds", "remote_hit_seconds", "remote_bytes", "lease_seconds", "lease_requests",
+    "lease_waits",
     "source_seconds", "source_reads",
 )
 

@@ -60,9 +60,13 @@ class MetadataCache:
         """``defer(fn, arg)``: run ``fn(arg)`` later, off the reader's path (the fill
         writer); node-shared records are then written there. None: written at once."""
         self._defer = defer
+        # held while a record is written or dropped: a drop is never overtaken by a write
         self._records_lock = threading.Lock()
-        # (kind, path) -> (value, fetched), while deferred
+        # (kind, path) -> (value, fetched), while deferred; its own lock (taken inside the
+        # records lock, never the other way), so that a reader queueing a record does not
+        # wait for the writer thread's record writes
         self._unwritten: dict[tuple[str, str], tuple] = {}
+        self._unwritten_lock = threading.Lock()
         self._table: MetaTable | None = None
         self._warned_drop = False
         _caches.add(self)
@@ -137,7 +141,7 @@ class MetadataCache:
         if self._defer is None:
             self._write_shared((kind, path), (value, fetched))
             return
-        with self._records_lock:
+        with self._unwritten_lock:
             self._unwritten[(kind, path)] = (value, fetched)
         self._defer(self._write_deferred, (kind, path))
 
@@ -146,7 +150,8 @@ class MetadataCache:
         metadata was fetched: here (the lock keeps a drop from being overtaken by a write
         under way) or by any process of the node (its tombstone, see _drop_shared)."""
         with self._records_lock:
-            queued = self._unwritten.pop(which, None)
+            with self._unwritten_lock:
+                queued = self._unwritten.pop(which, None)
             if queued is not None:
                 self._write_shared(which, queued)
 
@@ -192,7 +197,8 @@ class MetadataCache:
         if self._meta_dir() is None:
             return
         with self._records_lock:
-            self._unwritten.pop((kind, path), None)
+            with self._unwritten_lock:
+                self._unwritten.pop((kind, path), None)
             now = time.time()
             if kind == "info":
                 table = self._shared_table()
@@ -428,6 +434,7 @@ def _reset_all_in_child() -> None:
     records only the parent will write."""
     for cache in list(_caches):
         cache._records_lock = threading.Lock()
+        cache._unwritten_lock = threading.Lock()
         cache._unwritten = {}
         if cache._table is not None:  # its mappings stay valid; its writer lock may not
             cache._table = cache._table.forked()

@@ -205,6 +205,7 @@ class BlockReader:
             asked = time.perf_counter()
             replies = self.client.lease_many([self._item(p) for p in unique])
             self.client.count("lease_requests")
+            self.client.count("lease_waits", len(unique))
             self._took("lease_seconds", "lease_wait", asked, len(unique))
         done = 0
         try:
@@ -283,8 +284,8 @@ class BlockReader:
 
                 def dropped(path=meta.path, asked=asked) -> bool:
                     return dropped_since is not None and dropped_since(path, asked)
-                self.fills.adopt(p.key, block, lambda p=p, block=block, dropped=dropped:
-                                 self._adopt(p, block, dropped, True, "claimed_duplicates"))
+                self.fills.adopt(p.key, block, (p, block, dropped, True, "claimed_duplicates"),
+                                 self._adopt_many)
                 out[first[p.key]] = block if (p.lo, p.hi) == (0, len(block)) else block[p.lo:p.hi]
         finally:
             for p in pending:  # not fetched (the source failed): nobody's claim any more
@@ -380,8 +381,9 @@ class BlockReader:
             # fill in flight and waits for it, rather than fetching the block again
             # its claim first, so that a process learning the version misses into a wait
             claimed = self._take_claim(piece.key)
-            self.fills.adopt(piece.key, block, lambda: self._adopt(
-                piece, block, lambda: metadata.dropped_since(path, asked), claimed=claimed))
+            self.fills.adopt(piece.key, block, (
+                piece, block, lambda: metadata.dropped_since(path, asked), claimed,
+                "cold_get_duplicates"), self._adopt_many)
         metadata.share(path, first.info, asked)
         start, end = clip(start, end, meta.size)
         if end <= start:
@@ -393,48 +395,77 @@ class BlockReader:
             return head
         return b"".join((head, self.read_many([(meta, stop, end)])[0]))
 
-    def _adopt(self, piece: _Piece, block: bytes, dropped, claimed: bool = False,
-               duplicates: str = "cold_get_duplicates") -> None:
-        """Cache a block fetched before its lease (read_cold, or under its claim: run by the
-        fill writer, see fills.FillWriter.adopt): leased now and filled with these bytes,
-        unless another process filled it or is filling it (a duplicate fetch, counted) or the
-        file was written through the cache since it was asked for (``dropped()``, asked once
-        the lease is ours). A write through the cache marks the file dropped in the node's
-        table, then has the daemon cancel the fills in flight and drop the file's blocks
-        (fs._written): a lease granted before the cancel is cancelled, one granted after the
-        mark sees it here. A claim ends with the lease it came with (the daemon releases
-        it), or here when no lease came."""
+    def _adopt_many(self, entries: list[tuple]) -> None:
+        """Cache blocks fetched before their lease (read_cold, or under their claim: run by
+        the fill writer, see fills.FillWriter.adopt), each ``(piece, bytes, dropped,
+        claimed, duplicates counter)``: leased now, in one request per claim state, and
+        filled with these bytes, unless another process filled it or is filling it (a
+        duplicate fetch, counted) or the file was written through the cache since it was
+        asked for (``dropped()``, asked once the lease is ours). A write through the cache
+        marks the file dropped in the node's table, then has the daemon cancel the fills
+        in flight and drop the file's blocks (fs._written): a lease granted before the
+        cancel is cancelled, one granted after the mark sees it here. A claim ends with
+        the lease it came with (the daemon releases it), or here when no lease came."""
+        while entries:  # "later": the daemon grants a batch part of a tier at a time
+            fills: list[Fill] = []
+            later: list[tuple] = []
+            try:
+                for claimed in (True, False):
+                    group = [e for e in entries if bool(e[3]) is claimed]
+                    if group:
+                        self._lease_adopted(group, claimed, fills, later)
+            finally:  # the leases granted end with their fills, whatever failed
+                if fills:
+                    self.fills.store_many(fills)
+            # asked again after the notes of those granted, on the same connection (the
+            # daemon reads it in order); a reply "later" comes only after a grant
+            entries = later
+
+    def _lease_adopted(self, group: list[tuple], claimed: bool, fills: list[Fill],
+                       later: list[tuple]) -> None:
+        """Lease the blocks of ``group`` (see _adopt_many); their fills go to ``fills``,
+        the entries to ask for again to ``later`` (their claims kept)."""
         client = self.client
         asked = time.perf_counter()
         replies = None
         try:
-            replies = client.lease_fetched([self._item(piece)], claimed)
+            replies = client.lease_fetched([self._item(e[0]) for e in group], claimed)
         finally:
-            granted = replies is not None and replies[0][0] == "fill"
-            if claimed and not granted:
-                self.claims.release(piece.key)
+            if claimed:  # a claim not granted its lease ends here (unless asked later)
+                for i, entry in enumerate(group):
+                    if replies is None or replies[i] != ("nofill", "later") and \
+                            replies[i][0] != "fill":
+                        self.claims.release(entry[0].key)
         client.count("lease_requests")
         if not self.fills.on_writer():  # the reader waited for it (a full queue)
-            self._took("lease_seconds", "lease_wait", asked, 1)
-        reply = None if replies is None else replies[0]
-        kind = None if reply is None else reply[0]
-        if kind == "fill":
-            tier = self._tier(reply[1])
-            if tier is None or dropped():
-                client.abort(piece.key, "error")
-                client.count("bypassed")
-            else:
-                client.count("misses")
-                self.fills.store(Fill(piece.key, tier, block, url_tag(piece.meta.url),
+            client.count("lease_waits", len(group))
+            self._took("lease_seconds", "lease_wait", asked, len(group))
+        for i, (piece, block, dropped, _, duplicates) in enumerate(group):
+            reply = None if replies is None else replies[i]
+            kind = None if reply is None else reply[0]
+            if kind == "fill":
+                try:
+                    tier = None if dropped() else self._tier(reply[1])
+                except Exception:  # a bug: this block's lease ends, the batch goes on
+                    log.exception("cachemw: adopting block %s", piece.key)
+                    tier = None
+                if tier is None:
+                    client.abort(piece.key, "error")
+                    client.count("bypassed")
+                else:
+                    client.count("misses")
+                    fills.append(Fill(piece.key, tier, block, url_tag(piece.meta.url),
                                       client.link(), reply[2]))
-        elif kind == "present" and not self._tier_has(reply[1], piece.key):
-            client.drop(piece.key, "missing")  # indexed but gone: let it be filled again
-            client.count("bypassed")
-        elif kind in ("present", "data") or reply == ("nofill", "busy"):  # another's fill
-            client.count("misses")
-            client.count(duplicates)
-        else:
-            client.count("fallbacks" if kind is None or kind == "fallback" else "bypassed")
+            elif kind == "present" and not self._tier_has(reply[1], piece.key):
+                client.drop(piece.key, "missing")  # indexed but gone: let it be filled again
+                client.count("bypassed")
+            elif kind in ("present", "data") or reply == ("nofill", "busy"):  # another's fill
+                client.count("misses")
+                client.count(duplicates)
+            elif reply == ("nofill", "later"):
+                later.append(group[i])
+            else:
+                client.count("fallbacks" if kind is None or kind == "fallback" else "bypassed")
 
     def _tier_has(self, tier_name: str, key: str) -> bool:
         tier = self._tier(tier_name)

@@ -24,7 +24,7 @@ KINDS = (
     ("hit", "hit_seconds", "hits"),
     ("remote", "remote_hit_seconds", "remote_hits"),
     ("source", "source_seconds", "source_reads"),
-    ("lease_wait", "lease_seconds", "lease_requests"),
+    ("lease_wait", "lease_seconds", "lease_waits"),
 )
 
 

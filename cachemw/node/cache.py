@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 
 class NodeCache(LeaseWaits, MoveRunner):
+    BATCH_SHARE = 4  # a batch of fetched blocks is leased at most 1/4 of a tier at once
+
     def __init__(self, config: DaemonConfig, *, lease_wait: float = 30.0) -> None:
         self.config = config
         self.placer = Placer(config.tiers, config.placement)
@@ -307,9 +309,23 @@ class NodeCache(LeaseWaits, MoveRunner):
     def lease_fetched(self, items: list[tuple], conn: object, claimed: bool) -> list[tuple]:
         """Leases for blocks the caller fetched already (with their claims if ``claimed``):
         never waits, since the bytes are in hand; another process's fill in flight or claim
-        makes it ("nofill", "busy")."""
-        return [self.lease(key, length, url, conn, wait=0, claimed=claimed)
-                for key, length, url, _source in items]
+        makes it ("nofill", "busy"). A batch is granted at most ``1/BATCH_SHARE`` of a
+        tier's capacity (at least one block): its fills reserve room until they land, and
+        room made for one of them must not be made by evicting another. The rest are
+        answered ("nofill", "later"): asked again once those have landed, claims kept."""
+        replies: list[tuple] = []
+        granted: dict[str, int] = {}
+        for key, length, url, _source in items:
+            if any(n * self.BATCH_SHARE > self._tiers[t].config.capacity
+                   for t, n in granted.items()):
+                replies.append(("nofill", "later"))
+                continue
+            reply = self.lease(key, length, url, conn, wait=0, claimed=claimed)
+            if reply[0] == "fill":
+                granted[reply[1]] = (granted.get(reply[1], 0) + length
+                                     + blockfile.tail_size(length))
+            replies.append(reply)
+        return replies
 
     def read_local(self, key: str, length: int) -> bytes | None:
         """A block from this node's tiers, verified; a corrupt copy is dropped (None)."""

@@ -172,6 +172,16 @@ class SocketServer:
                 link[1] = max(0.05, float(keepalive))
             return ("ok", node.config.node_id, os.getpid())
 
+        def filled_many(conn, link, items):
+            failed = None
+            for key, tier, stored, lease in items:  # each lease ends, whatever one raises
+                try:
+                    node.filled(key, tier, stored, conn, lease)
+                except Exception as exc:
+                    failed = failed or exc
+            if failed is not None:
+                raise failed
+
         return {
             ops.HELLO: hello,
             ops.LEASE: lambda conn, link, key, length, url: node.lease(key, length, url, conn),
@@ -180,6 +190,7 @@ class SocketServer:
                 ("ok", node.lease_fetched(items, conn, bool(claimed))),
             ops.FILLED: lambda conn, link, key, tier, stored, lease:
                 node.filled(key, tier, stored, conn, lease),
+            ops.FILLED_MANY: filled_many,
             ops.ABORT: lambda conn, link, key, reason: node.abort(key, reason, conn),
             ops.REPORT: lambda conn, link, counters, accesses: node.report(counters, accesses),
             ops.ANNOUNCE: lambda conn, link, items: node.announce(items),
