@@ -7,7 +7,7 @@ the reader's path before every source request: 0.2-0.3 ms a miss on two busy cor
 third of a miss's time against a 1 ms store. A claim gives the same single flight for the
 cost of creating a file: the first process to create ``<runtime_dir>/claims/<key>``
 (``O_EXCL``) fetches the block, and asks for its lease afterwards, from its fill writer,
-with the bytes in hand (reader._adopt_many). Everyone else who would fetch the block takes the
+with the bytes in hand (client/adopt.py). Everyone else who would fetch the block takes the
 lease first as before, and the daemon grants a lease only together with the block's claim
 (it creates the file for its own fills and for leases asked without one, and waits while
 another process holds it), so a claim and a lease never both fetch one block.

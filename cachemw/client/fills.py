@@ -76,10 +76,11 @@ class FillWriter:
     thread ends, so a process that stopped missing costs no wake-ups.
 
     Small blocks go in batches: a kick wakes the writer once ``BATCH`` fills or
-    ``BATCH_BYTES`` are queued, and it takes all that is queued at once: the adopted
-    blocks' leases in one request, their "filled" notes in one message. Each request wakes
-    the daemon (a process switch on a busy node), and per 128 KiB miss the two of them cost
-    more CPU, client and daemon together, than writing the block file.
+    ``BATCH_BYTES`` are queued, and it takes up to that much off the queue at once (see
+    _take_batch): the adopted blocks' leases in one request per claim state (adopt.py),
+    their "filled" notes in one message per connection. Each request wakes the daemon (a
+    process switch on a busy node), and per 128 KiB miss the two of them cost more CPU,
+    client and daemon together, than writing the block file.
     """
 
     LINGER = 0.02
@@ -269,9 +270,9 @@ class FillWriter:
                 self._cv.wait(min(self.LINGER, self.IDLE - (now - idle_since)))
 
     def _take_batch(self, first) -> list:
-        """``first`` and what is queued behind it, up to ``BATCH`` fills or ``BATCH_BYTES``
-        (a large block goes alone, as its write is as long as a source request); under
-        _cv."""
+        """``first`` and what is queued behind it, until the batch holds ``BATCH`` fills
+        or ``BATCH_BYTES`` (a block of that size comes alone when it is first, after the
+        small ones otherwise); under _cv."""
         batch, item, fills, nbytes = [], first, 0, 0
         while True:
             batch.append(item)
@@ -309,7 +310,8 @@ class FillWriter:
                     self._cv.notify_all()
 
     def _run_batch(self, batch: list) -> None:
-        """The adopted blocks first, a lease request per runner (leasing a block before
+        """The adopted blocks first, handed to their runner together (adopt.py: a lease
+        request per claim state and round; leasing a block before
         the items queued ahead of it is never later than it would have been: a metadata
         record shared after the fill is in flight is what read_cold does anyway), then the
         fills in one go, then the deferred calls in their order (a drain's round trip

@@ -297,7 +297,7 @@ class CacheFileSystem(_Base):
         carry the same token on a filesystem with coarse mtimes), then the daemon drops
         every other block of the file before this returns. The node's metadata is marked
         dropped before the daemon cancels the fills in flight: a block fetched before its
-        lease (reader._adopt_many) whose lease comes after the cancel sees the mark.
+        lease (client/adopt.py) whose lease comes after the cancel sees the mark.
         """
         self.reader.fills.drain()  # no fill of the old bytes may land after this
         known = self.meta.known(path)

@@ -31,6 +31,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
+from .adopt import Adoptions, Adopted
 from ..blockfile import CorruptBlock
 from ..claims import Claims, claims_dir
 from .link import DaemonClient
@@ -70,6 +71,7 @@ class BlockReader:
         self.direct = DirectReads(client)
         self.fills = FillWriter(client, write_behind)
         self.claims = Claims(claims_dir(client.runtime_dir))
+        self.adoptions = Adoptions(self)  # leases blocks fetched before them (fill writer)
         # the node table's "written through the cache since" (metadata.dropped_since), for
         # blocks fetched before their lease; set by the filesystem that owns the metadata
         self.dropped_since = None
@@ -159,7 +161,7 @@ class BlockReader:
                 return data
         return None
 
-    def _item(self, p: _Piece) -> tuple:
+    def item(self, p: _Piece) -> tuple:
         """What the daemon needs to fetch a block itself: key, length, url, source ref
         (with the version token, so an owner node never caches another version's bytes)."""
         return (p.key, p.length, p.meta.url,
@@ -167,7 +169,7 @@ class BlockReader:
                  p.meta.version))
 
     def announce_items(self, meta: FileMeta, start: int, end: int) -> list[tuple]:
-        return [self._item(p) for p in self._pieces(meta, start, end)] if end > start else []
+        return [self.item(p) for p in self._pieces(meta, start, end)] if end > start else []
 
     def _misses(self, pieces: list[_Piece]) -> list[bytes]:
         with trace.span("miss", trace.READ, blocks=len(pieces)):
@@ -183,7 +185,7 @@ class BlockReader:
         unique = [pieces[i] for i in first.values()]
         out: dict[int, bytes] = {}
         direct = self.direct.fetch([(p.key, p.length) for p in unique])
-        now = self._took("remote_hit_seconds", "remote_hit", started, len(direct))
+        now = self.took("remote_hit_seconds", "remote_hit", started, len(direct))
         if direct:  # hits at their owner nodes, sent straight from there
             for p in unique:
                 block = direct.get(p.key)
@@ -203,10 +205,10 @@ class BlockReader:
         replies = []
         if unique:
             asked = time.perf_counter()
-            replies = self.client.lease_many([self._item(p) for p in unique])
+            replies = self.client.lease_many([self.item(p) for p in unique])
             self.client.count("lease_requests")
             self.client.count("lease_waits", len(unique))
-            self._took("lease_seconds", "lease_wait", asked, len(unique))
+            self.took("lease_seconds", "lease_wait", asked, len(unique))
         done = 0
         try:
             for done, p in enumerate(unique):
@@ -284,8 +286,9 @@ class BlockReader:
 
                 def dropped(path=meta.path, asked=asked) -> bool:
                     return dropped_since is not None and dropped_since(path, asked)
-                self.fills.adopt(p.key, block, (p, block, dropped, True, "claimed_duplicates"),
-                                 self._adopt_many)
+                self.fills.adopt(p.key, block,
+                                 Adopted(p, block, dropped, True, "claimed_duplicates"),
+                                 self.adoptions)
                 out[first[p.key]] = block if (p.lo, p.hi) == (0, len(block)) else block[p.lo:p.hi]
         finally:
             for p in pending:  # not fetched (the source failed): nobody's claim any more
@@ -304,7 +307,7 @@ class BlockReader:
             client.count("remote_bytes", len(arg))
             return arg if piece.lo == 0 and piece.hi == len(arg) else arg[piece.lo:piece.hi]
         if kind == "present":
-            tier = self._tier(arg)
+            tier = self.tier(arg)
             started = time.perf_counter()
             try:
                 data = tier.get(piece.key, piece.length, piece.lo, piece.hi) if tier else None
@@ -332,7 +335,7 @@ class BlockReader:
         self._source_read(piece, started, len(block))
         client.count("misses")
         client.count("bytes_from_source", len(block))
-        tier = self._tier(tier_name)
+        tier = self.tier(tier_name)
         if tier is None:  # a tier this process does not know (the daemon was reconfigured)
             client.abort(piece.key, "error")
         else:
@@ -381,9 +384,9 @@ class BlockReader:
             # fill in flight and waits for it, rather than fetching the block again
             # its claim first, so that a process learning the version misses into a wait
             claimed = self._take_claim(piece.key)
-            self.fills.adopt(piece.key, block, (
+            self.fills.adopt(piece.key, block, Adopted(
                 piece, block, lambda: metadata.dropped_since(path, asked), claimed,
-                "cold_get_duplicates"), self._adopt_many)
+                "cold_get_duplicates"), self.adoptions)
         metadata.share(path, first.info, asked)
         start, end = clip(start, end, meta.size)
         if end <= start:
@@ -394,82 +397,6 @@ class BlockReader:
         if end <= stop:
             return head
         return b"".join((head, self.read_many([(meta, stop, end)])[0]))
-
-    def _adopt_many(self, entries: list[tuple]) -> None:
-        """Cache blocks fetched before their lease (read_cold, or under their claim: run by
-        the fill writer, see fills.FillWriter.adopt), each ``(piece, bytes, dropped,
-        claimed, duplicates counter)``: leased now, in one request per claim state, and
-        filled with these bytes, unless another process filled it or is filling it (a
-        duplicate fetch, counted) or the file was written through the cache since it was
-        asked for (``dropped()``, asked once the lease is ours). A write through the cache
-        marks the file dropped in the node's table, then has the daemon cancel the fills
-        in flight and drop the file's blocks (fs._written): a lease granted before the
-        cancel is cancelled, one granted after the mark sees it here. A claim ends with
-        the lease it came with (the daemon releases it), or here when no lease came."""
-        while entries:  # "later": the daemon grants a batch part of a tier at a time
-            fills: list[Fill] = []
-            later: list[tuple] = []
-            try:
-                for claimed in (True, False):
-                    group = [e for e in entries if bool(e[3]) is claimed]
-                    if group:
-                        self._lease_adopted(group, claimed, fills, later)
-            finally:  # the leases granted end with their fills, whatever failed
-                if fills:
-                    self.fills.store_many(fills)
-            # asked again after the notes of those granted, on the same connection (the
-            # daemon reads it in order); a reply "later" comes only after a grant
-            entries = later
-
-    def _lease_adopted(self, group: list[tuple], claimed: bool, fills: list[Fill],
-                       later: list[tuple]) -> None:
-        """Lease the blocks of ``group`` (see _adopt_many); their fills go to ``fills``,
-        the entries to ask for again to ``later`` (their claims kept)."""
-        client = self.client
-        asked = time.perf_counter()
-        replies = None
-        try:
-            replies = client.lease_fetched([self._item(e[0]) for e in group], claimed)
-        finally:
-            if claimed:  # a claim not granted its lease ends here (unless asked later)
-                for i, entry in enumerate(group):
-                    if replies is None or replies[i] != ("nofill", "later") and \
-                            replies[i][0] != "fill":
-                        self.claims.release(entry[0].key)
-        client.count("lease_requests")
-        if not self.fills.on_writer():  # the reader waited for it (a full queue)
-            client.count("lease_waits", len(group))
-            self._took("lease_seconds", "lease_wait", asked, len(group))
-        for i, (piece, block, dropped, _, duplicates) in enumerate(group):
-            reply = None if replies is None else replies[i]
-            kind = None if reply is None else reply[0]
-            if kind == "fill":
-                try:
-                    tier = None if dropped() else self._tier(reply[1])
-                except Exception:  # a bug: this block's lease ends, the batch goes on
-                    log.exception("cachemw: adopting block %s", piece.key)
-                    tier = None
-                if tier is None:
-                    client.abort(piece.key, "error")
-                    client.count("bypassed")
-                else:
-                    client.count("misses")
-                    fills.append(Fill(piece.key, tier, block, url_tag(piece.meta.url),
-                                      client.link(), reply[2]))
-            elif kind == "present" and not self._tier_has(reply[1], piece.key):
-                client.drop(piece.key, "missing")  # indexed but gone: let it be filled again
-                client.count("bypassed")
-            elif kind in ("present", "data") or reply == ("nofill", "busy"):  # another's fill
-                client.count("misses")
-                client.count(duplicates)
-            elif reply == ("nofill", "later"):
-                later.append(group[i])
-            else:
-                client.count("fallbacks" if kind is None or kind == "fallback" else "bypassed")
-
-    def _tier_has(self, tier_name: str, key: str) -> bool:
-        tier = self._tier(tier_name)
-        return tier is not None and tier.contains(key)
 
     def _direct(self, piece: _Piece) -> bytes:
         base = piece.index * self.block_size
@@ -488,7 +415,7 @@ class BlockReader:
         if trace.ENABLED:
             trace.block_event("hit", started, now, tier, piece.meta.path, piece.index, len(data))
 
-    def _took(self, counter: str, name: str, started: float, blocks: int) -> float:
+    def took(self, counter: str, name: str, started: float, blocks: int) -> float:
         """Add the time since ``started`` to ``counter``; trace it as ``name``. Now."""
         now = time.perf_counter()
         if blocks:
@@ -526,7 +453,7 @@ class BlockReader:
                      meta.url, len(data))
         return data
 
-    def _tier(self, name: str | None):
+    def tier(self, name: str | None):
         for tier in self.client.tiers():
             if tier.name == name:
                 return tier

@@ -309,10 +309,12 @@ class NodeCache(LeaseWaits, MoveRunner):
     def lease_fetched(self, items: list[tuple], conn: object, claimed: bool) -> list[tuple]:
         """Leases for blocks the caller fetched already (with their claims if ``claimed``):
         never waits, since the bytes are in hand; another process's fill in flight or claim
-        makes it ("nofill", "busy"). A batch is granted at most ``1/BATCH_SHARE`` of a
-        tier's capacity (at least one block): its fills reserve room until they land, and
-        room made for one of them must not be made by evicting another. The rest are
-        answered ("nofill", "later"): asked again once those have landed, claims kept."""
+        makes it ("nofill", "busy"). A batch stops being granted once its grants reach
+        ``1/BATCH_SHARE`` of a tier's capacity (the one granted last may pass it; never
+        none): its fills reserve room until they land, and room made for one of them must
+        not be made by evicting another in flight. The rest, whichever tier the placer
+        would have chosen, are answered ("nofill", "later"): the client asks again once
+        the fills granted are noted, claims kept (client/adopt.py)."""
         replies: list[tuple] = []
         granted: dict[str, int] = {}
         for key, length, url, _source in items:

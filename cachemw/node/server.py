@@ -174,8 +174,9 @@ class SocketServer:
 
         def filled_many(conn, link, items):
             failed = None
-            for key, tier, stored, lease in items:  # each lease ends, whatever one raises
+            for item in items:  # each lease ends, whatever one raises
                 try:
+                    key, tier, stored, lease = item
                     node.filled(key, tier, stored, conn, lease)
                 except Exception as exc:
                     failed = failed or exc

@@ -1,0 +1,155 @@
+"""Leasing blocks fetched before their lease, behind the reads, many to a request.
+
+A miss on a node of its own fetches its block under the block's claim (cachemw.claims), and
+a cold read learns the block's key from the GET that brought it (reader.read_cold): either
+way the bytes are in hand before the daemon has been asked. The fill writer (fills.py)
+then runs ``Adoptions`` on a batch of such blocks: one ``LEASE_FETCHED`` request per claim
+state, the fills granted written and noted together (``FillWriter.store_many``). Each
+request and note wakes the daemon, a process switch on a busy node: per 128 KiB miss the
+two of them had cost more CPU, client and daemon together, than writing the block file.
+
+Every lease granted ends (filled, or aborted here) and every claim is released or kept
+for a block asked for again, whatever raises on the way.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+from .fills import Fill
+from ..keys import url_tag
+
+if TYPE_CHECKING:  # the reader that owns these adoptions: a type only
+    from .reader import BlockReader, _Piece
+
+log = logging.getLogger(__name__)
+
+LATER = ("nofill", "later")
+
+
+class Adopted(NamedTuple):
+    """A block fetched before its lease."""
+
+    piece: "_Piece"
+    data: bytes
+    dropped: Callable[[], bool]  # was its file written through the cache since it was asked?
+    claimed: bool  # this process holds the block's claim
+    duplicates: str  # the counter of a fetch another process's fill made a duplicate
+
+
+class Adoptions:
+    """``adoptions(entries)``: cache blocks fetched before their lease, each leased now and
+    filled with its bytes, unless another process filled it or is filling it (a duplicate
+    fetch, counted) or the file was written through the cache since it was asked for
+    (``dropped()``, asked once the lease is ours). A write through the cache marks the
+    file dropped in the node's table, then has the daemon cancel the fills in flight and
+    drop the file's blocks (fs._written): a lease granted before the cancel is cancelled,
+    one granted after the mark sees it here. A claim ends with the lease it came with (the
+    daemon releases it), or here when no lease came.
+
+    The daemon grants a batch part of a tier at a time and answers the rest "later"
+    (node.cache.NodeCache.lease_fetched): those are asked again once the notes of the
+    fills granted are sent, on the same connection (which the daemon reads in order), their
+    claims kept meanwhile; a round that granted none ends it (read uncached).
+    """
+
+    def __init__(self, reader: "BlockReader") -> None:
+        self.reader = reader
+
+    def __call__(self, entries: list[Adopted]) -> None:
+        while entries:
+            fills: list[Fill] = []
+            later: list[Adopted] = []
+            try:
+                try:
+                    for claimed in (True, False):
+                        group = [e for e in entries if bool(e.claimed) is claimed]
+                        if group:
+                            self._lease(group, claimed, fills, later)
+                finally:  # the leases granted end with their fills, whatever failed
+                    if fills:
+                        self.reader.fills.store_many(fills)
+            except BaseException:  # nothing is asked again: the claims kept for it end
+                self._release_claims(later)
+                raise
+            if later and not fills:  # never from this daemon: not to loop on one that did
+                self._release_claims(later)
+                self.reader.client.count("bypassed", len(later))
+                return
+            entries = later
+
+    def _release_claims(self, entries: list[Adopted]) -> None:
+        for entry in entries:
+            if entry.claimed:
+                self.reader.claims.release(entry.piece.key)
+
+    def _lease(self, group: list[Adopted], claimed: bool, fills: list[Fill],
+               later: list[Adopted]) -> None:
+        """Lease the blocks of ``group``; their fills go to ``fills``, the entries to ask
+        for again to ``later`` (their claims kept)."""
+        reader = self.reader
+        client = reader.client
+        asked = time.perf_counter()
+        replies = None
+        try:
+            replies = client.lease_fetched([reader.item(e.piece) for e in group], claimed)
+        finally:
+            if claimed:  # a claim not granted its lease ends here (unless asked later)
+                for i, entry in enumerate(group):
+                    if replies is None or replies[i] != LATER and replies[i][0] != "fill":
+                        reader.claims.release(entry.piece.key)
+        client.count("lease_requests")
+        if not reader.fills.on_writer():  # the reader waited for it (a full queue)
+            client.count("lease_waits", len(group))
+            reader.took("lease_seconds", "lease_wait", asked, len(group))
+        if replies is None:
+            client.count("fallbacks", len(group))
+            return
+        done = 0
+        try:
+            for done, (entry, reply) in enumerate(zip(group, replies)):
+                self._resolve(entry, reply, fills, later)
+            done = len(group)
+        finally:  # an entry raised: it and the rest end here
+            held = {f.key for f in fills}
+            for entry, reply in zip(group[done:], replies[done:]):
+                key = entry.piece.key
+                if reply[0] == "fill" and key not in held:
+                    client.abort(key, "error")
+                elif reply == LATER and claimed and not any(e is entry for e in later):
+                    reader.claims.release(key)
+
+    def _resolve(self, entry: Adopted, reply: tuple, fills: list[Fill],
+                 later: list[Adopted]) -> None:
+        reader = self.reader
+        client = reader.client
+        piece = entry.piece
+        kind = reply[0]
+        if kind == "fill":
+            try:
+                tier = None if entry.dropped() else reader.tier(reply[1])
+            except Exception:  # a bug: this block's lease ends, the batch goes on
+                log.exception("cachemw: adopting block %s", piece.key)
+                tier = None
+            if tier is None:
+                client.abort(piece.key, "error")
+                client.count("bypassed")
+            else:
+                client.count("misses")
+                fills.append(Fill(piece.key, tier, entry.data, url_tag(piece.meta.url),
+                                  client.link(), reply[2]))
+        elif kind == "present" and not self._tier_has(reply[1], piece.key):
+            client.drop(piece.key, "missing")  # indexed but gone: let it be filled again
+            client.count("bypassed")
+        elif kind in ("present", "data") or reply == ("nofill", "busy"):  # another's fill
+            client.count("misses")
+            client.count(entry.duplicates)
+        elif reply == LATER:
+            later.append(entry)
+        else:
+            client.count("fallbacks" if kind == "fallback" else "bypassed")
+
+    def _tier_has(self, tier_name: str, key: str) -> bool:
+        tier = self.reader.tier(tier_name)
+        return tier is not None and tier.contains(key)
