@@ -86,7 +86,11 @@ class FillWriter:
     LINGER = 0.02
     IDLE = 1.0
     BATCH = 16
-    BATCH_BYTES = 1 << 20
+    # a batch's writes should fit in the reader's next wait on its source (a burst that
+    # runs past it takes the GIL turn by turn with the reader), and each batch wakes the
+    # writer and the daemon once: for 128 KiB blocks, 512 KiB batches cost about the CPU
+    # per miss of 1 MiB ones, 256 KiB ones a third more (docs/benchmarks.md)
+    BATCH_BYTES = 512 << 10
 
     def __init__(self, client, max_bytes: int) -> None:
         self.client = client
