@@ -21,7 +21,7 @@ from .fills import Fill
 from ..keys import url_tag
 
 if TYPE_CHECKING:  # the reader that owns these adoptions: a type only
-    from .reader import BlockReader, _Piece
+    from .reader import BlockReader, Piece
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ LATER = ("nofill", "later")
 class Adopted(NamedTuple):
     """A block fetched before its lease."""
 
-    piece: "_Piece"
+    piece: "Piece"
     data: bytes
     dropped: Callable[[], bool]  # was its file written through the cache since it was asked?
     claimed: bool  # this process holds the block's claim
@@ -61,19 +61,20 @@ class Adoptions:
         while entries:
             fills: list[Fill] = []
             later: list[Adopted] = []
+            granted = 0
             try:
                 try:
                     for claimed in (True, False):
                         group = [e for e in entries if bool(e.claimed) is claimed]
                         if group:
-                            self._lease(group, claimed, fills, later)
+                            granted += self._lease(group, claimed, fills, later)
                 finally:  # the leases granted end with their fills, whatever failed
                     if fills:
                         self.reader.fills.store_many(fills)
             except BaseException:  # nothing is asked again: the claims kept for it end
                 self._release_claims(later)
                 raise
-            if later and not fills:  # never from this daemon: not to loop on one that did
+            if later and not granted:  # never from this daemon: not to loop on one that did
                 self._release_claims(later)
                 self.reader.client.count("bypassed", len(later))
                 return
@@ -85,9 +86,9 @@ class Adoptions:
                 self.reader.claims.release(entry.piece.key)
 
     def _lease(self, group: list[Adopted], claimed: bool, fills: list[Fill],
-               later: list[Adopted]) -> None:
+               later: list[Adopted]) -> int:
         """Lease the blocks of ``group``; their fills go to ``fills``, the entries to ask
-        for again to ``later`` (their claims kept)."""
+        for again to ``later`` (their claims kept). Returns the leases granted."""
         reader = self.reader
         client = reader.client
         asked = time.perf_counter()
@@ -95,8 +96,8 @@ class Adoptions:
         try:
             replies = client.lease_fetched([reader.item(e.piece) for e in group], claimed)
         finally:
-            if claimed:  # a claim not granted its lease ends here (unless asked later)
-                for i, entry in enumerate(group):
+            if claimed:  # a claim not granted its lease ends here (unless asked later);
+                for i, entry in enumerate(group):  # a lease aborted by the daemon keeps it
                     if replies is None or replies[i] != LATER and replies[i][0] != "fill":
                         reader.claims.release(entry.piece.key)
         client.count("lease_requests")
@@ -105,7 +106,7 @@ class Adoptions:
             reader.took("lease_seconds", "lease_wait", asked, len(group))
         if replies is None:
             client.count("fallbacks", len(group))
-            return
+            return 0
         done = 0
         try:
             for done, (entry, reply) in enumerate(zip(group, replies)):
@@ -119,6 +120,7 @@ class Adoptions:
                     client.abort(key, "error")
                 elif reply == LATER and claimed and not any(e is entry for e in later):
                     reader.claims.release(key)
+        return sum(reply[0] == "fill" for reply in replies)
 
     def _resolve(self, entry: Adopted, reply: tuple, fills: list[Fill],
                  later: list[Adopted]) -> None:

@@ -58,7 +58,7 @@ class Fill(NamedTuple):
 
 class _Adopt(NamedTuple):
     """A block fetched before its lease: ``runner([entry, ...])`` leases the blocks of a
-    batch of them in one request and fills each (or not)."""
+    batch of them together (adopt.py) and fills each (or not)."""
 
     key: str
     data: bytes
@@ -76,8 +76,8 @@ class FillWriter:
     thread ends, so a process that stopped missing costs no wake-ups.
 
     Small blocks go in batches: a kick wakes the writer once ``BATCH`` fills or
-    ``BATCH_BYTES`` are queued, and it takes up to that much off the queue at once (see
-    _take_batch): the adopted blocks' leases in one request per claim state (adopt.py),
+    ``BATCH_BYTES`` are queued, and it takes about that much off the queue at once (see
+    _take_batch: the block that reaches the bytes comes along): the adopted blocks' leases in one request per claim state (adopt.py),
     their "filled" notes in one message per connection. Each request wakes the daemon (a
     process switch on a busy node), and per 128 KiB miss the two of them cost more CPU,
     client and daemon together, than writing the block file.
@@ -86,10 +86,9 @@ class FillWriter:
     LINGER = 0.02
     IDLE = 1.0
     BATCH = 16
-    # a batch's writes should fit in the reader's next wait on its source (a burst that
-    # runs past it takes the GIL turn by turn with the reader), and each batch wakes the
-    # writer and the daemon once: for 128 KiB blocks, 512 KiB batches cost about the CPU
-    # per miss of 1 MiB ones, 256 KiB ones a third more (docs/benchmarks.md)
+    # each batch wakes the writer and the daemon once: for 128 KiB blocks, 512 KiB batches
+    # cost about the CPU per miss of 1 MiB ones, 256 KiB ones a third more; the smaller
+    # of the two cheap ones keeps a batch's burst of writes short (docs/benchmarks.md)
     BATCH_BYTES = 512 << 10
 
     def __init__(self, client, max_bytes: int) -> None:
@@ -320,7 +319,7 @@ class FillWriter:
         record shared after the fill is in flight is what read_cold does anyway), then the
         fills in one go, then the deferred calls in their order (a drain's round trip
         among them comes after every note of the batch)."""
-        runners: dict = {}  # a bound method each time it is named: equal, not identical
+        runners: dict = {}  # by runner (a reader's Adoptions)
         for item in batch:
             if isinstance(item, _Adopt):
                 runners.setdefault(item.runner, []).append(item.entry)

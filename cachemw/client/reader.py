@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 VIEW_MIN = 1 << 20  # blocks from this size are joined from their mappings (see _hit)
 
 
-class _Piece(NamedTuple):
+class Piece(NamedTuple):
     meta: FileMeta
     index: int
     lo: int
@@ -79,13 +79,13 @@ class BlockReader:
         self._warned_unversioned = False
         self._warned_claims = False
 
-    def _pieces(self, meta: FileMeta, start: int, end: int) -> list[_Piece]:
+    def _pieces(self, meta: FileMeta, start: int, end: int) -> list[Piece]:
         bs = self.block_size
         out = []
         for i in range(start // bs, (end - 1) // bs + 1):
             base = i * bs
             length = block_length(meta.size, i, bs)
-            out.append(_Piece(meta, i, max(start - base, 0), min(end - base, length),
+            out.append(Piece(meta, i, max(start - base, 0), min(end - base, length),
                               block_key(meta.url, meta.version, i, bs), length))
         return out
 
@@ -97,7 +97,7 @@ class BlockReader:
         index = start // bs
         if index == (end - 1) // bs:  # the common case: one block
             base = index * bs
-            piece = _Piece(meta, index, start - base, end - base,
+            piece = Piece(meta, index, start - base, end - base,
                            block_key(meta.url, meta.version, index, bs),
                            block_length(meta.size, index, bs))
             data = self._hit(piece)
@@ -106,9 +106,9 @@ class BlockReader:
 
     def read_many(self, requests: list[tuple[FileMeta, int, int]]) -> list[bytes]:
         """Many ranges at once: their misses go to the daemon (and on to owners) in one batch."""
-        pieces: list[list[_Piece]] = []
+        pieces: list[list[Piece]] = []
         data: dict[tuple[int, int], bytes] = {}
-        missing: list[tuple[tuple[int, int], _Piece]] = []
+        missing: list[tuple[tuple[int, int], Piece]] = []
         for r, (meta, start, end) in enumerate(requests):
             ps = self._pieces(meta, start, end) if end > start else []
             pieces.append(ps)
@@ -131,7 +131,7 @@ class BlockReader:
                     part.release()
         return out
 
-    def _hit(self, piece: _Piece, view: bool = False) -> bytes | memoryview | None:
+    def _hit(self, piece: Piece, view: bool = False) -> bytes | memoryview | None:
         """The piece from a tier (verified), or None. ``view``: a whole block may come as
         a view of its mapped file, for a read that joins blocks (see blockfile.map_block)."""
         client = self.client
@@ -161,7 +161,7 @@ class BlockReader:
                 return data
         return None
 
-    def item(self, p: _Piece) -> tuple:
+    def item(self, p: Piece) -> tuple:
         """What the daemon needs to fetch a block itself: key, length, url, source ref
         (with the version token, so an owner node never caches another version's bytes)."""
         return (p.key, p.length, p.meta.url,
@@ -171,11 +171,11 @@ class BlockReader:
     def announce_items(self, meta: FileMeta, start: int, end: int) -> list[tuple]:
         return [self.item(p) for p in self._pieces(meta, start, end)] if end > start else []
 
-    def _misses(self, pieces: list[_Piece]) -> list[bytes]:
+    def _misses(self, pieces: list[Piece]) -> list[bytes]:
         with trace.span("miss", trace.READ, blocks=len(pieces)):
             return self._resolve_misses(pieces)
 
-    def _resolve_misses(self, pieces: list[_Piece]) -> list[bytes]:
+    def _resolve_misses(self, pieces: list[Piece]) -> list[bytes]:
         """One lease per distinct block (a batch may name a block twice); every fill lease
         is finished or aborted, even when resolving an earlier piece raises."""
         started = time.perf_counter()
@@ -230,12 +230,12 @@ class BlockReader:
         self.client.maybe_flush()
         return [out[i] for i in range(len(pieces))]
 
-    def _claim(self, pieces: list[_Piece]) -> tuple[dict[str, _Piece], dict[str, bytes]]:
+    def _claim(self, pieces: list[Piece]) -> tuple[dict[str, Piece], dict[str, bytes]]:
         """The pieces whose claims this process took, and the ones found cached once their
         claim was ours (a fill publishes its block before its claim ends: it landed since
         the hit was missed), both by key; none where the node has no claims directory (no
         daemon has run there yet: the lease path starts one)."""
-        taken: dict[str, _Piece] = {}
+        taken: dict[str, Piece] = {}
         found: dict[str, bytes] = {}
         for p in pieces:
             if not self._take_claim(p.key):
@@ -263,7 +263,7 @@ class BlockReader:
                             "for their lease before fetching (logged once)", self.claims.dir, exc)
             return False
 
-    def _fetch_claimed(self, claimed: dict[str, _Piece], first: dict, out: dict,
+    def _fetch_claimed(self, claimed: dict[str, Piece], first: dict, out: dict,
                        started: float) -> None:
         """Fetch the claimed blocks; each is leased and filled behind (adopt), and its claim
         ends with its lease (or here, if the fetch fails)."""
@@ -294,7 +294,7 @@ class BlockReader:
             for p in pending:  # not fetched (the source failed): nobody's claim any more
                 self.claims.release(p.key)
 
-    def _resolve(self, piece: _Piece, reply) -> bytes:
+    def _resolve(self, piece: Piece, reply) -> bytes:
         client = self.client
         if reply is None:
             client.count("fallbacks")
@@ -321,7 +321,7 @@ class BlockReader:
         client.count("fallbacks" if kind == "fallback" else "bypassed")
         return self._direct(piece)
 
-    def _fill(self, piece: _Piece, tier_name: str, lease: int) -> bytes:
+    def _fill(self, piece: Piece, tier_name: str, lease: int) -> bytes:
         client = self.client
         meta = piece.meta
         self.fills.kick()  # the earlier fills get written while we wait on the source
@@ -373,7 +373,7 @@ class BlockReader:
         meta = metadata.learned(path, first.info, asked)
         self.client.count("cold_gets")
         block = first.data
-        piece = _Piece(meta, index, 0, len(block),
+        piece = Piece(meta, index, 0, len(block),
                        block_key(meta.url, meta.version, index, bs), len(block))
         self._source_read(piece, started, len(block))
         self.client.count("bytes_from_source", len(block))
@@ -398,7 +398,7 @@ class BlockReader:
             return head
         return b"".join((head, self.read_many([(meta, stop, end)])[0]))
 
-    def _direct(self, piece: _Piece) -> bytes:
+    def _direct(self, piece: Piece) -> bytes:
         base = piece.index * self.block_size
         meta = piece.meta
         started = time.perf_counter()
@@ -409,7 +409,7 @@ class BlockReader:
 
     # -- where the time went (readtime.py) and traces (trace.py) ------------------------
 
-    def _hit_done(self, piece: _Piece, tier: str, data: bytes, started: float) -> None:
+    def _hit_done(self, piece: Piece, tier: str, data: bytes, started: float) -> None:
         now = time.perf_counter()
         self.client.hit(piece.key, tier, len(data), now - started)
         if trace.ENABLED:
@@ -424,7 +424,7 @@ class BlockReader:
                 trace.event(name, trace.READ, started, now, {"blocks": blocks})
         return now
 
-    def _source_read(self, piece: _Piece, started: float, nbytes: int) -> None:
+    def _source_read(self, piece: Piece, started: float, nbytes: int) -> None:
         now = time.perf_counter()
         self.client.count("source_seconds", now - started)
         self.client.count("source_reads")

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class NodeCache(LeaseWaits, MoveRunner):
-    BATCH_SHARE = 4  # a batch of fetched blocks is leased at most 1/4 of a tier at once
+    BATCH_SHARE = 4  # a batch of fetched blocks stops being granted at 1/4 of a tier
 
     def __init__(self, config: DaemonConfig, *, lease_wait: float = 30.0) -> None:
         self.config = config
@@ -190,7 +190,8 @@ class NodeCache(LeaseWaits, MoveRunner):
             ts = self._tiers[tier]
             if ts.used + ts.reserved <= ts.config.capacity:
                 return ("fill", tier, inflight.lease)
-        self.abort(key, "full", conn)
+        # a claim the caller brought stays the caller's to release (as with a refusal above)
+        self.end_unfilled(key, inflight, "full", keep_claim=claimed)
         return ("nofill", "full")
 
     def filled(self, key: str, tier: str, stored: int, conn: object, lease: int) -> bool:
@@ -236,9 +237,11 @@ class NodeCache(LeaseWaits, MoveRunner):
                 return
         self.end_unfilled(key, inflight, reason)
 
-    def end_unfilled(self, key: str, inflight: Inflight, reason: str) -> None:
+    def end_unfilled(self, key: str, inflight: Inflight, reason: str,
+                     keep_claim: bool = False) -> None:
         """End a fill lease that brought no block (an error, a disconnect, a failed
-        prefetch): room and placement are given back; whatever was staged is deleted."""
+        prefetch): room and placement are given back; whatever was staged is deleted.
+        Its claim is released, unless ``keep_claim`` (the caller holds it and releases it)."""
         with self._lock:
             if self._inflight.get(key) is not inflight:
                 return
@@ -246,7 +249,8 @@ class NodeCache(LeaseWaits, MoveRunner):
             ts = self._tiers[inflight.tier]
             ts.reserved -= inflight.nbytes
             self.placer.drop(key)
-            self.claims.release(key)
+            if not keep_claim:
+                self.claims.release(key)
             if reason == "nospace":
                 ts.full_until = time.monotonic() + 5.0
                 log.warning("%s tier %s is out of space; not admitting for 5 s", ts.config.name,
