@@ -162,18 +162,11 @@ class _Fills:
             raise KeyboardInterrupt
 
 
-class _Reader:
-    def __init__(self, client, fills, claims):
-        self.client, self.fills, self.claims = client, fills, claims
-
-    def item(self, piece):
-        return (piece.key,)
-
-    def tier(self, name):
-        return type("T", (), {"name": name, "contains": lambda self, key: False})()
-
-    def took(self, *args):
-        pass
+def _adoptions(client, fills, claims):
+    return Adoptions(client, fills, claims, item_of=lambda piece: (piece.key,),
+                     tier_named=lambda name: type("T", (), {
+                         "name": name, "contains": lambda self, key: False})(),
+                     timed=lambda *args: None)
 
 
 class _Piece:
@@ -199,13 +192,13 @@ def test_claims_kept_for_later_end_when_nothing_more_is_asked(tmp_path):
     client = _Client([[("fill", "dram", 1), LATER, LATER]])
     fills = _Fills(fail=True)
     with pytest.raises(KeyboardInterrupt):
-        Adoptions(_Reader(client, fills, claims))(_entries(claims, 3))
+        _adoptions(client, fills, claims)(_entries(claims, 3))
     assert fills.stored == [_key(0)]  # its lease ends with its note (the daemon releases)
     assert os.listdir(claims.dir) == [_key(0)]
     os.unlink(os.path.join(claims.dir, _key(0)))
 
     client = _Client([[LATER, LATER]])
-    Adoptions(_Reader(client, _Fills(), claims))(_entries(claims, 2))
+    _adoptions(client, _Fills(), claims)(_entries(claims, 2))
     assert os.listdir(claims.dir) == [] and client.counts["bypassed"] == 2
 
 
@@ -231,7 +224,7 @@ def test_an_entry_that_raises_ends_its_lease_and_the_rest(tmp_path):
     adopt.url_tag = tag
     try:
         with pytest.raises(RuntimeError):
-            Adoptions(_Reader(client, fills, claims))(entries)
+            _adoptions(client, fills, claims)(entries)
     finally:
         adopt.url_tag = real
     assert fills.stored == [_key(0)]

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
-from .fills import Fill
+from .fills import Fill, FillWriter
+from ..claims import Claims
 from ..keys import url_tag
-
-if TYPE_CHECKING:  # the reader that owns these adoptions: a type only
-    from .reader import BlockReader, Piece
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +29,7 @@ LATER = ("nofill", "later")
 class Adopted(NamedTuple):
     """A block fetched before its lease."""
 
-    piece: "Piece"
+    piece: NamedTuple  # reader.Piece: the block's file, index, range, key, length
     data: bytes
     dropped: Callable[[], bool]  # was its file written through the cache since it was asked?
     claimed: bool  # this process holds the block's claim
@@ -54,8 +52,14 @@ class Adoptions:
     claims kept meanwhile; a round that granted none ends it (read uncached).
     """
 
-    def __init__(self, reader: "BlockReader") -> None:
-        self.reader = reader
+    def __init__(self, client, fills: FillWriter, claims: Claims, item_of: Callable,
+                 tier_named: Callable, timed: Callable) -> None:
+        """The reader's collaborators: its daemon link, fill writer and claims; what the
+        daemon needs to know of a block (``item_of(piece)``), a tier by name
+        (``tier_named(name)``), and its timer of waits (``timed(counter, name, started,
+        blocks)``)."""
+        self.client, self.fills, self.claims = client, fills, claims
+        self.item_of, self.tier_named, self.timed = item_of, tier_named, timed
 
     def __call__(self, entries: list[Adopted]) -> None:
         while entries:
@@ -70,40 +74,39 @@ class Adoptions:
                             granted += self._lease(group, claimed, fills, later)
                 finally:  # the leases granted end with their fills, whatever failed
                     if fills:
-                        self.reader.fills.store_many(fills)
+                        self.fills.store_many(fills)
             except BaseException:  # nothing is asked again: the claims kept for it end
                 self._release_claims(later)
                 raise
             if later and not granted:  # never from this daemon: not to loop on one that did
                 self._release_claims(later)
-                self.reader.client.count("bypassed", len(later))
+                self.client.count("bypassed", len(later))
                 return
             entries = later
 
     def _release_claims(self, entries: list[Adopted]) -> None:
         for entry in entries:
             if entry.claimed:
-                self.reader.claims.release(entry.piece.key)
+                self.claims.release(entry.piece.key)
 
     def _lease(self, group: list[Adopted], claimed: bool, fills: list[Fill],
                later: list[Adopted]) -> int:
         """Lease the blocks of ``group``; their fills go to ``fills``, the entries to ask
         for again to ``later`` (their claims kept). Returns the leases granted."""
-        reader = self.reader
-        client = reader.client
+        client = self.client
         asked = time.perf_counter()
         replies = None
         try:
-            replies = client.lease_fetched([reader.item(e.piece) for e in group], claimed)
+            replies = client.lease_fetched([self.item_of(e.piece) for e in group], claimed)
         finally:
             if claimed:  # a claim not granted its lease ends here (unless asked later);
                 for i, entry in enumerate(group):  # a lease aborted by the daemon keeps it
                     if replies is None or replies[i] != LATER and replies[i][0] != "fill":
-                        reader.claims.release(entry.piece.key)
+                        self.claims.release(entry.piece.key)
         client.count("lease_requests")
-        if not reader.fills.on_writer():  # the reader waited for it (a full queue)
+        if not self.fills.on_writer():  # the reader waited for it (a full queue)
             client.count("lease_waits", len(group))
-            reader.took("lease_seconds", "lease_wait", asked, len(group))
+            self.timed("lease_seconds", "lease_wait", asked, len(group))
         if replies is None:
             client.count("fallbacks", len(group))
             return 0
@@ -119,18 +122,17 @@ class Adoptions:
                 if reply[0] == "fill" and key not in held:
                     client.abort(key, "error")
                 elif reply == LATER and claimed and not any(e is entry for e in later):
-                    reader.claims.release(key)
+                    self.claims.release(key)
         return sum(reply[0] == "fill" for reply in replies)
 
     def _resolve(self, entry: Adopted, reply: tuple, fills: list[Fill],
                  later: list[Adopted]) -> None:
-        reader = self.reader
-        client = reader.client
+        client = self.client
         piece = entry.piece
         kind = reply[0]
         if kind == "fill":
             try:
-                tier = None if entry.dropped() else reader.tier(reply[1])
+                tier = None if entry.dropped() else self.tier_named(reply[1])
             except Exception:  # a bug: this block's lease ends, the batch goes on
                 log.exception("cachemw: adopting block %s", piece.key)
                 tier = None
@@ -153,5 +155,5 @@ class Adoptions:
             client.count("fallbacks" if kind == "fallback" else "bypassed")
 
     def _tier_has(self, tier_name: str, key: str) -> bool:
-        tier = self.reader.tier(tier_name)
+        tier = self.tier_named(tier_name)
         return tier is not None and tier.contains(key)

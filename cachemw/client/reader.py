@@ -71,7 +71,9 @@ class BlockReader:
         self.direct = DirectReads(client)
         self.fills = FillWriter(client, write_behind)
         self.claims = Claims(claims_dir(client.runtime_dir))
-        self.adoptions = Adoptions(self)  # leases blocks fetched before them (fill writer)
+        # leases blocks fetched before them, on the fill writer
+        self.adoptions = Adoptions(client, self.fills, self.claims, self.item, self.tier,
+                                   self.took)
         # the node table's "written through the cache since" (metadata.dropped_since), for
         # blocks fetched before their lease; set by the filesystem that owns the metadata
         self.dropped_since = None
