@@ -77,10 +77,11 @@ class FillWriter:
 
     Small blocks go in batches: a kick wakes the writer once ``BATCH`` fills or
     ``BATCH_BYTES`` are queued, and it takes about that much off the queue at once (see
-    _take_batch: the block that reaches the bytes comes along): the adopted blocks' leases in one request per claim state (adopt.py),
-    their "filled" notes in one message per connection. Each request wakes the daemon (a
-    process switch on a busy node), and per 128 KiB miss the two of them cost more CPU,
-    client and daemon together, than writing the block file.
+    _take_batch: the block that reaches the bytes comes along): the adopted blocks'
+    leases in one request per claim state (adopt.py), their "filled" notes in one message
+    per connection. Each request wakes the daemon (a process switch on a busy node), and
+    per 128 KiB miss the two of them cost more CPU, client and daemon together, than
+    writing the block file.
     """
 
     LINGER = 0.02
