@@ -37,6 +37,7 @@ import psutil
 
 from cachemw.bench import SlowLocalFileSystem
 from cachemw.client.fills import drain_all
+from cachemw.config import parse_size
 from cachemw.launch import stop_local
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -45,13 +46,6 @@ KiB, MiB = 1 << 10, 1 << 20
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def _size(text: str) -> int:
-    for unit, mult in (("KiB", KiB), ("MiB", MiB)):
-        if text.endswith(unit):
-            return int(float(text[:-len(unit)]) * mult)
-    return int(text)
 
 
 def _files(d: str, n: int, size: int) -> list[str]:
@@ -129,7 +123,7 @@ def main() -> int:
     print("| size | direct | copy | cachemw reader | cachemw daemon | "
           "cachemw (reader + daemon) / copy |")
     print("|---|---|---|---|---|---|")
-    for size in (_size(s) for s in args.sizes.split(",")):
+    for size in (parse_size(s, name="--sizes") for s in args.sizes.split(",")):
         n = args.files or (600 if size <= 128 * KiB else 300)
         rounds: list[dict[str, float]] = []
         for _ in range(args.rounds):

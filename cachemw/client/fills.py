@@ -127,18 +127,8 @@ class FillWriter:
         the reader for the GIL (a hot page cache: 1.25x slower written behind)."""
         n = len(fill.data)
         with self._cv:
-            queued = (self.max_bytes > 0 and self._queued_bytes + n <= self.max_bytes
-                      and waited >= self._write_cost * n)
-            if queued:
-                try:
-                    self._enqueue(fill)
-                except _NoWriter:
-                    queued = False
-                else:
-                    self.pending[fill.key] = fill.data
-                    self._queued_bytes += n
-                    self._waiting += 1
-                    self._waiting_bytes += n
+            queued = (self._has_room(n) and waited >= self._write_cost * n
+                      and self._hold(fill))
         if not queued:
             self.store(fill)
 
@@ -147,21 +137,28 @@ class FillWriter:
         it with ``data``) done on the writer, batched with the other adopted blocks queued
         with the same ``runner``; ``data`` served from ``pending`` until it has ended. Done
         now, on this thread, when the queue is full or no writer can start."""
-        n = len(data)
         with self._cv:
-            queued = self.max_bytes > 0 and self._queued_bytes + n <= self.max_bytes
-            if queued:
-                try:
-                    self._enqueue(_Adopt(key, data, entry, runner))
-                except _NoWriter:
-                    queued = False
-                else:
-                    self.pending[key] = data
-                    self._queued_bytes += n
-                    self._waiting += 1
-                    self._waiting_bytes += n
+            queued = self._has_room(len(data)) and self._hold(_Adopt(key, data, entry, runner))
         if not queued:
             runner([entry])
+
+    def _has_room(self, n: int) -> bool:
+        """Under _cv: is a writer wanted, with room in its queue for ``n`` more bytes?"""
+        return self.max_bytes > 0 and self._queued_bytes + n <= self.max_bytes
+
+    def _hold(self, item: Fill | _Adopt) -> bool:
+        """Under _cv: queue ``item`` for the writer, its bytes served from ``pending``
+        until it has ended; False if no writer can start (the caller does the work)."""
+        try:
+            self._enqueue(item)
+        except _NoWriter:
+            return False
+        n = len(item.data)
+        self.pending[item.key] = item.data
+        self._queued_bytes += n
+        self._waiting += 1
+        self._waiting_bytes += n
+        return True
 
     def on_writer(self) -> bool:
         """True on the writer thread itself."""
