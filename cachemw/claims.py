@@ -66,9 +66,22 @@ class Claims:
         os.close(fd)
         return True
 
-    def release(self, key: str) -> None:
+    def release(self, key: str, holder: int | None = None) -> None:
+        """Remove ``key``'s claim; with ``holder`` (a pid), only while the claim names it.
+
+        The daemon ends a lease that came with a client's claim on the client's behalf; when
+        the client's connection is gone, the client may have removed that claim already (it
+        gave up waiting for the lease's answer), and another process may hold the block's
+        claim now: the daemon passes the client's pid so as not to remove that one. A claim
+        read empty is being written by whoever just took it: not ``holder``'s."""
+        path = self._path(key)
         try:
-            os.unlink(self._path(key))
+            if holder is not None:
+                with open(path, "rb") as f:
+                    text = f.read()
+                if text.split(b" ", 1)[0] != str(holder).encode():
+                    return
+            os.unlink(path)
         except FileNotFoundError:
             pass
 

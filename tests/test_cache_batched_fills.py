@@ -134,7 +134,7 @@ class _Client:
 
     def lease_fetched(self, items, claimed):
         reply = self.replies.pop(0)
-        return reply[:len(items)]
+        return None if reply is None else reply[:len(items)]
 
     def abort(self, key, reason):
         self.aborted.append(key)
@@ -231,3 +231,18 @@ def test_an_entry_that_raises_ends_its_lease_and_the_rest(tmp_path):
     assert client.aborted == [_key(1), _key(2)]
     # aborted leases' claims are the daemon's to release; the one asked "later" ended here
     assert sorted(os.listdir(claims.dir)) == [_key(0), _key(1), _key(2)]
+
+
+def test_an_unanswered_request_releases_only_this_processs_claims(tmp_path):
+    """No answer to a batch's lease request (a timeout, the daemon gone): the client ends
+    the claims it brought, unless one is no longer its own (the daemon, seeing the
+    connection gone, ended a lease granted with it, and another process claimed the block
+    since): that one stays."""
+    claims = Claims(str(tmp_path / "claims"))
+    claims.make()
+    entries = _entries(claims, 2)
+    with open(os.path.join(claims.dir, _key(1)), "w") as f:  # another live process's now
+        f.write(f"{os.getppid()} 0")
+    client = _Client([None])
+    _adoptions(client, _Fills(), claims)(entries)
+    assert os.listdir(claims.dir) == [_key(1)] and client.counts["fallbacks"] == 2

@@ -135,6 +135,38 @@ def test_the_daemon_leases_with_the_claim_and_waits_while_another_holds_it(tmp_p
     assert time.monotonic() - started < 1.0
 
 
+def test_a_lease_ended_by_its_client_leaving_removes_only_that_clients_claim(tmp_path):
+    """A client that got no answer to its lease request (a timeout, a broken connection)
+    releases the claim it brought; when the daemon then ends the lease it granted on that
+    connection, the claim may be another process's: it stays. A claim that still names
+    the client (killed before its note) is removed."""
+    nc = _node(tmp_path)
+    claim_file = os.path.join(claims_dir(str(tmp_path / "rt")), "")
+    keys = [block_key("file:///x", "v", i, L) for i in range(2)]
+    me = os.getpid()
+    reader = Claims(claims_dir(str(tmp_path / "rt")))
+    for key in keys:
+        assert reader.take(key)
+    replies = nc.lease_fetched([(k, L, "file:///x", None) for k in keys], "conn-a", True, me)
+    assert [r[0] for r in replies] == ["fill", "fill"]
+
+    reader.release(keys[0], me)  # the client gave up; another live process claims it
+    with open(claim_file + keys[0], "w") as f:
+        f.write(f"{os.getppid()} 0")
+    reader.release(keys[0], me)  # a second release by the client leaves it too
+    nc.release("conn-a")
+    assert nc.stats()["inflight"] == 0
+    assert os.path.exists(claim_file + keys[0])  # the other process's, untouched
+    assert not os.path.exists(claim_file + keys[1])  # still the client's: removed
+    assert nc.lease(keys[0], L, "file:///x", "conn-b", wait=0)[0] == "nofill"  # held
+
+    # the daemon's own claim (a lease asked without one) is released whatever it names
+    reply = nc.lease(keys[1], L, "file:///x", "conn-c")
+    assert reply[0] == "fill" and os.path.exists(claim_file + keys[1])
+    nc.release("conn-c")
+    assert not os.path.exists(claim_file + keys[1])
+
+
 def test_a_daemon_starts_with_no_claims(tmp_path):
     directory = claims_dir(str(tmp_path / "rt"))
     os.makedirs(directory)

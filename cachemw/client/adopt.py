@@ -14,6 +14,7 @@ for a block asked for again, whatever raises on the way.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable, NamedTuple
 
@@ -101,7 +102,9 @@ class Adoptions:
         finally:
             if claimed:  # a claim not granted its lease ends here (unless asked later);
                 for i, entry in enumerate(group):  # a lease aborted by the daemon keeps it
-                    if replies is None or replies[i] != LATER and replies[i][0] != "fill":
+                    if replies is None:  # the daemon may have granted, and released it
+                        self.claims.release(entry.piece.key, os.getpid())  # on disconnect
+                    elif replies[i] != LATER and replies[i][0] != "fill":
                         self.claims.release(entry.piece.key)
         client.count("lease_requests")
         if not self.fills.on_writer():  # the reader waited for it (a full queue)

@@ -120,15 +120,16 @@ class NodeCache(LeaseWaits, MoveRunner):
     # -- leases: single-flight fills ---------------------------------------------
 
     def lease(self, key: str, length: int, url: str | None, conn: object,
-              wait: float | None = None, claimed: bool = False) -> tuple:
+              wait: float | None = None, claimed: bool = False,
+              claimant: int | None = None) -> tuple:
         """("present", tier) | ("fill", tier, lease number) | ("nofill", reason). Never blocks
         past lease_wait (``wait``: another bound; 0 for a block fetched already).
 
         ``length`` is the block's data length; the tier is charged what the block file
         will occupy (data + checksums + trailer). A lease comes with the block's claim
-        (claims.py): ``claimed``, the caller holds it already (it fetched the block first);
-        else it is taken here, and while another process holds it this waits as for a fill
-        in flight. The lease's end releases the claim.
+        (claims.py): ``claimed``, the caller holds it already (it fetched the block first;
+        ``claimant``, its pid if known); else it is taken here, and while another process
+        holds it this waits as for a fill in flight. The lease's end releases the claim.
         """
         nbytes = length + blockfile.tail_size(length)
         deadline = time.monotonic() + (self.lease_wait if wait is None else wait)
@@ -161,7 +162,7 @@ class NodeCache(LeaseWaits, MoveRunner):
                         break
                     inflight = self._inflight[key] = Inflight(
                         conn, tier, nbytes, url_tag(url) if url else None,
-                        next(self._lease_numbers))
+                        next(self._lease_numbers), claimant=claimant if claimed else None)
                     self._tiers[tier].reserved += nbytes
                     self.counters["leases"] += 1
                     break
@@ -207,12 +208,13 @@ class NodeCache(LeaseWaits, MoveRunner):
             return False
         return self.land(key, inflight, stored)
 
-    def land(self, key: str, inflight: Inflight, stored: int) -> bool:
+    def land(self, key: str, inflight: Inflight, stored: int, gone: bool = False) -> bool:
         """End a fill lease whose block is staged: publish and index it, or, if the lease
         was cancelled meanwhile (evicted, or the file written through the cache), drop the
         staged bytes: they may be stale, and hits read blocks by key without asking us.
         Publishing under the lock orders it with invalidate(). True if indexed; False also
-        when the lease had ended already (its note, a waiter or release got here first)."""
+        when the lease had ended already (its note, a waiter or release got here first).
+        ``gone``: its client's connection is gone (see _release_claim)."""
         ts = self._tiers[inflight.tier]
         with self._lock:
             if self._inflight.get(key) is not inflight:
@@ -224,7 +226,7 @@ class NodeCache(LeaseWaits, MoveRunner):
                 self._add(key, inflight.tier, stored, inflight.tag)
             else:
                 self.placer.drop(key)
-            self.claims.release(key)  # indexed first: a waiter that looks next finds it
+            self._release_claim(key, inflight, gone)  # indexed first: a waiter finds it
         if not indexed:
             ts.tier.unstage(key, inflight.lease)
         inflight.done.set()
@@ -238,10 +240,11 @@ class NodeCache(LeaseWaits, MoveRunner):
         self.end_unfilled(key, inflight, reason)
 
     def end_unfilled(self, key: str, inflight: Inflight, reason: str,
-                     keep_claim: bool = False) -> None:
+                     keep_claim: bool = False, gone: bool = False) -> None:
         """End a fill lease that brought no block (an error, a disconnect, a failed
         prefetch): room and placement are given back; whatever was staged is deleted.
-        Its claim is released, unless ``keep_claim`` (the caller holds it and releases it)."""
+        Its claim is released, unless ``keep_claim`` (the caller holds it and releases it);
+        ``gone``: its client's connection is gone (see _release_claim)."""
         with self._lock:
             if self._inflight.get(key) is not inflight:
                 return
@@ -250,7 +253,7 @@ class NodeCache(LeaseWaits, MoveRunner):
             ts.reserved -= inflight.nbytes
             self.placer.drop(key)
             if not keep_claim:
-                self.claims.release(key)
+                self._release_claim(key, inflight, gone)
             if reason == "nospace":
                 ts.full_until = time.monotonic() + 5.0
                 log.warning("%s tier %s is out of space; not admitting for 5 s", ts.config.name,
@@ -267,10 +270,18 @@ class NodeCache(LeaseWaits, MoveRunner):
             held = [(k, f) for k, f in self._inflight.items() if f.conn is conn]
         for key, inflight in held:
             stored = self._verified_size(inflight, key)
-            if stored is not None and self.land(key, inflight, stored):
+            if stored is not None and self.land(key, inflight, stored, gone=True):
                 self.count("adopted")
             else:  # nothing (sound) staged, or cancelled: ends it, deletes what is staged
-                self.end_unfilled(key, inflight, "disconnected")
+                self.end_unfilled(key, inflight, "disconnected", gone=True)
+
+    def _release_claim(self, key: str, inflight: Inflight, gone: bool) -> None:
+        """Release the claim a lease ended with. A client whose lease request went
+        unanswered (a timeout, a broken connection) released the claims it brought itself,
+        and another process may have taken one since: once the connection is gone, a claim
+        the client brought is removed only while it still names the client. Otherwise the
+        client has left its claim to us, and this saves reading it on every fill."""
+        self.claims.release(key, inflight.claimant if gone else None)
 
     def _verified_size(self, inflight: Inflight, key: str) -> int | None:
         """The size of the fill staged for ``inflight`` if it is whole and verifies."""
@@ -310,7 +321,8 @@ class NodeCache(LeaseWaits, MoveRunner):
                 replies[i] = reply
         return replies
 
-    def lease_fetched(self, items: list[tuple], conn: object, claimed: bool) -> list[tuple]:
+    def lease_fetched(self, items: list[tuple], conn: object, claimed: bool,
+                      claimant: int | None = None) -> list[tuple]:
         """Leases for blocks the caller fetched already (with their claims if ``claimed``):
         never waits, since the bytes are in hand; another process's fill in flight or claim
         makes it ("nofill", "busy"). A batch stops being granted once its grants reach
@@ -318,7 +330,8 @@ class NodeCache(LeaseWaits, MoveRunner):
         none): its fills reserve room until they land, and room made for one of them must
         not be made by evicting another in flight. The rest, whichever tier the placer
         would have chosen, are answered ("nofill", "later"): the client asks again once
-        the fills granted are noted, claims kept (client/adopt.py)."""
+        the fills granted are noted, claims kept (client/adopt.py). ``claimant``: the
+        caller's pid, whose claims these are (see _release_claim)."""
         replies: list[tuple] = []
         granted: dict[str, int] = {}
         for key, length, url, _source in items:
@@ -326,7 +339,8 @@ class NodeCache(LeaseWaits, MoveRunner):
                    for t, n in granted.items()):
                 replies.append(("nofill", "later"))
                 continue
-            reply = self.lease(key, length, url, conn, wait=0, claimed=claimed)
+            reply = self.lease(key, length, url, conn, wait=0, claimed=claimed,
+                               claimant=claimant)
             if reply[0] == "fill":
                 granted[reply[1]] = (granted.get(reply[1], 0) + length
                                      + blockfile.tail_size(length))

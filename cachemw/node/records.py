@@ -25,6 +25,7 @@ class Inflight:
     lease: int = 0  # its number: names its staged file (tiers/directory.py)
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False  # evicted or invalidated while in flight: do not index it
+    claimant: int | None = None  # the pid whose claim it came with (cachemw.claims)
 
 
 @dataclass

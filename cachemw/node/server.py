@@ -146,7 +146,8 @@ class SocketServer:
             return
         with self._lock:
             self._conns.add(conn)
-            self._links[conn] = [threading.Lock(), 0.0, 0.0, False]
+            # send lock, keepalive, last answer, a request open, the client's pid (hello)
+            self._links[conn] = [threading.Lock(), 0.0, 0.0, False, None]
         try:
             self._loop(conn)
         finally:
@@ -168,6 +169,8 @@ class SocketServer:
         node = self.node
 
         def hello(conn, link, pid, keepalive=None):
+            if isinstance(pid, int) and pid > 0:
+                link[4] = pid
             if isinstance(keepalive, (int, float)) and keepalive > 0:
                 link[1] = max(0.05, float(keepalive))
             return ("ok", node.config.node_id, os.getpid())
@@ -188,7 +191,7 @@ class SocketServer:
             ops.LEASE: lambda conn, link, key, length, url: node.lease(key, length, url, conn),
             ops.LEASE_MANY: lambda conn, link, items: ("ok", node.lease_many(items, conn)),
             ops.LEASE_FETCHED: lambda conn, link, items, claimed:
-                ("ok", node.lease_fetched(items, conn, bool(claimed))),
+                ("ok", node.lease_fetched(items, conn, bool(claimed), link[4])),
             ops.FILLED: lambda conn, link, key, tier, stored, lease:
                 node.filled(key, tier, stored, conn, lease),
             ops.FILLED_MANY: filled_many,
