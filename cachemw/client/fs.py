@@ -179,7 +179,7 @@ class CacheFileSystem(_Base):
                 data = self.reader.read_cold(path, start, end, self.meta)
                 if data is not None:
                     return data
-            meta = self.meta.file(path)
+            meta = self.meta.ask_file(path)
         return self._read(meta, start, end)
 
     def _read(self, meta, start, end) -> bytes:
@@ -216,7 +216,7 @@ class CacheFileSystem(_Base):
                         and self.reader.source.tells_versions:
                     alone.append(i)  # read cold, its version from its GET (see _read_path)
                     continue
-                meta = meta or self.meta.file(path)
+                meta = meta or self.meta.ask_file(path)
             except Exception as exc:  # fsspec's on_error: any error of a path is its result
                 if on_error == "raise":
                     raise

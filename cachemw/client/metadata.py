@@ -255,7 +255,12 @@ class MetadataCache:
         Kept in the process as one FileMeta per file (plain values only); the info it came
         from is kept only if this process asked the source for it (or called info())."""
         meta, _ = self.known_file(path)
-        return meta if meta is not None else self._keep(path, *self._ask(path))
+        return meta if meta is not None else self.ask_file(path)
+
+    def ask_file(self, path: str) -> FileMeta:
+        """``file()`` once ``known_file()`` has said None: the source's answer (shared with
+        the node), without looking in this process and the node's table a second time."""
+        return self._keep(path, *self._ask(path))
 
     def known_file(self, path: str) -> tuple[FileMeta | None, bool]:
         """What ``file()`` returns if that needs no call to the source (a fresh record in
