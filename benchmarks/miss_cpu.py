@@ -11,7 +11,10 @@ same run, and the CPU time each takes per file is compared.
 * ``cachemw``: ``cat_file`` through cachemw (its daemon a process of its own, as autostart
   makes it; runtime dir in /dev/shm), its fills written behind by the fill writer thread
   and drained before the clock stops; the CPU of the reader process (every thread) and,
-  separately, of the daemon over the same reads.
+  separately, of the daemon over the same reads; and of the reading thread alone until
+  its last read returned (``reader thread``: what a DataLoader worker pays before its
+  next sample, the fill writer's work left out, as it runs while the worker waits on the
+  source).
 
 The source is ``slowfile`` (cachemw.bench.SlowLocalFileSystem: local files in /dev/shm, a
 sleep per data request), so the source's own CPU is that of a local read: the smallest a
@@ -95,9 +98,10 @@ def one_round(work: str, size: int, n: int, latency: float) -> dict[str, float]:
         drain_all()
         daemon = _daemon_of(rt)
         time.sleep(0.3)
-        d0, c = sum(daemon.cpu_times()[:2]), _cpu()
+        d0, c, t = sum(daemon.cpu_times()[:2]), _cpu(), time.thread_time()
         for p in paths[1:]:
             fs.cat_file(p)
+        out["thread"] = (time.thread_time() - t) / n
         drain_all()
         out["cachemw"] = (_cpu() - c) / n
         out["daemon"] = (sum(daemon.cpu_times()[:2]) - d0) / n
@@ -121,8 +125,8 @@ def main() -> int:
     print(f"CPU per cold miss, source {args.latency_ms} ms per request, {args.rounds} rounds "
           f"(ms per file: min / median / max)\n")
     print("| size | direct | copy | cachemw reader | cachemw daemon | "
-          "cachemw (reader + daemon) / copy |")
-    print("|---|---|---|---|---|---|")
+          "cachemw (reader + daemon) / copy | cachemw reader thread |")
+    print("|---|---|---|---|---|---|---|")
     for size in (parse_size(s, name="--sizes") for s in args.sizes.split(",")):
         n = args.files or (600 if size <= 128 * KiB else 300)
         rounds: list[dict[str, float]] = []
@@ -141,7 +145,8 @@ def main() -> int:
         print(f"| {label} | {spread([r['direct'] for r in rounds])} | "
               f"{spread([r['copy'] for r in rounds])} | "
               f"{spread([r['cachemw'] for r in rounds])} | "
-              f"{spread([r['daemon'] for r in rounds])} | {spread(total, 1, '.2f')}x |",
+              f"{spread([r['daemon'] for r in rounds])} | {spread(total, 1, '.2f')}x | "
+              f"{spread([r['thread'] for r in rounds])} |",
               flush=True)
     return 0
 
