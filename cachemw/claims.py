@@ -16,6 +16,14 @@ The daemon removes a claim when the lease that came with it ends (the block publ
 not); a process whose claim brought no lease removes it itself. A claim whose process died
 is stale: it names its holder (pid and start time, processes.py), and a waiter removes it.
 The daemon empties the directory when it starts.
+
+A client whose lease request went unanswered (a timeout, a broken connection) cannot know
+whether the lease was granted: it removes the claims it brought itself, and the daemon,
+ending the leases of the connection that is gone, removes them too. Each removes a claim
+only while it still names that client (its HELLO said who it is), so neither removes one
+another process has taken since. Reading a claim and removing it are two steps: two
+removers at the same instant can still remove a claim taken between them, at worst a
+block fetched twice, never wrong bytes.
 """
 from __future__ import annotations
 
@@ -34,13 +42,24 @@ def claims_dir(runtime_dir: str) -> str:
     return os.path.join(runtime_dir, CLAIMS_DIR)
 
 
+_me: tuple[int, str] = (0, "")
+
+
+def holder_name() -> str:
+    """What this process's claims hold: its pid and start time (a forked child, such as
+    a DataLoader worker, has its own)."""
+    global _me
+    pid = os.getpid()
+    if _me[0] != pid:
+        _me = (pid, f"{pid} {process_start(pid) or 0}")
+    return _me[1]
+
+
 class Claims:
     """The claims directory of one node (made by its daemon, 0700 like the runtime dir)."""
 
     def __init__(self, directory: str) -> None:
         self.dir = directory
-        self._me = f"{os.getpid()} {process_start(os.getpid()) or 0}".encode()
-        self._me_pid = os.getpid()
 
     def _path(self, key: str) -> str:
         return os.path.join(self.dir, key)
@@ -49,16 +68,14 @@ class Claims:
         """True if this process now holds ``key``'s claim; False if another process does.
         Raises FileNotFoundError if there is no claims directory (no daemon made one), and
         another OSError if no claim can be made there (a full tmpfs, say), leaving none."""
-        if os.getpid() != self._me_pid:  # a forked child (DataLoader worker): its own name
-            self._me_pid = os.getpid()
-            self._me = f"{self._me_pid} {process_start(self._me_pid) or 0}".encode()
+        me = holder_name().encode()
         path = self._path(key)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             return False
         try:
-            os.write(fd, self._me)
+            os.write(fd, me)
         except OSError:  # an empty claim would hold others up until it is found stale
             os.close(fd)
             self.release(key)
@@ -66,24 +83,23 @@ class Claims:
         os.close(fd)
         return True
 
-    def release(self, key: str, holder: int | None = None) -> None:
-        """Remove ``key``'s claim; with ``holder`` (a pid), only while the claim names it.
-
-        The daemon ends a lease that came with a client's claim on the client's behalf; when
-        the client's connection is gone, the client may have removed that claim already (it
-        gave up waiting for the lease's answer), and another process may hold the block's
-        claim now: the daemon passes the client's pid so as not to remove that one. A claim
-        read empty is being written by whoever just took it: not ``holder``'s."""
+    def release(self, key: str, holder: str | None = None) -> None:
+        """Remove ``key``'s claim; with ``holder`` (a ``holder_name()``), only while the
+        claim names it (see the module docstring). A claim read empty is being written by
+        whoever just took it, and one that cannot be read is not known to be ``holder``'s:
+        both stay."""
         path = self._path(key)
         try:
             if holder is not None:
                 with open(path, "rb") as f:
-                    text = f.read()
-                if text.split(b" ", 1)[0] != str(holder).encode():
-                    return
+                    if f.read() != holder.encode():
+                        return
             os.unlink(path)
         except FileNotFoundError:
             pass
+        except OSError:
+            if holder is None:
+                raise
 
     def held(self, key: str) -> bool:
         """True while a live process holds ``key``'s claim; a stale claim (its holder died) is

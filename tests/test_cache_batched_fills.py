@@ -16,7 +16,7 @@ import pytest
 
 from cachemw import blockfile
 from cachemw.bench import SlowLocalFileSystem
-from cachemw.claims import Claims, claims_dir
+from cachemw.claims import Claims, claims_dir, holder_name
 from cachemw.client.adopt import LATER, Adopted, Adoptions
 from cachemw.config import DaemonConfig, TierConfig
 from cachemw.node.cache import NodeCache
@@ -243,6 +243,7 @@ def test_an_unanswered_request_releases_only_this_processs_claims(tmp_path):
     entries = _entries(claims, 2)
     with open(os.path.join(claims.dir, _key(1)), "w") as f:  # another live process's now
         f.write(f"{os.getppid()} 0")
+    assert open(os.path.join(claims.dir, _key(0))).read() == holder_name()
     client = _Client([None])
     _adoptions(client, _Fills(), claims)(entries)
     assert os.listdir(claims.dir) == [_key(1)] and client.counts["fallbacks"] == 2

@@ -20,7 +20,7 @@ import time
 import fsspec
 import pytest
 
-from cachemw.claims import Claims, claims_dir
+from cachemw.claims import Claims, claims_dir, holder_name
 from cachemw.config import DaemonConfig
 from cachemw.keys import block_key
 from cachemw.node.cache import NodeCache
@@ -137,34 +137,45 @@ def test_the_daemon_leases_with_the_claim_and_waits_while_another_holds_it(tmp_p
 
 def test_a_lease_ended_by_its_client_leaving_removes_only_that_clients_claim(tmp_path):
     """A client that got no answer to its lease request (a timeout, a broken connection)
-    releases the claim it brought; when the daemon then ends the lease it granted on that
-    connection, the claim may be another process's: it stays. A claim that still names
-    the client (killed before its note) is removed."""
+    releases the claims it brought; when the daemon then ends the leases it granted on that
+    connection, a claim may be another process's by then: it stays, whether the lease ends
+    with a fill staged (adopted) or without. A claim that still names the client (killed
+    before its note) is removed; the daemon's own claims are removed whatever they name."""
     nc = _node(tmp_path)
     claim_file = os.path.join(claims_dir(str(tmp_path / "rt")), "")
-    keys = [block_key("file:///x", "v", i, L) for i in range(2)]
-    me = os.getpid()
+    keys = [block_key("file:///x", "v", i, L) for i in range(4)]
+    me = holder_name()
+    other = f"{os.getppid()} 0"  # a live process, not this one
     reader = Claims(claims_dir(str(tmp_path / "rt")))
     for key in keys:
         assert reader.take(key)
     replies = nc.lease_fetched([(k, L, "file:///x", None) for k in keys], "conn-a", True, me)
-    assert [r[0] for r in replies] == ["fill", "fill"]
+    assert [r[0] for r in replies] == ["fill"] * 4
+    for key, reply in zip(keys[:2], replies):  # staged, not noted: adopted on disconnect
+        nc.tier(reply[1]).stage(key, b"x" * L, reply[2])
 
-    reader.release(keys[0], me)  # the client gave up; another live process claims it
-    with open(claim_file + keys[0], "w") as f:
-        f.write(f"{os.getppid()} 0")
-    reader.release(keys[0], me)  # a second release by the client leaves it too
+    for key in (keys[0], keys[2]):  # the client gave up; another live process claims it
+        reader.release(key, me)
+        with open(claim_file + key, "w") as f:
+            f.write(other)
+        reader.release(key, me)  # the client's own release leaves it too
     nc.release("conn-a")
     assert nc.stats()["inflight"] == 0
-    assert os.path.exists(claim_file + keys[0])  # the other process's, untouched
+    assert nc.lease(keys[0], L, "file:///x", "conn-b") == ("present", "dram")  # adopted
+    for key in (keys[0], keys[2]):  # the other process's, untouched
+        with open(claim_file + key) as f:
+            assert f.read() == other
     assert not os.path.exists(claim_file + keys[1])  # still the client's: removed
-    assert nc.lease(keys[0], L, "file:///x", "conn-b", wait=0)[0] == "nofill"  # held
+    assert not os.path.exists(claim_file + keys[3])
 
     # the daemon's own claim (a lease asked without one) is released whatever it names
-    reply = nc.lease(keys[1], L, "file:///x", "conn-c")
-    assert reply[0] == "fill" and os.path.exists(claim_file + keys[1])
+    key = block_key("file:///x", "v", 9, L)
+    reply = nc.lease(key, L, "file:///x", "conn-c")
+    assert reply[0] == "fill" and os.path.exists(claim_file + key)
+    with open(claim_file + key, "w") as f:
+        f.write(other)
     nc.release("conn-c")
-    assert not os.path.exists(claim_file + keys[1])
+    assert not os.path.exists(claim_file + key)
 
 
 def test_a_daemon_starts_with_no_claims(tmp_path):

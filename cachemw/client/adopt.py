@@ -14,12 +14,11 @@ for a block asked for again, whatever raises on the way.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Callable, NamedTuple
 
 from .fills import Fill, FillWriter
-from ..claims import Claims
+from ..claims import Claims, holder_name
 from ..keys import url_tag
 
 log = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ class Adoptions:
             if claimed:  # a claim not granted its lease ends here (unless asked later);
                 for i, entry in enumerate(group):  # a lease aborted by the daemon keeps it
                     if replies is None:  # the daemon may have granted, and released it
-                        self.claims.release(entry.piece.key, os.getpid())  # on disconnect
+                        self.claims.release(entry.piece.key, holder_name())  # on disconnect
                     elif replies[i] != LATER and replies[i][0] != "fill":
                         self.claims.release(entry.piece.key)
         client.count("lease_requests")

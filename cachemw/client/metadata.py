@@ -258,8 +258,9 @@ class MetadataCache:
         return meta if meta is not None else self.ask_file(path)
 
     def ask_file(self, path: str) -> FileMeta:
-        """``file()`` once ``known_file()`` has said None: the source's answer (shared with
-        the node), without looking in this process and the node's table a second time."""
+        """``file()`` for a caller whose ``known_file()`` has just said None: the source's
+        answer (shared with the node), without looking in this process and the node's
+        table a second time."""
         return self._keep(path, *self._ask(path))
 
     def known_file(self, path: str) -> tuple[FileMeta | None, bool]:

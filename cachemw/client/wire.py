@@ -10,6 +10,7 @@ import time
 from multiprocessing.connection import Connection, answer_challenge
 
 from .. import ops
+from ..claims import holder_name
 from ..protocol import DaemonAddress
 
 BUSY_CAP_SECONDS = 300.0  # a backstop: the daemon bounds its own waits well below this
@@ -35,7 +36,7 @@ def dial(address: DaemonAddress, timeout: float) -> Connection:
         if not conn.poll(timeout):
             raise DaemonUnavailable(f"daemon did not answer the handshake within {timeout} s")
         answer_challenge(conn, address.authkey)
-        conn.send((ops.HELLO, os.getpid(), timeout / 3))
+        conn.send((ops.HELLO, os.getpid(), timeout / 3, holder_name()))
         receive(conn, timeout)
     except BaseException:  # no half-open connection left, whatever failed; re-raised
         conn.close()

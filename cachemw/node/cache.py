@@ -121,15 +121,16 @@ class NodeCache(LeaseWaits, MoveRunner):
 
     def lease(self, key: str, length: int, url: str | None, conn: object,
               wait: float | None = None, claimed: bool = False,
-              claimant: int | None = None) -> tuple:
+              claimant: str | None = None) -> tuple:
         """("present", tier) | ("fill", tier, lease number) | ("nofill", reason). Never blocks
         past lease_wait (``wait``: another bound; 0 for a block fetched already).
 
         ``length`` is the block's data length; the tier is charged what the block file
         will occupy (data + checksums + trailer). A lease comes with the block's claim
         (claims.py): ``claimed``, the caller holds it already (it fetched the block first;
-        ``claimant``, its pid if known); else it is taken here, and while another process
-        holds it this waits as for a fill in flight. The lease's end releases the claim.
+        ``claimant``, the name its claims hold, if known); else it is taken here, and while
+        another process holds it this waits as for a fill in flight. The lease's end
+        releases the claim (see _release_claim).
         """
         nbytes = length + blockfile.tail_size(length)
         deadline = time.monotonic() + (self.lease_wait if wait is None else wait)
@@ -322,7 +323,7 @@ class NodeCache(LeaseWaits, MoveRunner):
         return replies
 
     def lease_fetched(self, items: list[tuple], conn: object, claimed: bool,
-                      claimant: int | None = None) -> list[tuple]:
+                      claimant: str | None = None) -> list[tuple]:
         """Leases for blocks the caller fetched already (with their claims if ``claimed``):
         never waits, since the bytes are in hand; another process's fill in flight or claim
         makes it ("nofill", "busy"). A batch stops being granted once its grants reach
@@ -331,7 +332,7 @@ class NodeCache(LeaseWaits, MoveRunner):
         not be made by evicting another in flight. The rest, whichever tier the placer
         would have chosen, are answered ("nofill", "later"): the client asks again once
         the fills granted are noted, claims kept (client/adopt.py). ``claimant``: the
-        caller's pid, whose claims these are (see _release_claim)."""
+        name the caller's claims hold (see _release_claim)."""
         replies: list[tuple] = []
         granted: dict[str, int] = {}
         for key, length, url, _source in items:

@@ -25,7 +25,7 @@ class Inflight:
     lease: int = 0  # its number: names its staged file (tiers/directory.py)
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False  # evicted or invalidated while in flight: do not index it
-    claimant: int | None = None  # the pid whose claim it came with (cachemw.claims)
+    claimant: str | None = None  # the client whose claim it came with (claims.holder_name)
 
 
 @dataclass

@@ -146,7 +146,7 @@ class SocketServer:
             return
         with self._lock:
             self._conns.add(conn)
-            # send lock, keepalive, last answer, a request open, the client's pid (hello)
+            # send lock, keepalive, last answer, a request open, the client's claims' name
             self._links[conn] = [threading.Lock(), 0.0, 0.0, False, None]
         try:
             self._loop(conn)
@@ -168,9 +168,9 @@ class SocketServer:
         *args)`` returns the reply of an answered op (ignored for one-way ones)."""
         node = self.node
 
-        def hello(conn, link, pid, keepalive=None):
-            if isinstance(pid, int) and pid > 0:
-                link[4] = pid
+        def hello(conn, link, pid, keepalive=None, holder=None):
+            if isinstance(holder, str):  # what its claims hold (claims.holder_name)
+                link[4] = holder
             if isinstance(keepalive, (int, float)) and keepalive > 0:
                 link[1] = max(0.05, float(keepalive))
             return ("ok", node.config.node_id, os.getpid())
