@@ -390,7 +390,13 @@ class CacheFileSystem(_Base):
     def announce(self, paths, *, chunk: int = 8192) -> int:
         """Tell this node's daemon the files (or (path, start, end) ranges) about to be
         read, in order: placement turns clairvoyant and prefetches ahead of the reader.
-        Returns the number of blocks announced; 0 if no daemon is reachable."""
+        Returns the number of blocks announced; 0 if no daemon is reachable.
+
+        This process's fills written behind its reads are drained first: each asks the daemon
+        for its block's lease, which counts as a read of the node's access stream, and one
+        that reached the daemon after the order would take the order's first position for
+        itself, so that block would not be prefetched."""
+        self.reader.fills.drain()
         entries = [(entry, None, None) if isinstance(entry, str) else entry for entry in paths]
         metas = self.meta.files([self._strip_protocol(path) for path, _, _ in entries])
         items = []
