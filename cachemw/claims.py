@@ -20,7 +20,7 @@ The daemon empties the directory when it starts.
 A client whose lease request went unanswered (a timeout, a broken connection) cannot know
 whether the lease was granted: it removes the claims it brought itself, and the daemon,
 ending the leases of the connection that is gone, removes them too. Each removes a claim
-only while it still names that client (its HELLO said who it is), so neither removes one
+only while it still names that client (its lease request said who it is), so neither removes one
 another process has taken since. Reading a claim and removing it are two steps: two
 removers at the same instant can still remove a claim taken between them, at worst a
 block fetched twice, never wrong bytes.

@@ -76,7 +76,8 @@ OPS: dict[str, Op] = {
     LEASE: Op(True, "key, length, url", "a lease reply (see 1.)"),
     LEASE_MANY: Op(True, "[(key, length, url, source), ...]", "('ok', [lease reply, ...])"),
     LEASE_FETCHED: Op(True, "[(key, length, url, source), ...], claimed (the caller holds "
-                            "their claims)", "('ok', [lease reply, ...]), never waiting"),
+                            "their claims: the name they hold, claims.holder_name, or True; "
+                            "else False)", "('ok', [lease reply, ...]), never waiting"),
     FILLED: Op(False, "key, tier, stored bytes, lease", "-"),
     FILLED_MANY: Op(False, "[(key, tier, stored bytes, lease), ...]: FILLED for each", "-"),
     ABORT: Op(False, "key, reason", "-"),

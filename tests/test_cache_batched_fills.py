@@ -20,7 +20,7 @@ from cachemw.claims import Claims, claims_dir, holder_name
 from cachemw.client.adopt import LATER, Adopted, Adoptions
 from cachemw.config import DaemonConfig, TierConfig
 from cachemw.node.cache import NodeCache
-from conftest import daemon_stats, published
+from conftest import daemon_stats, published, wait_for
 
 BS = 65536
 STORED = BS + blockfile.tail_size(BS)
@@ -124,6 +124,31 @@ def test_a_batch_note_with_a_bad_entry_still_lands_the_others(runtime_dir, spawn
             ("present", reply[1])]
     finally:
         client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_gone_ends_its_leases_removing_only_its_own_claims(runtime_dir,
+                                                                       spawn_daemon):
+    """Through a real daemon: leases asked with this process's claims, then the connection
+    closes before any note. The daemon ends them; the claim still naming this process
+    goes, the one another process took meanwhile stays."""
+    from cachemw.client.link import DaemonClient
+
+    spawn_daemon(runtime_dir)
+    claims = Claims(claims_dir(runtime_dir))
+    client = DaemonClient(runtime_dir, autostart=False, timeout=10.0)
+    try:
+        keys = [_key(20), _key(21)]
+        assert all(claims.take(k) for k in keys)
+        replies = client.lease_fetched([(k, BS, "file:///x", None) for k in keys], True)
+        assert [r[0] for r in replies] == ["fill", "fill"]
+        with open(os.path.join(claims.dir, keys[1]), "w") as f:  # another live process's
+            f.write(f"{os.getppid()} 0")
+    finally:
+        client.close()
+    wait_for(lambda: daemon_stats(runtime_dir)["inflight"] == 0, 10,
+             what="the daemon to end the leases of the closed connection")
+    assert os.listdir(claims.dir) == [keys[1]]
 
 
 class _Client:

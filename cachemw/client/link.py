@@ -30,6 +30,7 @@ from .fills import drain_all
 from .. import ops, reports
 from . import reporting, wire
 from .wire import DaemonUnavailable
+from ..claims import holder_name
 from ..processes import process_state
 from ..protocol import (DaemonAddress, UnsafeDirectory, check_private_dir,
                         lock_holder, lookup)
@@ -433,10 +434,12 @@ class DaemonClient(reporting.Reporter):
 
     def lease_fetched(self, items: list[tuple], claimed: bool) -> list[tuple] | None:
         """Leases for blocks fetched already (ops.LEASE_FETCHED); None if unreachable (said
-        at the next miss: see tell_unreachable)."""
+        at the next miss: see tell_unreachable). Blocks fetched under this process's claims
+        (``claimed``) name what its claims hold (claims.holder_name), so that the daemon,
+        should this connection go, removes only claims that still name this process."""
         self._local.quiet = True
         try:
-            reply = self._call(ops.LEASE_FETCHED, items, claimed)
+            reply = self._call(ops.LEASE_FETCHED, items, holder_name() if claimed else False)
         finally:
             self._local.quiet = False
         return None if reply is None else reply[1]

@@ -10,7 +10,6 @@ import time
 from multiprocessing.connection import Connection, answer_challenge
 
 from .. import ops
-from ..claims import holder_name
 from ..protocol import DaemonAddress
 
 BUSY_CAP_SECONDS = 300.0  # a backstop: the daemon bounds its own waits well below this
@@ -36,7 +35,7 @@ def dial(address: DaemonAddress, timeout: float) -> Connection:
         if not conn.poll(timeout):
             raise DaemonUnavailable(f"daemon did not answer the handshake within {timeout} s")
         answer_challenge(conn, address.authkey)
-        conn.send((ops.HELLO, os.getpid(), timeout / 3, holder_name()))
+        conn.send((ops.HELLO, os.getpid(), timeout / 3))
         receive(conn, timeout)
     except BaseException:  # no half-open connection left, whatever failed; re-raised
         conn.close()

@@ -146,8 +146,7 @@ class SocketServer:
             return
         with self._lock:
             self._conns.add(conn)
-            # send lock, keepalive, last answer, a request open, the client's claims' name
-            self._links[conn] = [threading.Lock(), 0.0, 0.0, False, None]
+            self._links[conn] = [threading.Lock(), 0.0, 0.0, False]
         try:
             self._loop(conn)
         finally:
@@ -168,9 +167,7 @@ class SocketServer:
         *args)`` returns the reply of an answered op (ignored for one-way ones)."""
         node = self.node
 
-        def hello(conn, link, pid, keepalive=None, holder=None):
-            if isinstance(holder, str):  # what its claims hold (claims.holder_name)
-                link[4] = holder
+        def hello(conn, link, pid, keepalive=None):
             if isinstance(keepalive, (int, float)) and keepalive > 0:
                 link[1] = max(0.05, float(keepalive))
             return ("ok", node.config.node_id, os.getpid())
@@ -191,7 +188,8 @@ class SocketServer:
             ops.LEASE: lambda conn, link, key, length, url: node.lease(key, length, url, conn),
             ops.LEASE_MANY: lambda conn, link, items: ("ok", node.lease_many(items, conn)),
             ops.LEASE_FETCHED: lambda conn, link, items, claimed:
-                ("ok", node.lease_fetched(items, conn, bool(claimed), link[4])),
+                ("ok", node.lease_fetched(items, conn, bool(claimed),
+                                          claimed if isinstance(claimed, str) else None)),
             ops.FILLED: lambda conn, link, key, tier, stored, lease:
                 node.filled(key, tier, stored, conn, lease),
             ops.FILLED_MANY: filled_many,
