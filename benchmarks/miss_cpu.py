@@ -12,9 +12,9 @@ same run, and the CPU time each takes per file is compared.
   makes it; runtime dir in /dev/shm), its fills written behind by the fill writer thread
   and drained before the clock stops; the CPU of the reader process (every thread) and,
   separately, of the daemon over the same reads; and of the reading thread alone until
-  its last read returned (``reader thread``: what a DataLoader worker pays before its
-  next sample, the fill writer's work left out, as it runs while the worker waits on the
-  source).
+  its last read returned (``reader thread``: what a DataLoader worker pays at least before
+  its next sample, the fill writer's work left out, as it runs while the worker waits on
+  the source; CPU time, so the thread's waits for the GIL are not in it).
 
 The source is ``slowfile`` (cachemw.bench.SlowLocalFileSystem: local files in /dev/shm, a
 sleep per data request), so the source's own CPU is that of a local read: the smallest a
