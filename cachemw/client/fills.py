@@ -414,13 +414,15 @@ class FillWriter:
             self._noted.add(id(link[0]))
 
 
-def drain_all(client=None, timeout: float = 60.0) -> None:
+def drain_all(client=None, timeout: float = 60.0) -> bool:
     """Drain every writer of this process, or those ending leases of ``client``, all
-    within ``timeout`` together."""
+    within ``timeout`` together; False if one of them was not drained in time."""
     deadline = time.monotonic() + timeout
+    drained = True
     for writer in list(_writers):
         if client is None or writer.client is client:
-            writer.drain(max(0.0, deadline - time.monotonic()))
+            drained = writer.drain(max(0.0, deadline - time.monotonic())) and drained
+    return drained
 
 
 def _reset_all_in_child() -> None:

@@ -25,6 +25,7 @@ try:  # fsspec >= 2025.x marks filesystems layered over another one (fills in th
 except ImportError:  # pragma: no cover - older fsspec
     _Base = AbstractFileSystem
 
+from .fills import drain_all
 from .link import DaemonClient
 from .. import trace as tracing
 from ..config import CacheOptions, DaemonConfig, keep_heap_in_workers
@@ -392,12 +393,13 @@ class CacheFileSystem(_Base):
         read, in order: placement turns clairvoyant and prefetches ahead of the reader.
         Returns the number of blocks announced; 0 if no daemon is reachable.
 
-        This process's fills written behind its reads are drained first (for as long as the
-        daemon may stay silent, at most): each asks the daemon for its block's lease, which
-        counts as a read of the node's access stream, and one that reached the daemon after
-        the order would take the order's first position for itself, so that block would not
-        be prefetched. Other processes' fills (DataLoader workers') are theirs to send."""
-        if not self.reader.fills.drain(self.client.timeout):
+        This process's fills written behind its reads (through any of its filesystems) are
+        drained first, for as long as the daemon may stay silent at most: each asks the
+        daemon for its block's lease, which counts as a read of the node's access stream,
+        and one that reached the daemon after the order would take the order's first
+        position for itself, so that block would not be prefetched. Other processes' fills
+        (DataLoader workers') are theirs to send."""
+        if not drain_all(timeout=self.client.timeout):
             log.debug("announce: fills of earlier reads still queued after %s s; announcing",
                       self.client.timeout)
         entries = [(entry, None, None) if isinstance(entry, str) else entry for entry in paths]
