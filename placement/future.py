@@ -136,10 +136,22 @@ class BeladyPolicy(FurthestFirst):
 class ClairvoyantPolicy(FurthestFirst):
     """Furthest-next-use over the announced order (NoPFS-style), for a live system.
 
-    The announced order is a stream of keys; access number ``i`` (counting from the first
-    access after :meth:`reset`) is expected to be announced position ``i``. Reads slightly
-    out of order (several loader workers) are tolerated: a key's next use is the first of
-    its announced positions after the current access count.
+    The announced order is a stream of keys; the cursor counts the reads that took their
+    place in it, and the next of them is expected to be announced position ``cursor``.
+    Reads slightly out of order (several loader workers) are tolerated: a key's next use is
+    the first of its announced positions at or after the cursor, and a read up to ``slack``
+    positions early consumes its position.
+
+    A read with no announced position before the cursor or near it (a file outside the
+    order, a read made before the order that reaches the daemon after it, another
+    process's reads) does not move the cursor while announced reads are still ahead (a read
+    later than its place does: it took that place). Were it to take the next
+    position, that position's block would count as read already and never be prefetched,
+    and each position behind it would be expected one read early. Only when ``slack`` such
+    reads come in a row, none in the order, is the order taken as abandoned (the sampler
+    stopped halfway, or reads another order than it announced): the cursor then moves with
+    every read again, as it does with no order ahead, so the announced blocks' places run
+    out instead of holding the cache for reads that will not come.
     """
 
     name = "clairvoyant"
@@ -152,6 +164,7 @@ class ClairvoyantPolicy(FurthestFirst):
         self._future: Dict[Hashable, Deque[int]] = {}
         self._announced = 0
         self._cursor = 0
+        self._strays = 0  # reads in a row outside the order while it was ahead
 
     @property
     def announced_until(self) -> int:
@@ -160,7 +173,8 @@ class ClairvoyantPolicy(FurthestFirst):
 
     @property
     def cursor(self) -> int:
-        """Number of accesses seen so far."""
+        """The announced position the next read in the order is expected at: the reads
+        that took their place in an order, and those made with none ahead (see the class)."""
         return self._cursor
 
     def announce(self, keys: Sequence[Hashable]) -> None:
@@ -187,15 +201,24 @@ class ClairvoyantPolicy(FurthestFirst):
     def access(self, key: Hashable, size: int) -> bool:
         q = self._future.get(key)
         cursor = self._cursor
-        self._cursor = cursor + 1
+        placed = False
         if q:
+            placed = q[0] < cursor  # in the order, later than its place: counted there
             while q and q[0] < cursor:
                 q.popleft()  # announced reads that did not happen where expected
             if q and q[0] <= cursor + self.slack:
                 q.popleft()  # this read consumes its announced position
+                placed = True
             nu = q[0] if q else NEVER
             if not q:
                 del self._future[key]
         else:
             nu = NEVER
+        if placed or cursor >= self._announced:
+            self._strays = 0
+            self._cursor = cursor + 1
+        elif self._strays >= self.slack:  # the order is abandoned: its places run out
+            self._cursor = cursor + 1
+        else:
+            self._strays += 1
         return self._place(key, size, nu, key in self.sizes)

@@ -55,6 +55,16 @@ def test_prefetch_skips_a_block_the_reader_already_missed(tmp_path):
     assert sum(isinstance(m, Evict) for m in moves) == 1
 
 
+def test_reads_outside_an_announced_order_leave_its_first_blocks_to_prefetch(tmp_path):
+    # another process's reads, or a lease written behind a read made before the order,
+    # reach the daemon just after the order and before its first prefetch pass
+    placer = placer_of(tmp_path, 8)
+    placer.announce([(k, 100) for k in "abcd"])
+    placer.miss("x", 100)
+    placer.hit("x")
+    assert kinds(placer.prefetch(1 << 20)) == [("Prefetch", k) for k in "abcd"]
+
+
 FILE = 16 << 10
 STORED = FILE + tail_size(FILE)
 
@@ -116,8 +126,8 @@ def test_reads_before_an_announcement_reach_the_daemon_before_it(make_tree, runt
                                                                   spawn_daemon, monkeypatch):
     """A read's lease counts as a read of the node's access stream; one written behind the
     read (the fill writer lingering) that reached the daemon after the order came would
-    take the order's first position, and that block would not be prefetched (seen: 39 of
-    40, about one run in 50). An announcement drains this process's fills first."""
+    count there, after the order (a block the order names would take its place early). An
+    announcement drains this process's fills first: the lease is in before it returns."""
     from cachemw.client.fills import FillWriter
 
     monkeypatch.setattr(FillWriter, "LINGER", 30.0)  # written behind until something drains

@@ -87,6 +87,38 @@ def test_an_order_announced_after_reads_is_prefetched_from_its_first_read():
     assert e.prefetch(10).of_type(Prefetch) == (Prefetch("d", 1, "dram", 2),)
 
 
+def test_a_read_outside_the_order_takes_no_place_in_it():
+    # a read made before the order (its fill's lease came late) or of a file not in it, while
+    # the order is ahead: the first announced block is still prefetched, needed first
+    e = Engine(tiers(4, 1), "clairvoyant", announced=True)
+    e.announce([("a", 1), ("b", 1), ("c", 1)])
+    e.access("x", 1)
+    assert e.policy.cursor == 0
+    assert e.prefetch(10).of_type(Prefetch) == (
+        Prefetch("a", 1, "dram", 0), Prefetch("b", 1, "dram", 1), Prefetch("c", 1, "dram", 2))
+    e.access("a", 1)
+    assert e.policy.cursor == 1 and e.policy.next_use("b") == 1
+
+
+def test_an_abandoned_order_gives_way_to_the_reads_after_it():
+    # slack reads in a row outside the order: it is taken as abandoned, the cursor moves
+    # with every read again and the order's places run out
+    e = Engine(tiers(4, 1), "clairvoyant", announced=True)
+    e.policy.slack = 4
+    e.announce([("a", 1), ("b", 1), ("c", 1), ("d", 1)])
+    for i in range(4):
+        e.access(f"x{i}", 1)
+    assert e.policy.cursor == 0
+    e.access("y", 1)
+    e.access("z", 1)
+    assert e.policy.cursor == 2 and e.policy.next_use("a") > 100
+    assert e.prefetch(10).of_type(Prefetch) == (
+        Prefetch("c", 1, "dram", 0), Prefetch("d", 1, "dram", 1))
+    e.access("c", 1)  # back in the order: strays count from nothing again
+    e.access("w", 1)
+    assert e.policy.cursor == 3
+
+
 def test_prefetch_is_empty_without_an_order_and_announce_needs_clairvoyant():
     e = Engine(tiers())
     assert e.policy.name == "history" and not e.prefetch(100)

@@ -396,8 +396,9 @@ class CacheFileSystem(_Base):
         This process's fills written behind its reads (through any of its filesystems) are
         drained first, for as long as the daemon may stay silent at most: each asks the
         daemon for its block's lease, which counts as a read of the node's access stream,
-        and one that reached the daemon after the order would take the order's first
-        position for itself, so that block would not be prefetched. Other processes' fills
+        and one for a block the order names, reaching the daemon after the order, would
+        take that block's place in it early, as if read there (a read of a block outside
+        the order takes no place: placement/future.py). Other processes' fills
         (DataLoader workers') are theirs to send."""
         if not drain_all(timeout=self.client.timeout):
             log.debug("announce: fills of earlier reads still queued after %s s; announcing",
