@@ -44,7 +44,7 @@ import fsspec
 import torch
 from torch.utils.data import RandomSampler
 
-from cachemw.blockfile import tail_size
+from cachemw.blockfile import stored_size
 from cachemw.config import TierConfig
 from cachemw.placement import simulate, workloads
 from cachemw.torch import AnnouncingSampler
@@ -152,7 +152,7 @@ def main() -> int:
         raise ValueError("--fraction must be in (0, 1] and --compute >= 0")
 
     n = args.files
-    stored = FILE_SIZE + tail_size(FILE_SIZE)  # what the engine charges per block
+    stored = stored_size(FILE_SIZE)  # what the engine charges per block
     # The engine fills the tier up to its high watermark: size the tier so that is the target.
     high = TierConfig("dram", "/unused", 1 << 30).high_watermark
     dram_capacity = math.ceil(n * stored * args.fraction / high) + 1

@@ -43,6 +43,12 @@ def tail_size(length: int, page_size: int = PAGE_SIZE) -> int:
     return 8 * n_pages(length, page_size) + TRAILER_SIZE
 
 
+def stored_size(length: int) -> int:
+    """Bytes a block of ``length`` data bytes takes in a tier: the data, its checksum table
+    and trailer (what tiers count against their capacity and placement charges)."""
+    return length + tail_size(length)
+
+
 def encode_tail(data: bytes | memoryview, page_size: int = PAGE_SIZE, tag: bytes = b"") -> bytes:
     """Checksum table and trailer for ``data``."""
     view = memoryview(data)
@@ -227,7 +233,7 @@ def map_block(path: str, length: int) -> memoryview | None:
         return None
     try:
         size = os.fstat(fd).st_size
-        if size != length + tail_size(length) or length == 0:
+        if size != stored_size(length) or length == 0:
             raise CorruptBlock(f"{path}: {size} bytes, expected a block of {length}")
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                        prot=mmap.PROT_READ)
@@ -261,7 +267,7 @@ class MappedBlock:
         try:
             st = os.fstat(fd)
             size, self.ino = st.st_size, st.st_ino
-            if size != length + tail_size(length) or length == 0:
+            if size != stored_size(length) or length == 0:
                 raise CorruptBlock(f"{path}: {size} bytes, expected a block of {length}")
             # MAP_POPULATE: map every page now (they are in RAM or page cache), so random
             # reads do not each take a page fault on first touch

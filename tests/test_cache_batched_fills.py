@@ -23,7 +23,7 @@ from cachemw.node.cache import NodeCache
 from conftest import daemon_stats, published, wait_for
 
 BS = 65536
-STORED = BS + blockfile.tail_size(BS)
+STORED = blockfile.stored_size(BS)
 
 
 def _key(i: int) -> str:

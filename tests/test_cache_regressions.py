@@ -17,7 +17,7 @@ from cachemw.node.cache import NodeCache
 from conftest import published
 
 L = 64 << 10
-STORED = L + blockfile.tail_size(L)
+STORED = blockfile.stored_size(L)
 
 
 def _node(tmp_path, blocks=3.2, placement="lru"):

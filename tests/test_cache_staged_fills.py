@@ -370,7 +370,7 @@ def test_a_block_demoted_while_its_fill_is_in_flight_lands_then_moves(tmp_path):
     on every miss was bypassed (the engine saw room the tier did not have)."""
     from cachemw import blockfile
 
-    stored = BS + blockfile.tail_size(BS)
+    stored = blockfile.stored_size(BS)
     node = NodeCache(DaemonConfig(tiers=(
         TierConfig("dram", str(tmp_path / "dram"), stored, high_watermark=1.0),
         TierConfig("nvme", str(tmp_path / "nvme"), 8 * stored, high_watermark=1.0)),

@@ -15,7 +15,7 @@ from cachemw import blockfile
 from conftest import daemon_stats, wait_for
 
 BS = 65536
-STORED = BS + blockfile.tail_size(BS)  # bytes a full block occupies in a tier
+STORED = blockfile.stored_size(BS)  # bytes a full block occupies in a tier
 NFILES = 24
 
 

@@ -14,7 +14,7 @@ import time
 import fsspec
 import pytest
 
-from cachemw.blockfile import tail_size
+from cachemw.blockfile import stored_size
 from cachemw.config import TierConfig
 from cachemw.placement import Evict, simulate
 from cachemw.node.placer import Placer
@@ -66,7 +66,7 @@ def test_reads_outside_an_announced_order_leave_its_first_blocks_to_prefetch(tmp
 
 
 FILE = 16 << 10
-STORED = FILE + tail_size(FILE)
+STORED = stored_size(FILE)
 
 
 def cache_fs(runtime_dir: str):

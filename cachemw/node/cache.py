@@ -133,7 +133,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         another process holds it this waits as for a fill in flight. The lease's end
         releases the claim (see _release_claim).
         """
-        nbytes = length + blockfile.tail_size(length)
+        nbytes = blockfile.stored_size(length)
         deadline = time.monotonic() + (self.lease_wait if wait is None else wait)
         counted = wait == 0  # a fetched block's lease: no wait to count, nor giving up
         while True:
@@ -243,8 +243,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
             reply = self.lease(key, length, url, conn, wait=0, claimed=claimed,
                                claimant=claimant)
             if reply[0] == "fill":
-                granted[reply[1]] = (granted.get(reply[1], 0) + length
-                                     + blockfile.tail_size(length))
+                granted[reply[1]] = granted.get(reply[1], 0) + blockfile.stored_size(length)
             replies.append(reply)
         return replies
 
@@ -302,7 +301,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
 
     def admit_replica(self, key: str, data: bytes, url: str | None) -> bool:
         """Keep a local copy of a remote block, if the placement engine wants it here."""
-        nbytes = len(data) + blockfile.tail_size(len(data))
+        nbytes = blockfile.stored_size(len(data))
         tag = url_tag(url) if url else None
         with self._lock:
             if key in self._index or key in self._inflight or not self._claim(key):
@@ -425,7 +424,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         with self._lock:
             for key, length, url, source in items:
                 self._sources[key] = (length, url, source)
-                order.append((key, length + blockfile.tail_size(length)))
+                order.append((key, blockfile.stored_size(length)))
         self.placer.announce(order)
         self._wake.set()
 
