@@ -136,22 +136,24 @@ class BeladyPolicy(FurthestFirst):
 class ClairvoyantPolicy(FurthestFirst):
     """Furthest-next-use over the announced order (NoPFS-style), for a live system.
 
-    The announced order is a stream of keys; the cursor counts the reads that took their
-    place in it, and the next of them is expected to be announced position ``cursor``.
-    Reads slightly out of order (several loader workers) are tolerated: a key's next use is
-    the first of its announced positions at or after the cursor, and a read up to ``slack``
-    positions early consumes its position.
+    The announced order is a stream of keys; the cursor counts the node's reads, and the
+    next one is expected at announced position ``cursor``. Reads out of order (several
+    loader workers, hits reported late) are tolerated: the key's places the cursor has
+    passed are dropped, and a read up to ``slack`` positions early consumes its place; one
+    further ahead consumes none. A key's next use is the first of its places not behind
+    the cursor.
 
-    A read with no announced position before the cursor or near it (a file outside the
-    order, a read made before the order that reaches the daemon after it, another
-    process's reads) does not move the cursor while announced reads are still ahead (a read
-    later than its place does: it took that place). Were it to take the next
+    A read of a key with no place left in the order (a file outside it, a read
+    made before the order that reaches the daemon after it, another process's reads) does
+    not move the cursor while announced reads are ahead. Were it to take the next
     position, that position's block would count as read already and never be prefetched,
     and each position behind it would be expected one read early. Only when ``slack`` such
-    reads come in a row, none in the order, is the order taken as abandoned (the sampler
-    stopped halfway, or reads another order than it announced): the cursor then moves with
-    every read again, as it does with no order ahead, so the announced blocks' places run
-    out instead of holding the cache for reads that will not come.
+    reads come in a row is the order taken as abandoned (its reader gone, or reading
+    another order than it announced): the cursor then moves with every read again, as it
+    does with no order ahead, so the announced blocks' places run out instead of holding
+    the cache for reads that will not come. An order whose reader stops partway and
+    announces its next one is not told apart: the next order's places come after the rest
+    of the first.
     """
 
     name = "clairvoyant"
@@ -173,8 +175,8 @@ class ClairvoyantPolicy(FurthestFirst):
 
     @property
     def cursor(self) -> int:
-        """The announced position the next read in the order is expected at: the reads
-        that took their place in an order, and those made with none ahead (see the class)."""
+        """The announced position the next read is expected at: the node's reads, less
+        those of keys with no place in an order while it was ahead (see the class)."""
         return self._cursor
 
     def announce(self, keys: Sequence[Hashable]) -> None:
@@ -201,20 +203,18 @@ class ClairvoyantPolicy(FurthestFirst):
     def access(self, key: Hashable, size: int) -> bool:
         q = self._future.get(key)
         cursor = self._cursor
-        placed = False
+        in_order = bool(q)  # a place of its own ahead, however far, or behind
         if q:
-            placed = q[0] < cursor  # in the order, later than its place: counted there
             while q and q[0] < cursor:
                 q.popleft()  # announced reads that did not happen where expected
             if q and q[0] <= cursor + self.slack:
                 q.popleft()  # this read consumes its announced position
-                placed = True
             nu = q[0] if q else NEVER
             if not q:
                 del self._future[key]
         else:
             nu = NEVER
-        if placed or cursor >= self._announced:
+        if in_order or cursor >= self._announced:
             self._strays = 0
             self._cursor = cursor + 1
         elif self._strays >= self.slack:  # the order is abandoned: its places run out

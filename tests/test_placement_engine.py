@@ -100,6 +100,21 @@ def test_a_read_outside_the_order_takes_no_place_in_it():
     assert e.policy.cursor == 1 and e.policy.next_use("b") == 1
 
 
+def test_reads_of_the_order_far_ahead_of_the_cursor_still_move_it():
+    # two workers, one reading more than slack positions ahead of the other (8 workers with
+    # large batches, hits reported late): every read of a block the order names counts, so
+    # the cursor keeps pace with the reads (k20-k29, read and cached, not prefetched again)
+    e = Engine(tiers(64, 1), "clairvoyant", announced=True)
+    e.policy.slack = 4
+    keys = [f"k{i}" for i in range(40)]
+    e.announce([(k, 1) for k in keys])
+    for i in range(10):
+        e.access(keys[i], 1)       # the first worker, at the cursor
+        e.access(keys[20 + i], 1)  # the second, 20 places ahead: beyond slack
+    assert e.policy.cursor == 20
+    assert e.prefetch(1).of_type(Prefetch) == (Prefetch("k30", 1, "dram", 10),)
+
+
 def test_an_abandoned_order_gives_way_to_the_reads_after_it():
     # slack reads in a row outside the order: it is taken as abandoned, the cursor moves
     # with every read again and the order's places run out
