@@ -82,7 +82,9 @@ OPS: dict[str, Op] = {
     FILLED_MANY: Op(False, "[(key, tier, stored bytes, lease), ...]: FILLED for each", "-"),
     ABORT: Op(False, "key, reason", "-"),
     REPORT: Op(False, "counters, [(key, tier) hit, ...]", "-"),
-    ANNOUNCE: Op(False, "[(key, length, url, source), ...] in read order", "-"),
+    ANNOUNCE: Op(False, "[(key, length, url, source), ...] in read order[, (group, rank, "
+                        "ranks, first): one rank's order among the node's, sent only when "
+                        "ranks > 1]", "-"),
     DROP: Op(False, "key, reason ('corrupt', 'missing')", "-"),
     INVALIDATE: Op(True, "source url (written through the cache)",
                    "('ok', blocks dropped): answered once no block of it can be read"),

@@ -36,6 +36,7 @@ This module imports torch; ``import cachemw`` never imports this module.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, Iterator, Sequence, Union
 
 import torch.utils.data
@@ -43,6 +44,27 @@ import torch.utils.data
 log = logging.getLogger(__name__)
 
 Entry = Union[str, tuple]  # a path, or (path, start, end)
+
+
+def _local(name: str, default: int) -> int:
+    """torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE as an int; ``default`` unset or not one."""
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return default
+
+
+def _job() -> str:
+    """What the ranks of one training share, so that two trainings on a node never make
+    one group: torchrun's run id, else the rendezvous address, else the Slurm job step."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run and run != "none":
+        return run
+    addr = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if all(addr):
+        return f"{addr[0]}:{addr[1]}"
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"slurm-{job}.{os.environ.get('SLURM_STEP_ID', '')}" if job else "local"
 
 
 class AnnouncingSampler(torch.utils.data.Sampler):
@@ -57,10 +79,19 @@ class AnnouncingSampler(torch.utils.data.Sampler):
     least as large as the cache.
 
     Works with batch samplers too: an element that is a list of indices announces each.
+
+    ``rank`` and ``ranks``: this process's place among the ranks of its node that read at
+    the same time (DDP: one process per device, each sampler a DistributedSampler giving
+    it its shard), by default torchrun's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (1 rank
+    without them). With several, each epoch's orders are announced as one group, so the
+    daemon lays them interleaved, as the ranks read them step by step: one after another,
+    the node's reads would match neither and prefetch would run ahead of one rank only.
+    Every rank of the node must announce, each iterating its sampler once an epoch.
     """
 
     def __init__(self, sampler, paths: Union[Sequence[Entry], Callable[[int], Entry]],
-                 fs=None, *, lookahead: int | None = None) -> None:
+                 fs=None, *, lookahead: int | None = None, rank: int | None = None,
+                 ranks: int | None = None) -> None:
         if not hasattr(sampler, "__iter__"):
             raise ValueError(f"sampler: expected an iterable of indices, got {sampler!r}")
         if not callable(paths) and not hasattr(paths, "__getitem__"):
@@ -69,12 +100,27 @@ class AnnouncingSampler(torch.utils.data.Sampler):
         if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, int)
                                       or lookahead < 1):
             raise ValueError(f"lookahead: expected None or an int >= 1, got {lookahead!r}")
+        if rank is None and ranks is None:  # torchrun's, when they make sense; else alone
+            rank, ranks = _local("LOCAL_RANK", 0), _local("LOCAL_WORLD_SIZE", 1)
+            if not 0 <= rank < ranks:
+                rank, ranks = 0, 1
+        rank = _local("LOCAL_RANK", 0) if rank is None else rank
+        ranks = _local("LOCAL_WORLD_SIZE", 1) if ranks is None else ranks
+        for name, value in (("rank", rank), ("ranks", ranks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+        if not rank < ranks:
+            raise ValueError(f"rank {rank} is not one of the node's {ranks} ranks")
         self.sampler = sampler
         self.paths = paths
         self.fs = fs
         self.lookahead = lookahead
+        self.rank, self.ranks = rank, ranks
         self._fs_given = fs is not None
         self._warned = False
+        self._epochs = 0  # iterations begun: the same count on every rank of a node
+        self._group = None
+        self._sent = 0  # blocks of this epoch's order announced so far
 
     # -- the Sampler surface ------------------------------------------------------------
 
@@ -90,6 +136,9 @@ class AnnouncingSampler(torch.utils.data.Sampler):
     def __iter__(self) -> Iterator:
         order = list(self.sampler)  # materialise the epoch: it is what gets announced
         n = len(order)
+        self._group = f"{_job()}:{self._epochs}"
+        self._epochs += 1
+        self._sent = 0
         if self.lookahead is None:
             self._announce(order, 0, n)
             yield from order
@@ -130,7 +179,12 @@ class AnnouncingSampler(torch.utils.data.Sampler):
             return hi
         try:
             entries = self.entries(order[lo:hi])
-            sent = self._filesystem().announce(entries)
+            if self.ranks > 1:
+                sent = self._filesystem().announce(entries, rank=self.rank, ranks=self.ranks,
+                                                   group=self._group, first=self._sent)
+                self._sent += sent
+            else:
+                sent = self._filesystem().announce(entries)
         except Exception as exc:  # announcing is an optimisation: never fail the epoch
             self._warn_once("could not announce the sampler's order (%s: %s); reading on "
                             "without it", type(exc).__name__, exc)

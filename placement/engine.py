@@ -26,6 +26,9 @@ from .specs import TierSpec, check_positive_int
 class Engine:
     """Placement over one node's tiers (fastest first). See the package docstring."""
 
+    #: groups of ranks' orders remembered (see :meth:`announce`): the latest epochs'
+    GROUPS = 64
+
     def __init__(
         self,
         tiers: Sequence[TierSpec],
@@ -57,6 +60,7 @@ class Engine:
         self._order_end = 0
         self._sizes: Dict[Hashable, int] = {}
         self._scan = 0
+        self._groups: Dict[Hashable, int] = {}  # a group of ranks' orders -> its first position
         for key, (tier, size) in (placement or {}).items():
             self._load(key, tier, size)
 
@@ -83,15 +87,25 @@ class Engine:
         self._put(key, size, i)
 
     # ---- daemon entry points -----------------------------------------------------------
-    def announce(self, order: Sequence[Tuple[Hashable, int]]) -> None:
-        """Append ``(key, size)`` reads the sampler will make next, in order."""
+    def announce(self, order: Sequence[Tuple[Hashable, int]], *, group: Hashable = None,
+                 rank: int = 0, ranks: int = 1, first: int = 0) -> None:
+        """Append ``(key, size)`` reads the sampler will make next, in order.
+
+        Several ranks of one node each announcing its own order (DDP: one process per
+        device, each with its shard of the epoch) read them at the same time, step by step.
+        Appended one after another, the second rank's reads would be expected only once the
+        first rank's were done, and the node's reads would match neither. Given ``group``
+        (the same for the ranks' orders of one epoch), ``rank`` and ``ranks``, item ``j`` of
+        rank ``rank``'s order (``first``: the index of this call's first item in that
+        order, for orders announced in windows) is laid at position ``base + j * ranks +
+        rank``, ``base`` being where the group's first announcement started: the ranks'
+        orders interleaved, as they will be read."""
         if not self.policy.uses_announced:
             raise ValueError(
                 f"policy {self.policy.name!r} ignores announced orders; build the Engine "
                 "with announced=True or policy='clairvoyant'"
             )
         keys = []
-        start = max(self.policy.announced_until, self.policy.cursor)  # as the policy places it
         for i, item in enumerate(order):
             if not isinstance(item, tuple) or len(item) != 2:
                 raise ValueError(f"order[{i}] must be a (key, size) tuple, got {item!r}")
@@ -99,9 +113,26 @@ class Engine:
             check_positive_int(f"order[{i}] size", size)
             keys.append(key)
             self._sizes[key] = size
-        self._order.update(zip(range(start, start + len(keys)), keys))
-        self._order_end = start + len(keys)
-        self.policy.announce(keys)
+        start = max(self.policy.announced_until, self.policy.cursor)  # as the policy places it
+        if group is None or ranks == 1:
+            positions = range(start, start + len(keys))
+            self.policy.announce(keys)
+        else:
+            check_positive_int("ranks", ranks)
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
+                raise ValueError(f"rank must be an int in [0, {ranks}), got {rank!r}")
+            check_positive_int("first", first, allow_zero=True)
+            base = self._groups.get(group)
+            if base is None:
+                base = self._groups[group] = start
+                while len(self._groups) > self.GROUPS:  # the oldest epochs' groups
+                    del self._groups[next(iter(self._groups))]
+            positions = range(base + first * ranks + rank,
+                              base + (first + len(keys)) * ranks + rank, ranks)
+            self.policy.announce(keys, positions)
+            self._scan = min(self._scan, positions[0]) if keys else self._scan
+        self._order.update(zip(positions, keys))
+        self._order_end = max(self._order_end, positions[-1] + 1) if keys else self._order_end
 
     def access(self, key: Hashable, size: int) -> Plan:
         """One read of ``key`` happened (hit or miss); return the moves it calls for.

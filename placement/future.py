@@ -18,8 +18,9 @@ standard near-optimal reference used for scoring.
 from __future__ import annotations
 
 import heapq
+from bisect import insort
 from collections import deque
-from typing import Deque, Dict, Hashable, List, Sequence
+from typing import Deque, Dict, Hashable, List, Optional, Sequence
 
 from .policies import Policy, pop_victims
 
@@ -179,18 +180,35 @@ class ClairvoyantPolicy(FurthestFirst):
         those of keys with no place in an order while it was ahead (see the class)."""
         return self._cursor
 
-    def announce(self, keys: Sequence[Hashable]) -> None:
-        future, nxt = self._future, self.next
-        pos = max(self._announced, self._cursor)  # an order announced late starts now
-        for key in keys:
+    def announce(self, keys: Sequence[Hashable],
+                 positions: Optional[Sequence[int]] = None) -> None:
+        """``keys`` read next, in order: after everything announced so far, or at the
+        given ``positions`` (ascending; see :func:`interleaved`: the orders of several
+        ranks of one node, laid out as they will be read)."""
+        future, nxt, cursor = self._future, self.next, self._cursor
+        if positions is None:
+            start = max(self._announced, cursor)  # an order announced late starts now
+            positions = range(start, start + len(keys))
+        elif len(positions) != len(keys):
+            raise ValueError(f"{len(keys)} keys, {len(positions)} positions")
+        last = None
+        for key, pos in zip(keys, positions):
+            if last is not None and pos <= last:
+                raise ValueError(f"positions must ascend: {pos} after {last}")
+            last = pos
             q = future.get(key)
             if q is None:
                 q = future[key] = deque()
-            if not q and nxt.get(key) == NEVER:
-                self.set_next_use(key, pos)  # a cached block without a known next use gets one
-            q.append(pos)
-            pos += 1
-        self._announced = pos
+            if q and q[-1] > pos:  # before a place announced already (another rank's)
+                insort(q, pos)
+            else:
+                q.append(pos)
+            while q and q[0] < cursor:
+                q.popleft()
+            if key in nxt and q and nxt[key] != q[0]:
+                self.set_next_use(key, q[0])  # a cached block: its next read is known now
+        if last is not None:
+            self._announced = max(self._announced, last + 1)
 
     def next_use(self, key: Hashable) -> int:
         """Announced position of ``key``'s next read at or after the cursor, or NEVER."""

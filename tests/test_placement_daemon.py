@@ -65,6 +65,40 @@ def test_reads_outside_an_announced_order_leave_its_first_blocks_to_prefetch(tmp
     assert kinds(placer.prefetch(1 << 20)) == [("Prefetch", k) for k in "abcd"]
 
 
+def test_a_nodes_ranks_orders_are_prefetched_as_they_will_be_read(tmp_path):
+    # room for half of two ranks' orders: prefetch takes each rank's first blocks, where
+    # the orders one after another would give it all to the first rank's
+    placer = placer_of(tmp_path, 4)
+    placer.announce([(k, 100) for k in "abcd"], ("epoch-0", 0, 2, 0))
+    placer.announce([(k, 100) for k in "wxyz"], ("epoch-0", 1, 2, 0))
+    assert kinds(placer.prefetch(1 << 20)) == [("Prefetch", k) for k in "awbx"]
+
+
+def test_prefetch_waits_for_every_rank_of_a_group_to_announce(tmp_path, monkeypatch):
+    # the second epoch: rank 0's order is in, rank 1's not yet; rank 1's cached blocks look
+    # dead meanwhile, and prefetch for rank 0 would evict them only to fetch them again
+    placer = placer_of(tmp_path, 4)
+    placer.announce([(k, 100) for k in "ab"], ("epoch-0", 0, 2, 0))
+    placer.announce([(k, 100) for k in "wx"], ("epoch-0", 1, 2, 0))
+    assert len(placer.prefetch(1 << 20)) == 4
+    for key in "awbx":
+        placer.hit(key)
+    placer.announce([(k, 100) for k in "cd"], ("epoch-1", 0, 2, 0))
+    assert placer.prefetch(1 << 20) == []  # w and x are dead until rank 1 says otherwise
+    placer.announce([(k, 100) for k in "wx"], ("epoch-1", 1, 2, 0))
+    moves = kinds(placer.prefetch(1 << 20))
+    assert ("Evict", "w") not in moves and ("Evict", "x") not in moves
+    assert ("Prefetch", "c") in moves and ("Prefetch", "d") in moves
+    # a rank that never announces holds prefetch back for Placer.HOLD seconds only
+    monkeypatch.setattr(Placer, "HOLD", 0.2)
+    for key in "cwdx":
+        placer.hit(key)
+    placer.announce([(k, 100) for k in "ef"], ("epoch-2", 0, 2, 0))
+    assert placer.prefetch(1 << 20) == []
+    time.sleep(0.3)
+    assert ("Prefetch", "e") in kinds(placer.prefetch(1 << 20))
+
+
 FILE = 16 << 10
 STORED = stored_size(FILE)
 

@@ -134,6 +134,43 @@ def test_an_abandoned_order_gives_way_to_the_reads_after_it():
     assert e.policy.cursor == 3
 
 
+def test_the_orders_of_a_nodes_ranks_are_laid_as_they_are_read():
+    # two DDP ranks on one node, each announcing its shard of the epoch: read step by step
+    # together, so expected interleaved, whichever announces first
+    e = Engine(tiers(6, 1), "clairvoyant", announced=True)
+    e.announce([("b0", 1), ("b1", 1), ("b2", 1)], group="epoch-0", rank=1, ranks=2)
+    e.announce([("a0", 1), ("a1", 1), ("a2", 1)], group="epoch-0", rank=0, ranks=2)
+    assert [m.key for m in e.prefetch(4).of_type(Prefetch)] == ["a0", "b0", "a1", "b1"]
+    for key in ("a0", "b0", "a1"):
+        e.access(key, 1)
+    assert e.policy.cursor == 3 and e.policy.next_use("b1") == 3
+    # the next epoch's orders come after this one's, as a group of their own; a window
+    # further into a rank's order (first) keeps its places
+    e.announce([("a3", 1)], group="epoch-1", rank=0, ranks=2)
+    e.announce([("b4", 1)], group="epoch-1", rank=1, ranks=2, first=1)
+    assert e.policy.next_use("a3") == 6 and e.policy.next_use("b4") == 9
+
+
+def test_a_ranks_announcement_is_checked():
+    e = Engine(tiers(), "clairvoyant", announced=True)
+    for bad in ({"rank": 2, "ranks": 2}, {"rank": -1, "ranks": 2}, {"rank": "0", "ranks": 2},
+                {"rank": 0, "ranks": 0}, {"rank": 0, "ranks": 2, "first": -1}):
+        with pytest.raises(ValueError):
+            e.announce([("a", 1)], group="g", **bad)
+
+
+def test_a_ranks_place_before_one_announced_already_becomes_the_keys_next_read():
+    e = Engine(tiers(4, 1), "clairvoyant", announced=True)
+    e.access("x", 1)  # cached, no next read known
+    e.announce([("y", 1), ("x", 1)], group="g", rank=0, ranks=2)  # x at 3
+    assert e.policy.next_use("x") == 3 and e.policy.next["x"] == 3
+    e.announce([("x", 1)], group="g", rank=1, ranks=2)  # and at 2, before it
+    assert e.policy.next_use("x") == 2 and e.policy.next["x"] == 2
+    e.access("y", 1)
+    e.access("x", 1)
+    assert e.policy.next_use("x") == 3
+
+
 def test_prefetch_is_empty_without_an_order_and_announce_needs_clairvoyant():
     e = Engine(tiers())
     assert e.policy.name == "history" and not e.prefetch(100)

@@ -35,9 +35,11 @@ class RecordingFs:
     def __init__(self):
         self.announced: list = []
         self.calls: list[tuple[int, int]] = []  # (entries announced so far, len of this call)
+        self.streams: list[dict] = []  # each call's rank, ranks, group, first (if any)
 
-    def announce(self, entries):
+    def announce(self, entries, **stream):
         self.calls.append((len(self.announced), len(entries)))
+        self.streams.append(stream)
         self.announced.extend(entries)
         return len(entries)
 
@@ -80,6 +82,66 @@ def test_every_rank_of_a_distributed_sampler_announces_what_it_yields(epoch):
         assert fs.announced == [PATHS[i] for i in order]
         seen.extend(order)
     assert set(seen) == set(range(50))
+
+
+def test_the_ranks_of_a_node_announce_each_epoch_as_one_group(monkeypatch):
+    # two DDP ranks of one node, by torchrun's variables: each epoch's orders form one
+    # group (the same name on both ranks, another each epoch), each window placed by the
+    # number of entries its rank announced before it in the epoch
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-7")
+    samplers = []
+    for rank in (0, 1):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        samplers.append(AnnouncingSampler(
+            DistributedSampler(range(40), num_replicas=2, rank=rank, shuffle=False), PATHS,
+            fs=RecordingFs(), lookahead=8))
+    for epoch in range(2):
+        for sampler in samplers:
+            assert len(list(sampler)) == 20
+    for rank, sampler in enumerate(samplers):
+        assert (sampler.rank, sampler.ranks) == (rank, 2)
+        streams, calls = sampler.fs.streams, sampler.fs.calls
+        assert {s["group"] for s in streams} == {"run-7:0", "run-7:1"}
+        for stream, (before, _) in zip(streams, calls):
+            assert (stream["rank"], stream["ranks"]) == (rank, 2)
+            epoch_start = 0 if stream["group"] == "run-7:0" else 20
+            assert stream["first"] == before - epoch_start
+
+
+def test_one_rank_announces_as_before_and_a_rank_outside_the_node_is_an_error(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    sampler = AnnouncingSampler(range(5), PATHS, fs=RecordingFs())
+    list(sampler)
+    assert (sampler.rank, sampler.ranks) == (0, 1) and sampler.fs.streams == [{}]
+    for bad in ({"rank": 2, "ranks": 2}, {"rank": -1}, {"ranks": "2"}, {"rank": True}):
+        with pytest.raises(ValueError):
+            AnnouncingSampler(range(5), PATHS, fs=RecordingFs(), **bad)
+    monkeypatch.setenv("LOCAL_RANK", "3")  # a launcher's LOCAL_RANK alone: one rank, no error
+    assert AnnouncingSampler(range(5), PATHS, fs=RecordingFs()).ranks == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_nodes_ranks_announce_through_a_real_daemon(tmp_path, runtime_dir, spawn_daemon):
+    # two ranks (a filesystem, so a connection, each) announce their shards as one group:
+    # the daemon takes both orders and prefetches every block of them
+    spawn_daemon(runtime_dir, dram_capacity="64MiB")
+    root = tmp_path / "train"
+    root.mkdir()
+    paths = []
+    for i in range(40):
+        (root / f"{i:03d}.bin").write_bytes(os.urandom(4096 + i))
+        paths.append(str(root / f"{i:03d}.bin"))
+    for rank in (0, 1):
+        fs = fsspec.filesystem("cachemw", target_protocol="file", autostart=False,
+                               runtime_dir=runtime_dir, skip_instance_cache=True)
+        sampler = AnnouncingSampler(DistributedSampler(range(40), num_replicas=2, rank=rank),
+                                    paths, fs=fs, rank=rank, ranks=2)
+        assert len(list(sampler)) == 20
+    wait_for(lambda: daemon_stats(runtime_dir)["counters"].get("prefetched", 0) == 40, 30,
+             what="both ranks' orders to be prefetched")
+    assert "failed" not in (tmp_path / "daemon-0.log").read_text()  # the daemon's stderr
 
 
 def test_set_epoch_is_a_no_op_for_samplers_without_it():

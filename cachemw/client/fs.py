@@ -388,10 +388,19 @@ class CacheFileSystem(_Base):
 
     # -- cache control and visibility ---------------------------------------------------
 
-    def announce(self, paths, *, chunk: int = 8192) -> int:
+    def announce(self, paths, *, chunk: int = 8192, rank: int = 0, ranks: int = 1,
+                 group: str | None = None, first: int = 0) -> int:
         """Tell this node's daemon the files (or (path, start, end) ranges) about to be
         read, in order: placement turns clairvoyant and prefetches ahead of the reader.
         Returns the number of blocks announced; 0 if no daemon is reachable.
+
+        Several ranks of the node reading at once (DDP, a process per device, each its
+        own shard) each announce their own order with ``rank`` and ``ranks`` (the node's
+        ranks, torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE) and the same ``group`` for the
+        orders of one epoch: the daemon lays them interleaved, as they will be read, not
+        one after another. ``first``: the index, among the blocks of this rank's order,
+        of the first block announced here (an order announced in windows: the sum of the
+        earlier calls' returns). AnnouncingSampler does all of this.
 
         This process's fills written behind its reads (through any of its filesystems) are
         drained first, for as long as the daemon may stay silent at most: each asks the
@@ -400,6 +409,13 @@ class CacheFileSystem(_Base):
         take that block's place in it early, as if read there (a read of a block outside
         the order takes no place: placement/future.py). Other processes' fills
         (DataLoader workers') are theirs to send."""
+        for name, value in (("rank", rank), ("ranks", ranks), ("first", first)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"announce: {name} must be an int >= 0, got {value!r}")
+        if not rank < ranks:
+            raise ValueError(f"announce: rank {rank} is not one of the node's {ranks} ranks")
+        if ranks > 1 and not isinstance(group, str):
+            raise ValueError("announce: ranks > 1 needs a group (a str) naming the ranks' epoch")
         if not drain_all(timeout=self.client.timeout):
             log.debug("announce: fills of earlier reads still queued after %s s; announcing",
                       self.client.timeout)
@@ -411,7 +427,8 @@ class CacheFileSystem(_Base):
             items.extend(self.reader.announce_items(meta, start, end))
         sent = 0
         for i in range(0, len(items), chunk):
-            if not self.client.announce(items[i:i + chunk]):
+            stream = None if ranks == 1 else (group, rank, ranks, first + i)
+            if not self.client.announce(items[i:i + chunk], stream):
                 return sent
             sent += len(items[i:i + chunk])
         return sent

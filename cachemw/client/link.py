@@ -444,9 +444,12 @@ class DaemonClient(reporting.Reporter):
             self._local.quiet = False
         return None if reply is None else reply[1]
 
-    def announce(self, items: list[tuple]) -> bool:
-        """Tell the daemon the next reads, in order: (key, length, url, source) each."""
-        return self._send(ops.ANNOUNCE, items)
+    def announce(self, items: list[tuple], stream: tuple | None = None) -> bool:
+        """Tell the daemon the next reads, in order: (key, length, url, source) each;
+        ``stream``: (group, rank, ranks, first) of one rank's order among the node's."""
+        if stream is None:
+            return self._send(ops.ANNOUNCE, items)
+        return self._send(ops.ANNOUNCE, items, stream)
 
     def abort(self, key: str, reason: str) -> None:
         self._send(ops.ABORT, key, reason)

@@ -417,15 +417,16 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         for counters, accesses in reports.take_all(self.config.runtime_dir):
             self.report(counters, accesses)
 
-    def announce(self, items: list[tuple]) -> None:
+    def announce(self, items: list[tuple], stream: tuple | None = None) -> None:
         """A sampler's next reads in order, (key, length, url, source) each: the engine
-        plans prefetch from them; the maintenance thread fetches ahead of the reader."""
+        plans prefetch from them; the maintenance thread fetches ahead of the reader.
+        ``stream``: one rank's order among the node's ranks (Placer.announce)."""
         order = []
         with self._lock:
             for key, length, url, source in items:
                 self._sources[key] = (length, url, source)
                 order.append((key, blockfile.stored_size(length)))
-        self.placer.announce(order)
+        self.placer.announce(order, stream)
         self._wake.set()
 
     # -- stats ---------------------------------------------------------------------

@@ -10,12 +10,16 @@ announces its order, it switches to the clairvoyant policy, keeping what it has.
 from __future__ import annotations
 
 import threading
+import time
 
 from ..config import TierConfig
 from ..placement import Admit, Engine, Evict, Plan, Prefetch, TierSpec, nominal_bandwidth
 
 
 class Placer:
+    #: seconds prefetch waits for the rest of a group's ranks to announce (see _hold_for)
+    HOLD = 5.0
+
     def __init__(self, tiers: tuple[TierConfig, ...], policy: str | None = None) -> None:
         # The engine fills a tier up to its high watermark; the rest is headroom for fills
         # in flight, so the tier's hard capacity holds.
@@ -26,6 +30,8 @@ class Placer:
         self._engine = Engine(self._specs, policy, announced=self.announced)
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._ranks: dict = {}  # group -> ranks that announced in it (see _hold_for)
+        self._hold: tuple | None = None  # (group, until): prefetch waits for its ranks
 
     @property
     def policy_name(self) -> str:
@@ -79,21 +85,47 @@ class Placer:
             self._sizes.pop(key, None)
             self._engine.drop(key)
 
-    def announce(self, order: list[tuple[str, int]]) -> None:
-        """A sampler's next reads, in order; switches to the clairvoyant policy."""
+    def announce(self, order: list[tuple[str, int]], stream: tuple | None = None) -> None:
+        """A sampler's next reads, in order; switches to the clairvoyant policy. ``stream``:
+        (group, rank, ranks, first) of a rank's order among the node's ranks (Engine.announce)."""
+        group, rank, ranks, first = stream if stream is not None else (None, 0, 1, 0)
         with self._lock:
+            if group is not None and ranks > 1:
+                self._hold_for(group, rank, ranks)
             if not self._engine.policy.uses_announced:
                 current = self._engine.placement()
                 self._engine = Engine(
                     self._specs, "clairvoyant", announced=True,
                     placement={k: (t, self._sizes[k]) for k, t in current.items()})
                 self.announced = True
-            self._engine.announce(order)
+            self._engine.announce(order, group=group, rank=rank, ranks=ranks, first=first)
+
+    def _hold_for(self, group, rank: int, ranks: int) -> None:
+        """Prefetch waits while a group's ranks are still announcing (at most HOLD s).
+
+        Why: until the last rank's order is in, the blocks only it will read look dead
+        (cached, no announced read), and prefetch would evict them for the other ranks'
+        next blocks, to fetch them again moments later: with 2 ranks and a cache of half
+        the dataset, a quarter more source reads each epoch."""
+        seen = self._ranks.setdefault(group, set())
+        seen.add(rank)
+        while len(self._ranks) > 16:  # the latest epochs' groups
+            del self._ranks[next(iter(self._ranks))]
+        if len(seen) < ranks:
+            if self._hold is None or self._hold[0] != group:
+                self._hold = (group, time.monotonic() + self.HOLD)
+        elif self._hold is not None and self._hold[0] == group:
+            self._hold = None
 
     def prefetch(self, budget: int) -> list:
         """Prefetch moves, at most ``budget`` bytes, and never more than the cache can take
-        without evicting a block whose next read is announced (see _reclaimable)."""
+        without evicting a block whose next read is announced (see _reclaimable); none
+        while a group's ranks are still announcing (see _hold_for)."""
         with self._lock:
+            if self._hold is not None:
+                if time.monotonic() < self._hold[1]:
+                    return []
+                self._hold = None
             cursor = getattr(self._engine.policy, "cursor", 0)
             moves, stale = [], True
             while stale and budget > 0:  # the room a stale plan took is planned again

@@ -195,7 +195,7 @@ class SocketServer:
             ops.FILLED_MANY: filled_many,
             ops.ABORT: lambda conn, link, key, reason: node.abort(key, reason, conn),
             ops.REPORT: lambda conn, link, counters, accesses: node.report(counters, accesses),
-            ops.ANNOUNCE: lambda conn, link, items: node.announce(items),
+            ops.ANNOUNCE: lambda conn, link, items, stream=None: node.announce(items, stream),
             ops.DROP: lambda conn, link, key, reason: node.drop(key, reason),
             ops.INVALIDATE: lambda conn, link, url: ("ok", node.invalidate(url)),
             ops.RING: lambda conn, link: (
