@@ -70,9 +70,14 @@ SHUTDOWN = "shutdown"
 CHECKPOINT = "checkpoint"
 BUSY = "busy"  # sent by the daemon, never by a client (see above)
 
+#: What a daemon can do beyond the first release's protocol, named in its HELLO reply (a
+#: daemon of that release names nothing, and a client then sends what it understands).
+ANNOUNCE_RANKS = "announce-ranks"  # ANNOUNCE's (group, rank, ranks, first)
+FEATURES = (ANNOUNCE_RANKS,)
+
 OPS: dict[str, Op] = {
     HELLO: Op(True, "client pid[, keepalive seconds: how often to say BUSY]",
-              "('ok', node_id, daemon pid)"),
+              "('ok', node_id, daemon pid, [feature, ...]: FEATURES)"),
     LEASE: Op(True, "key, length, url", "a lease reply (see 1.)"),
     LEASE_MANY: Op(True, "[(key, length, url, source), ...]", "('ok', [lease reply, ...])"),
     LEASE_FETCHED: Op(True, "[(key, length, url, source), ...], claimed (the caller holds "

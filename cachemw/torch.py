@@ -55,16 +55,21 @@ def _local(name: str, default: int) -> int:
 
 
 def _job() -> str:
-    """What the ranks of one training share, so that two trainings on a node never make
-    one group: torchrun's run id, else the rendezvous address, else the Slurm job step."""
+    """What the ranks of one training share, so that two trainings at once on a node never
+    make one group: torchrun's run id, else the rendezvous address, else the Slurm job
+    step; and the restart (torchrun's restart count). A later run of the same name, or
+    another sampler of the job (validation) counting its epochs alike, begins the group
+    anew (the engine sees a rank begin its order in it twice)."""
     run = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run and run != "none":
-        return run
     addr = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if all(addr):
-        return f"{addr[0]}:{addr[1]}"
     job = os.environ.get("SLURM_JOB_ID")
-    return f"slurm-{job}.{os.environ.get('SLURM_STEP_ID', '')}" if job else "local"
+    if run and run != "none":
+        name = run
+    elif all(addr):
+        name = f"{addr[0]}:{addr[1]}"
+    else:
+        name = f"slurm-{job}.{os.environ.get('SLURM_STEP_ID', '')}" if job else "local"
+    return f"{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 class AnnouncingSampler(torch.utils.data.Sampler):
@@ -86,7 +91,11 @@ class AnnouncingSampler(torch.utils.data.Sampler):
     without them). With several, each epoch's orders are announced as one group, so the
     daemon lays them interleaved, as the ranks read them step by step: one after another,
     the node's reads would match neither and prefetch would run ahead of one rank only.
-    Every rank of the node must announce, each iterating its sampler once an epoch.
+    Every rank of the node must announce, each iterating its sampler once an epoch (the
+    group is named by the iteration, not by ``set_epoch``); until all have, the daemon
+    holds its prefetch back, at most 5 s per epoch. The layout counts blocks: ranks whose
+    samples span different numbers of blocks, or whose shards differ in length, read a
+    little out of the laid order (tolerated, as several workers' reads are).
     """
 
     def __init__(self, sampler, paths: Union[Sequence[Entry], Callable[[int], Entry]],
@@ -104,6 +113,8 @@ class AnnouncingSampler(torch.utils.data.Sampler):
             rank, ranks = _local("LOCAL_RANK", 0), _local("LOCAL_WORLD_SIZE", 1)
             if not 0 <= rank < ranks:
                 rank, ranks = 0, 1
+        if rank is None and "LOCAL_RANK" not in os.environ:
+            raise ValueError("ranks given without rank (and no LOCAL_RANK): give both")
         rank = _local("LOCAL_RANK", 0) if rank is None else rank
         ranks = _local("LOCAL_WORLD_SIZE", 1) if ranks is None else ranks
         for name, value in (("rank", rank), ("ranks", ranks)):

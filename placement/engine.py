@@ -55,12 +55,14 @@ class Engine:
         # the announced order by the policy's position of each read: positions start at the
         # policy's cursor when an order comes after reads it was not told of (a restart's
         # blocks loaded below count as reads), so the order is kept by position, not index
-        self._order: Dict[int, Hashable] = {}
+        # (several orders may share a place: two jobs reading at once, each its own order)
+        self._order: Dict[int, List[Hashable]] = {}
         self._order_start = 0  # positions below it are read and forgotten
         self._order_end = 0
         self._sizes: Dict[Hashable, int] = {}
         self._scan = 0
-        self._groups: Dict[Hashable, int] = {}  # a group of ranks' orders -> its first position
+        # a group of ranks' orders -> its first position, the ranks that began their order
+        self._groups: Dict[Hashable, Tuple[int, set]] = {}
         for key, (tier, size) in (placement or {}).items():
             self._load(key, tier, size)
 
@@ -99,7 +101,10 @@ class Engine:
         rank ``rank``'s order (``first``: the index of this call's first item in that
         order, for orders announced in windows) is laid at position ``base + j * ranks +
         rank``, ``base`` being where the group's first announcement started: the ranks'
-        orders interleaved, as they will be read."""
+        orders interleaved, as they will be read. A rank beginning its order a second time
+        in a group (``first`` 0 again: the same name from a later run) begins the group
+        anew. An order laid where another's places are still to come (a group's later
+        windows; two jobs reading at once) shares those places."""
         if not self.policy.uses_announced:
             raise ValueError(
                 f"policy {self.policy.name!r} ignores announced orders; build the Engine "
@@ -122,16 +127,22 @@ class Engine:
             if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
                 raise ValueError(f"rank must be an int in [0, {ranks}), got {rank!r}")
             check_positive_int("first", first, allow_zero=True)
-            base = self._groups.get(group)
-            if base is None:
-                base = self._groups[group] = start
+            base, began = self._groups.get(group, (None, set()))
+            if base is None or (first == 0 and rank in began):  # new, or a new run's
+                base, began = start, set()
+                self._groups.pop(group, None)
+                self._groups[group] = (base, began)
                 while len(self._groups) > self.GROUPS:  # the oldest epochs' groups
                     del self._groups[next(iter(self._groups))]
+            if first == 0:
+                began.add(rank)
             positions = range(base + first * ranks + rank,
                               base + (first + len(keys)) * ranks + rank, ranks)
             self.policy.announce(keys, positions)
             self._scan = min(self._scan, positions[0]) if keys else self._scan
-        self._order.update(zip(positions, keys))
+        for pos, key in zip(positions, keys):
+            if pos >= self._order_start:  # (a late rank's places the reads have passed: none)
+                self._order.setdefault(pos, []).append(key)
         self._order_end = max(self._order_end, positions[-1] + 1) if keys else self._order_end
 
     def access(self, key: Hashable, size: int) -> Plan:
@@ -191,20 +202,22 @@ class Engine:
             self._order.pop(self._order_start, None)
             self._order_start += 1
         while pos < self._order_end and budget_bytes > 0:
-            key = self._order.get(pos)
-            if key is None:  # a position the policy counted before any order came
-                pos += 1
-                continue
-            size = self._sizes[key]
-            if key not in policy:
+            full = False
+            for key in self._order.get(pos, ()):  # none: a place counted before any order
+                size = self._sizes[key]
+                if key in policy:
+                    continue
                 home = self._home(size)
                 if home is None or size > budget_bytes or not policy.admit_ahead(key, size, pos):
+                    full = True
                     break
                 moves.extend(self._drain_evictions())
                 self._make_room(home, size, moves)
                 self._put(key, size, home)
                 moves.append(Prefetch(key, size, self.tiers[home].name, pos - cursor))
                 budget_bytes -= size
+            if full:
+                break
             pos += 1
         self._scan = pos
         return Plan(tuple(moves))

@@ -183,8 +183,8 @@ class ClairvoyantPolicy(FurthestFirst):
     def announce(self, keys: Sequence[Hashable],
                  positions: Optional[Sequence[int]] = None) -> None:
         """``keys`` read next, in order: after everything announced so far, or at the
-        given ``positions`` (ascending; see :func:`interleaved`: the orders of several
-        ranks of one node, laid out as they will be read)."""
+        given ``positions`` (ascending: the orders of several ranks of one node, laid out
+        as they will be read, see Engine.announce)."""
         future, nxt, cursor = self._future, self.next, self._cursor
         if positions is None:
             start = max(self._announced, cursor)  # an order announced late starts now

@@ -89,14 +89,17 @@ def test_prefetch_waits_for_every_rank_of_a_group_to_announce(tmp_path, monkeypa
     moves = kinds(placer.prefetch(1 << 20))
     assert ("Evict", "w") not in moves and ("Evict", "x") not in moves
     assert ("Prefetch", "c") in moves and ("Prefetch", "d") in moves
-    # a rank that never announces holds prefetch back for Placer.HOLD seconds only
+    # a rank that never announces holds prefetch back for Placer.HOLD seconds, once: its
+    # group's later windows do not hold it again
     monkeypatch.setattr(Placer, "HOLD", 0.2)
     for key in "cwdx":
         placer.hit(key)
-    placer.announce([(k, 100) for k in "ef"], ("epoch-2", 0, 2, 0))
+    placer.announce([(k, 100) for k in "e"], ("epoch-2", 0, 2, 0))
     assert placer.prefetch(1 << 20) == []
     time.sleep(0.3)
     assert ("Prefetch", "e") in kinds(placer.prefetch(1 << 20))
+    placer.announce([(k, 100) for k in "f"], ("epoch-2", 0, 2, 1))
+    assert ("Prefetch", "f") in kinds(placer.prefetch(1 << 20))
 
 
 FILE = 16 << 10

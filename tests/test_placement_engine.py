@@ -151,6 +151,31 @@ def test_the_orders_of_a_nodes_ranks_are_laid_as_they_are_read():
     assert e.policy.next_use("a3") == 6 and e.policy.next_use("b4") == 9
 
 
+def test_a_group_name_used_again_by_a_later_run_begins_anew():
+    # torchrun's default names are the same run after run: a rank that begins its order
+    # again in a group begins a new group there, not one laid at places already read
+    e = Engine(tiers(8, 1), "clairvoyant", announced=True)
+    for run in range(2):
+        e.announce([(f"a{run}", 1)], group="127.0.0.1:29500/0:0:0", rank=0, ranks=2)
+        e.announce([(f"b{run}", 1)], group="127.0.0.1:29500/0:0:0", rank=1, ranks=2)
+        assert [m.key for m in e.prefetch(4).of_type(Prefetch)] == [f"a{run}", f"b{run}"]
+        e.access(f"a{run}", 1)
+        e.access(f"b{run}", 1)
+    assert e.policy.cursor == 4
+
+
+def test_orders_sharing_places_are_all_prefetched():
+    # a group's later windows (first > 0) come after another order was laid where they
+    # go: both keep their places, and both are prefetched
+    e = Engine(tiers(8, 1), "clairvoyant", announced=True)
+    e.announce([("a0", 1), ("a1", 1)], group="g", rank=0, ranks=2)
+    e.announce([("x0", 1), ("x1", 1)])  # after the group's places so far: 4, 5
+    e.announce([("a2", 1), ("a3", 1)], group="g", rank=0, ranks=2, first=2)  # at 4 and 6
+    keys = [m.key for m in e.prefetch(10).of_type(Prefetch)]
+    assert sorted(keys) == ["a0", "a1", "a2", "a3", "x0", "x1"]
+    assert keys.index("a2") < keys.index("a3") and keys.index("x0") < keys.index("a3")
+
+
 def test_a_ranks_announcement_is_checked():
     e = Engine(tiers(), "clairvoyant", announced=True)
     for bad in ({"rank": 2, "ranks": 2}, {"rank": -1, "ranks": 2}, {"rank": "0", "ranks": 2},

@@ -89,6 +89,7 @@ def test_the_ranks_of_a_node_announce_each_epoch_as_one_group(monkeypatch):
     # group (the same name on both ranks, another each epoch), each window placed by the
     # number of entries its rank announced before it in the epoch
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     samplers = []
     for rank in (0, 1):
         monkeypatch.setenv("LOCAL_RANK", str(rank))
@@ -102,10 +103,10 @@ def test_the_ranks_of_a_node_announce_each_epoch_as_one_group(monkeypatch):
     for rank, sampler in enumerate(samplers):
         assert (sampler.rank, sampler.ranks) == (rank, 2)
         streams, calls = sampler.fs.streams, sampler.fs.calls
-        assert {s["group"] for s in streams} == {"run-7:0", "run-7:1"}
+        assert {s["group"] for s in streams} == {"run-7/2:0", "run-7/2:1"}
         for stream, (before, _) in zip(streams, calls):
             assert (stream["rank"], stream["ranks"]) == (rank, 2)
-            epoch_start = 0 if stream["group"] == "run-7:0" else 20
+            epoch_start = 0 if stream["group"] == "run-7/2:0" else 20
             assert stream["first"] == before - epoch_start
 
 
@@ -120,28 +121,66 @@ def test_one_rank_announces_as_before_and_a_rank_outside_the_node_is_an_error(mo
             AnnouncingSampler(range(5), PATHS, fs=RecordingFs(), **bad)
     monkeypatch.setenv("LOCAL_RANK", "3")  # a launcher's LOCAL_RANK alone: one rank, no error
     assert AnnouncingSampler(range(5), PATHS, fs=RecordingFs()).ranks == 1
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(ValueError, match="rank"):  # ranks alone names no rank
+        AnnouncingSampler(range(5), PATHS, fs=RecordingFs(), ranks=2)
 
 
-@pytest.mark.timeout(60)
-def test_a_nodes_ranks_announce_through_a_real_daemon(tmp_path, runtime_dir, spawn_daemon):
-    # two ranks (a filesystem, so a connection, each) announce their shards as one group:
-    # the daemon takes both orders and prefetches every block of them
-    spawn_daemon(runtime_dir, dram_capacity="64MiB")
+def _shards_through_a_daemon(tmp_path, runtime_dir, spawn_daemon, old_daemon=False):
+    """Two ranks (a filesystem, so a connection, each) announce their shards of 40 files
+    to a daemon with room for 20: what each rank's first 10 reads find cached."""
+    from cachemw.blockfile import stored_size
+    from cachemw.config import TierConfig
+
+    size = 4096
+    high = TierConfig("dram", "/unused", 1 << 30).high_watermark
+    spawn_daemon(runtime_dir, dram_capacity=int(20 * stored_size(size) / high) + 1)
     root = tmp_path / "train"
     root.mkdir()
     paths = []
     for i in range(40):
-        (root / f"{i:03d}.bin").write_bytes(os.urandom(4096 + i))
+        (root / f"{i:03d}.bin").write_bytes(os.urandom(size))
         paths.append(str(root / f"{i:03d}.bin"))
+    systems, orders = [], []
     for rank in (0, 1):
         fs = fsspec.filesystem("cachemw", target_protocol="file", autostart=False,
                                runtime_dir=runtime_dir, skip_instance_cache=True)
+        if old_daemon:  # as a daemon of the first release answers HELLO: no features
+            assert fs.client._connect() is not None
+            fs.client._features = frozenset()
         sampler = AnnouncingSampler(DistributedSampler(range(40), num_replicas=2, rank=rank),
                                     paths, fs=fs, rank=rank, ranks=2)
-        assert len(list(sampler)) == 20
-    wait_for(lambda: daemon_stats(runtime_dir)["counters"].get("prefetched", 0) == 40, 30,
-             what="both ranks' orders to be prefetched")
+        orders.append(list(sampler))
+        systems.append(fs)
+    wait_for(lambda: daemon_stats(runtime_dir)["counters"].get("prefetched", 0) == 20, 30,
+             what="the cache to be filled from the announced orders")
+    time.sleep(0.5)  # no more prefetch: the cache is full of blocks needed soon
+    assert daemon_stats(runtime_dir)["counters"]["prefetched"] == 20
+    found = [0, 0]
+    for rank in (1, 0):  # rank 1 first: reads free room, and prefetch may fill it
+        for i in orders[rank][:10]:
+            systems[rank].cat_file(paths[i])
+        found[rank] = systems[rank].stats()["hits"]
     assert "failed" not in (tmp_path / "daemon-0.log").read_text()  # the daemon's stderr
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_a_nodes_ranks_orders_are_prefetched_interleaved_by_a_real_daemon(
+        tmp_path, runtime_dir, spawn_daemon):
+    # laid as the ranks read them: each rank's first 10 blocks fill the room for 20
+    assert _shards_through_a_daemon(tmp_path, runtime_dir, spawn_daemon) == [10, 10]
+
+
+@pytest.mark.timeout(60)
+def test_a_daemon_that_predates_ranks_is_sent_the_orders_alone(tmp_path, runtime_dir,
+                                                               spawn_daemon, caplog):
+    # one after another, as that daemon understands them (said once), never rejected
+    with caplog.at_level(logging.WARNING):
+        found = _shards_through_a_daemon(tmp_path, runtime_dir, spawn_daemon, old_daemon=True)
+    assert found == [10, 0]
+    assert sum("predates announcements by several ranks" in r.getMessage()
+               for r in caplog.records) == 2  # once per filesystem's client
 
 
 def test_set_epoch_is_a_no_op_for_samplers_without_it():

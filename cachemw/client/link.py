@@ -92,8 +92,10 @@ class DaemonClient(reporting.Reporter):
         self._next_try = 0.0
         self._timeouts = 0  # consecutive timeouts: the back-off grows while a daemon hangs
         self._warned = False
+        self._warned_ranks = False
         self._untold: str | None = None  # why a quiet call found the daemon unreachable
         self._failed_pid: int | None = None  # the daemon whose failure began the back-off
+        self._features: frozenset = getattr(self, "_features", frozenset())  # ops.FEATURES
         self._lock = threading.RLock()
         self._reset_reports()
 
@@ -195,7 +197,7 @@ class DaemonClient(reporting.Reporter):
                 self._unreachable(f"the daemon (pid {address.pid}) is stopped", pid=address.pid)
                 return None
             try:
-                conn = wire.dial(address, self.timeout)
+                conn, features = wire.dial(address, self.timeout)
                 break
             except (OSError, EOFError, AuthenticationError, DaemonUnavailable) as exc:
                 # refused with its lock free: it died; the second attempt replaces it
@@ -206,6 +208,7 @@ class DaemonClient(reporting.Reporter):
                 return None
         with self._lock:
             self._local.conn = conn
+            self._features = features
             self._local.daemon_pid = address.pid  # to tell a replaced daemon (_replaced)
             # sends on this connection come from its thread and from the fill writer
             self._local.send_lock = threading.Lock()
@@ -446,7 +449,17 @@ class DaemonClient(reporting.Reporter):
 
     def announce(self, items: list[tuple], stream: tuple | None = None) -> bool:
         """Tell the daemon the next reads, in order: (key, length, url, source) each;
-        ``stream``: (group, rank, ranks, first) of one rank's order among the node's."""
+        ``stream``: (group, rank, ranks, first) of one rank's order among the node's. A
+        daemon that does not know of ranks (of the first release) is sent the order alone,
+        which it appends to the others (said once)."""
+        if stream is not None and self._connect() is not None \
+                and ops.ANNOUNCE_RANKS not in self._features:
+            if not self._warned_ranks:
+                self._warned_ranks = True
+                log.warning("the cachemw daemon at %s predates announcements by several ranks "
+                            "of a node: each rank's order is appended to the others' (restart "
+                            "the daemon to have them interleaved)", self.runtime_dir)
+            stream = None
         if stream is None:
             return self._send(ops.ANNOUNCE, items)
         return self._send(ops.ANNOUNCE, items, stream)

@@ -19,9 +19,11 @@ class DaemonUnavailable(ConnectionError):
     """The node daemon could not be reached (the caller falls back to the source)."""
 
 
-def dial(address: DaemonAddress, timeout: float) -> Connection:
-    """An authenticated connection to the daemon at ``address``, its HELLO answered. The
-    daemon says BUSY every ``timeout / 3`` seconds while it works on one of our requests."""
+def dial(address: DaemonAddress, timeout: float) -> tuple[Connection, frozenset]:
+    """An authenticated connection to the daemon at ``address``, its HELLO answered, and
+    the features its answer names (ops.FEATURES; none from a daemon of the first release).
+    The daemon says BUSY every ``timeout / 3`` seconds while it works on one of our
+    requests."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(5.0)
@@ -36,11 +38,12 @@ def dial(address: DaemonAddress, timeout: float) -> Connection:
             raise DaemonUnavailable(f"daemon did not answer the handshake within {timeout} s")
         answer_challenge(conn, address.authkey)
         conn.send((ops.HELLO, os.getpid(), timeout / 3))
-        receive(conn, timeout)
+        reply = receive(conn, timeout)
     except BaseException:  # no half-open connection left, whatever failed; re-raised
         conn.close()
         raise
-    return conn
+    features = reply[3] if len(reply) > 3 and isinstance(reply[3], (list, tuple)) else ()
+    return conn, frozenset(features)
 
 
 def receive(conn: Connection, timeout: float):

@@ -30,8 +30,9 @@ class Placer:
         self._engine = Engine(self._specs, policy, announced=self.announced)
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._ranks: dict = {}  # group -> ranks that announced in it (see _hold_for)
-        self._hold: tuple | None = None  # (group, until): prefetch waits for its ranks
+        # group -> [ranks that announced in it, until when prefetch waits for the rest
+        # (None: all came, or given up)]; see _hold_for
+        self._groups: dict = {}
 
     @property
     def policy_name(self) -> str:
@@ -91,7 +92,7 @@ class Placer:
         group, rank, ranks, first = stream if stream is not None else (None, 0, 1, 0)
         with self._lock:
             if group is not None and ranks > 1:
-                self._hold_for(group, rank, ranks)
+                self._hold_for(group, rank, ranks, first)
             if not self._engine.policy.uses_announced:
                 current = self._engine.placement()
                 self._engine = Engine(
@@ -100,32 +101,43 @@ class Placer:
                 self.announced = True
             self._engine.announce(order, group=group, rank=rank, ranks=ranks, first=first)
 
-    def _hold_for(self, group, rank: int, ranks: int) -> None:
-        """Prefetch waits while a group's ranks are still announcing (at most HOLD s).
+    def _hold_for(self, group, rank: int, ranks: int, first: int) -> None:
+        """Prefetch waits while a group's ranks are still announcing (at most HOLD s from
+        the group's first announcement; the whole node's prefetch, as it is one plan).
 
         Why: until the last rank's order is in, the blocks only it will read look dead
         (cached, no announced read), and prefetch would evict them for the other ranks'
         next blocks, to fetch them again moments later: with 2 ranks and a cache of half
         the dataset, a quarter more source reads each epoch."""
-        seen = self._ranks.setdefault(group, set())
-        seen.add(rank)
-        while len(self._ranks) > 16:  # the latest epochs' groups
-            del self._ranks[next(iter(self._ranks))]
-        if len(seen) < ranks:
-            if self._hold is None or self._hold[0] != group:
-                self._hold = (group, time.monotonic() + self.HOLD)
-        elif self._hold is not None and self._hold[0] == group:
-            self._hold = None
+        state = self._groups.get(group)
+        if state is None or (first == 0 and rank in state[0]):  # new, or a later run's
+            self._groups.pop(group, None)  # one deadline per group, from its first order
+            state = self._groups[group] = [set(), time.monotonic() + self.HOLD]
+            while len(self._groups) > 16:  # the latest epochs' groups
+                del self._groups[next(iter(self._groups))]
+        state[0].add(rank)
+        if len(state[0]) >= ranks:
+            state[1] = None  # complete: holds nothing
+
+    def _held(self) -> bool:
+        """A group still waits for ranks; one past its deadline is given up for good (a
+        rank that never announces holds prefetch back once, for HOLD s)."""
+        now, held = time.monotonic(), False
+        for state in self._groups.values():
+            if state[1] is not None:
+                if now < state[1]:
+                    held = True
+                else:
+                    state[1] = None
+        return held
 
     def prefetch(self, budget: int) -> list:
         """Prefetch moves, at most ``budget`` bytes, and never more than the cache can take
         without evicting a block whose next read is announced (see _reclaimable); none
         while a group's ranks are still announcing (see _hold_for)."""
         with self._lock:
-            if self._hold is not None:
-                if time.monotonic() < self._hold[1]:
-                    return []
-                self._hold = None
+            if self._held():
+                return []
             cursor = getattr(self._engine.policy, "cursor", 0)
             moves, stale = [], True
             while stale and budget > 0:  # the room a stale plan took is planned again

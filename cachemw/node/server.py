@@ -170,7 +170,7 @@ class SocketServer:
         def hello(conn, link, pid, keepalive=None):
             if isinstance(keepalive, (int, float)) and keepalive > 0:
                 link[1] = max(0.05, float(keepalive))
-            return ("ok", node.config.node_id, os.getpid())
+            return ("ok", node.config.node_id, os.getpid(), list(ops.FEATURES))
 
         def filled_many(conn, link, items):
             failed = None
