@@ -72,7 +72,7 @@ BUSY = "busy"  # sent by the daemon, never by a client (see above)
 
 #: What a daemon can do beyond the first release's protocol, named in its HELLO reply (a
 #: daemon of that release names nothing, and a client then sends what it understands).
-ANNOUNCE_RANKS = "announce-ranks"  # ANNOUNCE's (group, rank, ranks, first)
+ANNOUNCE_RANKS = "announce-ranks"  # ANNOUNCE's (group, rank, ranks, first, replace, owner)
 FEATURES = (ANNOUNCE_RANKS,)
 
 OPS: dict[str, Op] = {
@@ -88,8 +88,9 @@ OPS: dict[str, Op] = {
     ABORT: Op(False, "key, reason", "-"),
     REPORT: Op(False, "counters, [(key, tier) hit, ...]", "-"),
     ANNOUNCE: Op(False, "[(key, length, url, source), ...] in read order[, (group, rank, "
-                        "ranks, first): one rank's order among the node's, sent only when "
-                        "ranks > 1]", "-"),
+                        "ranks, first, replace, owner): one rank's order among the node's, "
+                        "and whether it replaces the unread rest its owner announced; sent "
+                        "only with ranks > 1 or replace]", "-"),
     DROP: Op(False, "key, reason ('corrupt', 'missing')", "-"),
     INVALIDATE: Op(True, "source url (written through the cache)",
                    "('ok', blocks dropped): answered once no block of it can be read"),

@@ -91,6 +91,11 @@ class AnnouncingSampler(torch.utils.data.Sampler):
     without them). With several, each epoch's orders are announced as one group, so the
     daemon lays them interleaved, as the ranks read them step by step: one after another,
     the node's reads would match neither and prefetch would run ahead of one rank only.
+    An epoch the loop stops early (max steps, ``limit_train_batches``) leaves the rest of
+    its order announced: the next epoch's announcement replaces it, so that it starts at
+    the reader (on a node shared with another job, that job's order ahead is withdrawn
+    too, and its prefetch waits for its next announcement).
+
     Every rank of the node must announce, each iterating its sampler once an epoch (the
     group is named by the iteration, not by ``set_epoch``); until all have, the daemon
     holds its prefetch back, at most 5 s per epoch. The layout counts blocks: ranks whose
@@ -132,6 +137,7 @@ class AnnouncingSampler(torch.utils.data.Sampler):
         self._epochs = 0  # iterations begun: the same count on every rank of a node
         self._group = None
         self._sent = 0  # blocks of this epoch's order announced so far
+        self._ended = True  # the last iteration ran to its end (else: replaced; see __iter__)
 
     # -- the Sampler surface ------------------------------------------------------------
 
@@ -150,16 +156,21 @@ class AnnouncingSampler(torch.utils.data.Sampler):
         self._group = f"{_job()}:{self._epochs}"
         self._epochs += 1
         self._sent = 0
+        # a loop that stopped the last epoch early (max steps, limit_train_batches) left
+        # the rest of its order announced: this one replaces it, starting at the reader
+        replace, self._ended = not self._ended, False
         if self.lookahead is None:
-            self._announce(order, 0, n)
+            self._announce(order, 0, n, replace)
             yield from order
+            self._ended = True
             return
         window, step = self.lookahead, max(1, self.lookahead // 2)
-        announced = self._announce(order, 0, min(n, window))
+        announced = self._announce(order, 0, min(n, window), replace)
         for i, item in enumerate(order):
             if announced < n and announced - i <= step:
                 announced = self._announce(order, announced, min(n, i + window))
             yield item
+        self._ended = True
 
     # -- announcing ---------------------------------------------------------------------
 
@@ -184,7 +195,7 @@ class AnnouncingSampler(torch.utils.data.Sampler):
             self.fs = fsspec.filesystem("cachemw")
         return self.fs
 
-    def _announce(self, order: list, lo: int, hi: int) -> int:
+    def _announce(self, order: list, lo: int, hi: int, replace: bool = False) -> int:
         """Announce ``order[lo:hi]``; returns ``hi`` whatever happened (training goes on)."""
         if hi <= lo:
             return hi
@@ -192,8 +203,11 @@ class AnnouncingSampler(torch.utils.data.Sampler):
             entries = self.entries(order[lo:hi])
             if self.ranks > 1:
                 sent = self._filesystem().announce(entries, rank=self.rank, ranks=self.ranks,
-                                                   group=self._group, first=self._sent)
+                                                   group=self._group, first=self._sent,
+                                                   replace=replace)
                 self._sent += sent
+            elif replace:
+                sent = self._filesystem().announce(entries, replace=True)
             else:
                 sent = self._filesystem().announce(entries)
         except Exception as exc:  # announcing is an optimisation: never fail the epoch

@@ -56,7 +56,8 @@ class Engine:
         # policy's cursor when an order comes after reads it was not told of (a restart's
         # blocks loaded below count as reads), so the order is kept by position, not index
         # (several orders may share a place: two jobs reading at once, each its own order)
-        self._order: Dict[int, List[Hashable]] = {}
+        # each place's (key, owner: who announced it, for a withdrawal; see announce)
+        self._order: Dict[int, List[Tuple[Hashable, Hashable]]] = {}
         self._order_start = 0  # positions below it are read and forgotten
         self._order_end = 0
         self._sizes: Dict[Hashable, int] = {}
@@ -90,7 +91,8 @@ class Engine:
 
     # ---- daemon entry points -----------------------------------------------------------
     def announce(self, order: Sequence[Tuple[Hashable, int]], *, group: Hashable = None,
-                 rank: int = 0, ranks: int = 1, first: int = 0) -> None:
+                 rank: int = 0, ranks: int = 1, first: int = 0, replace: bool = False,
+                 owner: Hashable = None) -> None:
         """Append ``(key, size)`` reads the sampler will make next, in order.
 
         Several ranks of one node each announcing its own order (DDP: one process per
@@ -104,7 +106,13 @@ class Engine:
         orders interleaved, as they will be read. A rank beginning its order a second time
         in a group (``first`` 0 again: the same name from a later run) begins the group
         anew. An order laid where another's places are still to come (a group's later
-        windows; two jobs reading at once) shares those places."""
+        windows; two jobs reading at once) shares those places.
+
+        ``replace``: the reader stopped its last order early (a training loop that ends its
+        epochs after some steps): the reads still ahead that ``owner`` announced (the
+        same for all of a job's announcements; None: anyone's) are withdrawn first, so
+        that this order starts at the reader, not after the unread rest. In a group, only
+        its first announcement withdraws (the other ranks' come after it)."""
         if not self.policy.uses_announced:
             raise ValueError(
                 f"policy {self.policy.name!r} ignores announced orders; build the Engine "
@@ -118,6 +126,9 @@ class Engine:
             check_positive_int(f"order[{i}] size", size)
             keys.append(key)
             self._sizes[key] = size
+        if replace and (group is None or ranks == 1 or group not in self._groups
+                        or (first == 0 and rank in self._groups[group][1])):
+            self._withdraw(owner)
         start = max(self.policy.announced_until, self.policy.cursor)  # as the policy places it
         if group is None or ranks == 1:
             positions = range(start, start + len(keys))
@@ -142,8 +153,26 @@ class Engine:
             self._scan = min(self._scan, positions[0]) if keys else self._scan
         for pos, key in zip(positions, keys):
             if pos >= self._order_start:  # (a late rank's places the reads have passed: none)
-                self._order.setdefault(pos, []).append(key)
+                self._order.setdefault(pos, []).append((key, owner))
         self._order_end = max(self._order_end, positions[-1] + 1) if keys else self._order_end
+
+    def _withdraw(self, owner: Hashable) -> None:
+        """Take ``owner``'s places at or after the cursor out of the order (anyone's if
+        None); the next order is laid after the places left."""
+        cursor, gone = self.policy.cursor, []
+        end = cursor
+        for pos in sorted(p for p in self._order if p >= cursor):
+            entries = self._order[pos]
+            kept = [e for e in entries if owner is not None and e[1] != owner]
+            gone.extend((key, pos) for key, who in entries if owner is None or who == owner)
+            if kept:
+                self._order[pos] = kept
+                end = pos + 1
+            else:
+                del self._order[pos]
+        self.policy.withdraw(gone, end)
+        self._order_end = end
+        self._scan = min(self._scan, end)
 
     def access(self, key: Hashable, size: int) -> Plan:
         """One read of ``key`` happened (hit or miss); return the moves it calls for.
@@ -203,7 +232,7 @@ class Engine:
             self._order_start += 1
         while pos < self._order_end and budget_bytes > 0:
             full = False
-            for key in self._order.get(pos, ()):  # none: a place counted before any order
+            for key, _ in self._order.get(pos, ()):  # none: a place counted before any order
                 size = self._sizes[key]
                 if key in policy:
                     continue

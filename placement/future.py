@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 from bisect import insort
 from collections import deque
-from typing import Deque, Dict, Hashable, List, Optional, Sequence
+from typing import Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from .policies import Policy, pop_victims
 
@@ -209,6 +209,30 @@ class ClairvoyantPolicy(FurthestFirst):
                 self.set_next_use(key, q[0])  # a cached block: its next read is known now
         if last is not None:
             self._announced = max(self._announced, last + 1)
+
+    def withdraw(self, places: Sequence[Tuple[Hashable, int]], until: int) -> None:
+        """Announced reads that will not be made, (key, position) each (their reader
+        stopped its epoch early and announces the next); the places left end before
+        ``until`` (at least the cursor), where the next order is laid. A cached block whose
+        next read was one of them gets its next one left, or none."""
+        future, nxt, cursor = self._future, self.next, self._cursor
+        for key, pos in places:
+            q = future.get(key)
+            if q is None:
+                continue
+            try:
+                q.remove(pos)
+            except ValueError:  # read (or dropped) already
+                pass
+            while q and q[0] < cursor:
+                q.popleft()
+            nu = q[0] if q else NEVER
+            if not q:
+                del future[key]
+            if key in nxt and nxt[key] != nu:
+                self.set_next_use(key, nu)
+        self._announced = max(until, cursor)
+        self._strays = 0
 
     def next_use(self, key: Hashable) -> int:
         """Announced position of ``key``'s next read at or after the cursor, or NEVER."""

@@ -179,6 +179,30 @@ def test_reads_before_an_announcement_reach_the_daemon_before_it(make_tree, runt
              what="the 40 files announced to be prefetched")
 
 
+@pytest.mark.timeout(60)
+def test_an_order_replacing_one_stopped_early_is_prefetched_at_once(make_tree, runtime_dir,
+                                                                   spawn_daemon):
+    """An epoch ended after 3 of its 20 reads, then the next announced replacing it: the
+    cache's room (10 blocks) goes to the new order's first blocks, where appended after
+    the 17 unread ones they would not be prefetched before the reader came to them."""
+    high = TierConfig("dram", "/unused", 1 << 30).high_watermark
+    spawn_daemon(runtime_dir, dram_capacity=int(10 * STORED / high) + 1)
+    paths = sorted(make_tree([FILE] * 40))
+    fs = cache_fs(runtime_dir)
+    assert fs.announce(paths[:20]) == 20
+    wait_for(lambda: daemon_stats(runtime_dir)["counters"].get("prefetched", 0) == 10, 30,
+             what="the first order's first 10 blocks to be prefetched")
+    for p in paths[:3]:
+        fs.cat_file(p)
+    assert fs.announce(paths[20:], replace=True) == 20
+    wait_for(lambda: daemon_stats(runtime_dir)["counters"].get("prefetched", 0) == 20, 30,
+             what="the replacing order's first 10 blocks to be prefetched")
+    hits = fs.stats()["hits"]
+    for p in paths[20:30]:
+        fs.cat_file(p)
+    assert fs.stats()["hits"] - hits == 10
+
+
 @pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.timeout(180)

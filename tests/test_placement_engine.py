@@ -176,6 +176,37 @@ def test_orders_sharing_places_are_all_prefetched():
     assert keys.index("a2") < keys.index("a3") and keys.index("x0") < keys.index("a3")
 
 
+def test_an_order_replacing_one_stopped_early_starts_at_the_reader():
+    # a training loop that ends its epoch after 3 of 8 steps announces the next epoch:
+    # appended, it would be expected only after the 5 unread places; replacing, at once
+    e = Engine(tiers(4, 1), "clairvoyant", announced=True)
+    e.announce([(f"a{i}", 1) for i in range(8)])
+    assert len(e.prefetch(10).of_type(Prefetch)) == 5  # a0-a4
+    for i in range(3):
+        e.access(f"a{i}", 1)
+    e.announce([(f"b{i}", 1) for i in range(8)], replace=True)
+    assert e.policy.announced_until == 3 + 8 and e.policy.next_use("b0") == 3
+    assert e.policy.next_use("a3") > 100  # the unread rest is off: its blocks are dead
+    assert [m.key for m in e.prefetch(10).of_type(Prefetch)][:2] == ["b0", "b1"]
+    # in a group, the first rank's announcement withdraws, the others' do not
+    e.announce([("c0", 1)], group="g", rank=0, ranks=2, replace=True)
+    e.announce([("d0", 1)], group="g", rank=1, ranks=2, replace=True)
+    assert e.policy.next_use("c0") == 3 and e.policy.next_use("d0") == 4
+
+
+def test_a_replacing_order_withdraws_only_its_owners_places():
+    # two jobs on a node: one stops its epoch early and replaces its order; the other's
+    # places stay where they are, and the new order is laid after them
+    e = Engine(tiers(8, 1), "clairvoyant", announced=True)
+    e.announce([("a0", 1), ("a1", 1), ("a2", 1)], owner="job-a")
+    e.announce([("b0", 1), ("b1", 1)], owner="job-b")  # at 3, 4
+    e.access("a0", 1)
+    e.announce([("c0", 1)], owner="job-a", replace=True)
+    assert e.policy.next_use("a1") > 100 and e.policy.next_use("a2") > 100
+    assert (e.policy.next_use("b0"), e.policy.next_use("b1"), e.policy.next_use("c0")) == (3, 4, 5)
+    assert [m.key for m in e.prefetch(10).of_type(Prefetch)] == ["b0", "b1", "c0"]
+
+
 def test_a_ranks_announcement_is_checked():
     e = Engine(tiers(), "clairvoyant", announced=True)
     for bad in ({"rank": 2, "ranks": 2}, {"rank": -1, "ranks": 2}, {"rank": "0", "ranks": 2},

@@ -110,6 +110,28 @@ def test_the_ranks_of_a_node_announce_each_epoch_as_one_group(monkeypatch):
             assert stream["first"] == before - epoch_start
 
 
+def test_an_epoch_stopped_early_is_replaced_by_the_next(monkeypatch):
+    # a loop that ends an epoch after some steps leaves the rest of its order announced:
+    # the next epoch's first window replaces it; an epoch run to its end replaces nothing
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    fs = RecordingFs()
+    sampler = AnnouncingSampler(range(10), PATHS, fs=fs, lookahead=4)
+
+    def epoch(stop=None):
+        calls = len(fs.streams)
+        for i, _ in enumerate(sampler):
+            if i == stop:
+                break
+        return [s.get("replace", False) for s in fs.streams[calls:]]
+
+    assert not any(epoch())
+    assert not any(epoch(stop=2))
+    replaced = epoch()
+    assert replaced[0] is True and len(replaced) > 1 and not any(replaced[1:])
+    assert not any(epoch())
+
+
 def test_one_rank_announces_as_before_and_a_rank_outside_the_node_is_an_error(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
@@ -389,7 +390,7 @@ class CacheFileSystem(_Base):
     # -- cache control and visibility ---------------------------------------------------
 
     def announce(self, paths, *, chunk: int = 8192, rank: int = 0, ranks: int = 1,
-                 group: str | None = None, first: int = 0) -> int:
+                 group: str | None = None, first: int = 0, replace: bool = False) -> int:
         """Tell this node's daemon the files (or (path, start, end) ranges) about to be
         read, in order: placement turns clairvoyant and prefetches ahead of the reader.
         Returns the number of blocks announced; 0 if no daemon is reachable.
@@ -400,7 +401,12 @@ class CacheFileSystem(_Base):
         orders of one epoch: the daemon lays them interleaved, as they will be read, not
         one after another. ``first``: the index, among the blocks of this rank's order,
         of the first block announced here (an order announced in windows: the sum of the
-        earlier calls' returns). AnnouncingSampler does all of this.
+        earlier calls' returns). ``replace``: this process stopped its last order early (a
+        training loop ending its epoch after some steps): what it (with ``ranks``: any
+        rank of the group's job, the group's name up to its last ':') announced and has
+        not read is withdrawn first, so the new order starts now, not after the unread
+        rest; other jobs' orders stay.
+        AnnouncingSampler does all of this.
 
         This process's fills written behind its reads (through any of its filesystems) are
         drained first, for as long as the daemon may stay silent at most: each asks the
@@ -414,6 +420,11 @@ class CacheFileSystem(_Base):
                 raise ValueError(f"announce: {name} must be an int >= 0, got {value!r}")
         if not rank < ranks:
             raise ValueError(f"announce: rank {rank} is not one of the node's {ranks} ranks")
+        if not isinstance(replace, bool):
+            raise ValueError(f"announce: replace must be a bool, got {replace!r}")
+        # whose orders a replacing one withdraws: the ranks' job (they stop together), or
+        # this process alone; every order of this process names it, so it can be withdrawn
+        owner = group.rpartition(":")[0] if ranks > 1 else f"pid-{os.getpid()}"
         if ranks > 1 and not isinstance(group, str):
             raise ValueError("announce: ranks > 1 needs a group (a str) naming the ranks' epoch")
         if not drain_all(timeout=self.client.timeout):
@@ -427,7 +438,8 @@ class CacheFileSystem(_Base):
             items.extend(self.reader.announce_items(meta, start, end))
         sent = 0
         for i in range(0, len(items), chunk):
-            stream = None if ranks == 1 else (group, rank, ranks, first + i)
+            stream = (group if ranks > 1 else None, rank, ranks, first + i,
+                      replace and i == 0, owner)
             if not self.client.announce(items[i:i + chunk], stream):
                 return sent
             sent += len(items[i:i + chunk])

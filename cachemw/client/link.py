@@ -449,16 +449,16 @@ class DaemonClient(reporting.Reporter):
 
     def announce(self, items: list[tuple], stream: tuple | None = None) -> bool:
         """Tell the daemon the next reads, in order: (key, length, url, source) each;
-        ``stream``: (group, rank, ranks, first) of one rank's order among the node's. A
-        daemon that does not know of ranks (of the first release) is sent the order alone,
-        which it appends to the others (said once)."""
+        ``stream``: (group, rank, ranks, first, replace, owner) of one rank's order among the
+        node's (Engine.announce). A daemon that does not know of it (of the first release)
+        is sent the order alone, which it appends to the others (said once)."""
         if stream is not None and self._connect() is not None \
                 and ops.ANNOUNCE_RANKS not in self._features:
-            if not self._warned_ranks:
+            if not self._warned_ranks and (stream[2] > 1 or stream[4]):
                 self._warned_ranks = True
                 log.warning("the cachemw daemon at %s predates announcements by several ranks "
-                            "of a node: each rank's order is appended to the others' (restart "
-                            "the daemon to have them interleaved)", self.runtime_dir)
+                            "of a node and replacing ones: each order is appended to the "
+                            "others' (restart the daemon for both)", self.runtime_dir)
             stream = None
         if stream is None:
             return self._send(ops.ANNOUNCE, items)

@@ -88,8 +88,11 @@ class Placer:
 
     def announce(self, order: list[tuple[str, int]], stream: tuple | None = None) -> None:
         """A sampler's next reads, in order; switches to the clairvoyant policy. ``stream``:
-        (group, rank, ranks, first) of a rank's order among the node's ranks (Engine.announce)."""
-        group, rank, ranks, first = stream if stream is not None else (None, 0, 1, 0)
+        (group, rank, ranks, first[, replace, owner]) of a rank's order among the node's
+        ranks, and whether it replaces what its owner announced ahead (Engine.announce)."""
+        group, rank, ranks, first, *rest = stream if stream is not None else (None, 0, 1, 0)
+        replace = bool(rest[0]) if rest else False
+        owner = rest[1] if len(rest) > 1 else None
         with self._lock:
             if group is not None and ranks > 1:
                 self._hold_for(group, rank, ranks, first)
@@ -99,7 +102,8 @@ class Placer:
                     self._specs, "clairvoyant", announced=True,
                     placement={k: (t, self._sizes[k]) for k, t in current.items()})
                 self.announced = True
-            self._engine.announce(order, group=group, rank=rank, ranks=ranks, first=first)
+            self._engine.announce(order, group=group, rank=rank, ranks=ranks, first=first,
+                                  replace=replace, owner=owner)
 
     def _hold_for(self, group, rank: int, ranks: int, first: int) -> None:
         """Prefetch waits while a group's ranks are still announcing (at most HOLD s from
