@@ -153,8 +153,8 @@ class ClairvoyantPolicy(FurthestFirst):
     another order than it announced): the cursor then moves with every read again, as it
     does with no order ahead, so the announced blocks' places run out instead of holding
     the cache for reads that will not come. An order whose reader stops partway and
-    announces its next one is not told apart: the next order's places come after the rest
-    of the first.
+    announces its next one is told apart only if the next one says so (:meth:`withdraw`,
+    Engine.announce's ``replace``): else the next order's places come after the rest.
     """
 
     name = "clairvoyant"
