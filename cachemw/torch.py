@@ -35,6 +35,7 @@ This module imports torch; ``import cachemw`` never imports this module.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from typing import Callable, Iterator, Sequence, Union
@@ -72,6 +73,10 @@ def _job() -> str:
     return f"{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
+#: samplers made in this process, by (rank, ranks): see AnnouncingSampler._owner
+_MADE: dict = {}
+
+
 class AnnouncingSampler(torch.utils.data.Sampler):
     """Yields exactly what ``sampler`` yields; first announces it to the node daemon.
 
@@ -92,9 +97,8 @@ class AnnouncingSampler(torch.utils.data.Sampler):
     daemon lays them interleaved, as the ranks read them step by step: one after another,
     the node's reads would match neither and prefetch would run ahead of one rank only.
     An epoch the loop stops early (max steps, ``limit_train_batches``) leaves the rest of
-    its order announced: the next epoch's announcement replaces it, so that it starts at
-    the reader (on a node shared with another job, that job's order ahead is withdrawn
-    too, and its prefetch waits for its next announcement).
+    its order announced: the next epoch's announcement replaces it (this sampler's order
+    only: another sampler's, another job's stay), so it is not laid after that rest.
 
     Every rank of the node must announce, each iterating its sampler once an epoch (the
     group is named by the iteration, not by ``set_epoch``); until all have, the daemon
@@ -135,6 +139,10 @@ class AnnouncingSampler(torch.utils.data.Sampler):
         self._fs_given = fs is not None
         self._warned = False
         self._epochs = 0  # iterations begun: the same count on every rank of a node
+        # this sampler among the process's of its rank (the same on every rank that makes
+        # its samplers alike): its orders are its own, a validation sampler's are not its
+        made = _MADE.setdefault((rank, ranks), itertools.count())
+        self._owner = f"{_job()}:{next(made)}"
         self._group = None
         self._sent = 0  # blocks of this epoch's order announced so far
         self._ended = True  # the last iteration ran to its end (else: replaced; see __iter__)
@@ -153,7 +161,7 @@ class AnnouncingSampler(torch.utils.data.Sampler):
     def __iter__(self) -> Iterator:
         order = list(self.sampler)  # materialise the epoch: it is what gets announced
         n = len(order)
-        self._group = f"{_job()}:{self._epochs}"
+        self._group = f"{self._owner}:{self._epochs}"
         self._epochs += 1
         self._sent = 0
         # a loop that stopped the last epoch early (max steps, limit_train_batches) left
@@ -206,10 +214,9 @@ class AnnouncingSampler(torch.utils.data.Sampler):
                                                    group=self._group, first=self._sent,
                                                    replace=replace)
                 self._sent += sent
-            elif replace:
-                sent = self._filesystem().announce(entries, replace=True)
             else:
-                sent = self._filesystem().announce(entries)
+                sent = self._filesystem().announce(entries, replace=replace,
+                                                   owner=f"pid-{os.getpid()}:{self._owner}")
         except Exception as exc:  # announcing is an optimisation: never fail the epoch
             self._warn_once("could not announce the sampler's order (%s: %s); reading on "
                             "without it", type(exc).__name__, exc)

@@ -126,6 +126,11 @@ class Engine:
             check_positive_int(f"order[{i}] size", size)
             keys.append(key)
             self._sizes[key] = size
+        if group is not None and ranks != 1:  # checked before anything changes
+            check_positive_int("ranks", ranks)
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
+                raise ValueError(f"rank must be an int in [0, {ranks}), got {rank!r}")
+            check_positive_int("first", first, allow_zero=True)
         if replace and (group is None or ranks == 1 or group not in self._groups
                         or (first == 0 and rank in self._groups[group][1])):
             self._withdraw(owner)
@@ -134,10 +139,6 @@ class Engine:
             positions = range(start, start + len(keys))
             self.policy.announce(keys)
         else:
-            check_positive_int("ranks", ranks)
-            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
-                raise ValueError(f"rank must be an int in [0, {ranks}), got {rank!r}")
-            check_positive_int("first", first, allow_zero=True)
             base, began = self._groups.get(group, (None, set()))
             if base is None or (first == 0 and rank in began):  # new, or a new run's
                 base, began = start, set()

@@ -335,3 +335,41 @@ def test_closing_a_client_after_the_daemon_died_starts_no_daemon(runtime_dir, da
     assert fs.cat_file(path) == files[path]
     published(fs)
     assert lookup(runtime_dir).pid != first.pid
+
+
+@pytest.mark.timeout(30)
+def test_a_daemon_of_the_first_release_names_no_features_in_its_hello(tmp_path):
+    # its HELLO reply is ('ok', node_id, pid): a client then sends only what it knows of
+    import socket
+    import threading
+    from multiprocessing.connection import Connection, deliver_challenge
+
+    from cachemw import ops
+    from cachemw.client import wire
+    from cachemw.protocol import DaemonAddress
+
+    path, secret = str(tmp_path / "s"), os.urandom(16).hex()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def old_daemon(reply):
+        sock, _ = server.accept()
+        conn = Connection(sock.detach())
+        deliver_challenge(conn, bytes.fromhex(secret))
+        assert conn.recv()[0] == ops.HELLO
+        conn.send(reply)
+        conn.close()
+
+    address = DaemonAddress("node", os.getpid(), path, secret, (), str(tmp_path))
+    try:
+        for reply, features in ((("ok", "node", 1), frozenset()),
+                                (("ok", "node", 1, list(ops.FEATURES)), frozenset(ops.FEATURES))):
+            t = threading.Thread(target=old_daemon, args=(reply,))
+            t.start()
+            conn, got = wire.dial(address, 5.0)
+            conn.close()
+            t.join(5)
+            assert got == features
+    finally:
+        server.close()

@@ -194,8 +194,11 @@ def test_an_order_replacing_one_stopped_early_is_prefetched_at_once(make_tree, r
              what="the first order's first 10 blocks to be prefetched")
     for p in paths[:3]:
         fs.cat_file(p)
+    fs.client.daemon_stats()  # the 3 hits reported: the daemon saw the reader there
+    wait_for(lambda: daemon_stats(runtime_dir)["counters"]["prefetched"] == 13, 30,
+             what="the room of the 3 read refilled from the first order (blocks 10-12)")
     assert fs.announce(paths[20:], replace=True) == 20
-    wait_for(lambda: daemon_stats(runtime_dir)["counters"].get("prefetched", 0) == 20, 30,
+    wait_for(lambda: daemon_stats(runtime_dir)["counters"]["prefetched"] == 23, 30,
              what="the replacing order's first 10 blocks to be prefetched")
     hits = fs.stats()["hits"]
     for p in paths[20:30]:

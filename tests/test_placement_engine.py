@@ -209,10 +209,12 @@ def test_a_replacing_order_withdraws_only_its_owners_places():
 
 def test_a_ranks_announcement_is_checked():
     e = Engine(tiers(), "clairvoyant", announced=True)
+    e.announce([("x", 1)], owner="me")
     for bad in ({"rank": 2, "ranks": 2}, {"rank": -1, "ranks": 2}, {"rank": "0", "ranks": 2},
                 {"rank": 0, "ranks": 0}, {"rank": 0, "ranks": 2, "first": -1}):
         with pytest.raises(ValueError):
-            e.announce([("a", 1)], group="g", **bad)
+            e.announce([("a", 1)], group="g", owner="me", replace=True, **bad)
+    assert e.policy.next_use("x") == 0  # a rejected announcement withdrew nothing
 
 
 def test_a_ranks_place_before_one_announced_already_becomes_the_keys_next_read():

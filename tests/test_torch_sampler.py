@@ -88,6 +88,9 @@ def test_the_ranks_of_a_node_announce_each_epoch_as_one_group(monkeypatch):
     # two DDP ranks of one node, by torchrun's variables: each epoch's orders form one
     # group (the same name on both ranks, another each epoch), each window placed by the
     # number of entries its rank announced before it in the epoch
+    import cachemw.torch
+
+    monkeypatch.setattr(cachemw.torch, "_MADE", {})  # each rank's first sampler
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-7")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     samplers = []
@@ -103,10 +106,10 @@ def test_the_ranks_of_a_node_announce_each_epoch_as_one_group(monkeypatch):
     for rank, sampler in enumerate(samplers):
         assert (sampler.rank, sampler.ranks) == (rank, 2)
         streams, calls = sampler.fs.streams, sampler.fs.calls
-        assert {s["group"] for s in streams} == {"run-7/2:0", "run-7/2:1"}
+        assert {s["group"] for s in streams} == {"run-7/2:0:0", "run-7/2:0:1"}
         for stream, (before, _) in zip(streams, calls):
             assert (stream["rank"], stream["ranks"]) == (rank, 2)
-            epoch_start = 0 if stream["group"] == "run-7/2:0" else 20
+            epoch_start = 0 if stream["group"] == "run-7/2:0:0" else 20
             assert stream["first"] == before - epoch_start
 
 
@@ -137,7 +140,12 @@ def test_one_rank_announces_as_before_and_a_rank_outside_the_node_is_an_error(mo
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     sampler = AnnouncingSampler(range(5), PATHS, fs=RecordingFs())
     list(sampler)
-    assert (sampler.rank, sampler.ranks) == (0, 1) and sampler.fs.streams == [{}]
+    assert (sampler.rank, sampler.ranks) == (0, 1)
+    assert [s["replace"] for s in sampler.fs.streams] == [False]
+    owners = {s["owner"] for s in sampler.fs.streams}
+    other = AnnouncingSampler(range(5), PATHS, fs=RecordingFs())  # a validation sampler, say
+    list(other)
+    assert owners.isdisjoint(s["owner"] for s in other.fs.streams)  # never withdraws ours
     for bad in ({"rank": 2, "ranks": 2}, {"rank": -1}, {"ranks": "2"}, {"rank": True}):
         with pytest.raises(ValueError):
             AnnouncingSampler(range(5), PATHS, fs=RecordingFs(), **bad)
@@ -148,12 +156,16 @@ def test_one_rank_announces_as_before_and_a_rank_outside_the_node_is_an_error(mo
         AnnouncingSampler(range(5), PATHS, fs=RecordingFs(), ranks=2)
 
 
-def _shards_through_a_daemon(tmp_path, runtime_dir, spawn_daemon, old_daemon=False):
+def _shards_through_a_daemon(tmp_path, runtime_dir, spawn_daemon, monkeypatch,
+                             old_daemon=False):
     """Two ranks (a filesystem, so a connection, each) announce their shards of 40 files
     to a daemon with room for 20: what each rank's first 10 reads find cached."""
     from cachemw.blockfile import stored_size
     from cachemw.config import TierConfig
 
+    import cachemw.torch
+
+    monkeypatch.setattr(cachemw.torch, "_MADE", {})  # each rank's first sampler
     size = 4096
     high = TierConfig("dram", "/unused", 1 << 30).high_watermark
     spawn_daemon(runtime_dir, dram_capacity=int(20 * stored_size(size) / high) + 1)
@@ -189,17 +201,19 @@ def _shards_through_a_daemon(tmp_path, runtime_dir, spawn_daemon, old_daemon=Fal
 
 @pytest.mark.timeout(60)
 def test_a_nodes_ranks_orders_are_prefetched_interleaved_by_a_real_daemon(
-        tmp_path, runtime_dir, spawn_daemon):
+        tmp_path, runtime_dir, spawn_daemon, monkeypatch):
     # laid as the ranks read them: each rank's first 10 blocks fill the room for 20
-    assert _shards_through_a_daemon(tmp_path, runtime_dir, spawn_daemon) == [10, 10]
+    assert _shards_through_a_daemon(tmp_path, runtime_dir, spawn_daemon, monkeypatch) == [10, 10]
 
 
 @pytest.mark.timeout(60)
 def test_a_daemon_that_predates_ranks_is_sent_the_orders_alone(tmp_path, runtime_dir,
-                                                               spawn_daemon, caplog):
+                                                               spawn_daemon, caplog,
+                                                               monkeypatch):
     # one after another, as that daemon understands them (said once), never rejected
     with caplog.at_level(logging.WARNING):
-        found = _shards_through_a_daemon(tmp_path, runtime_dir, spawn_daemon, old_daemon=True)
+        found = _shards_through_a_daemon(tmp_path, runtime_dir, spawn_daemon, monkeypatch,
+                                         old_daemon=True)
     assert found == [10, 0]
     assert sum("predates announcements by several ranks" in r.getMessage()
                for r in caplog.records) == 2  # once per filesystem's client

@@ -390,7 +390,8 @@ class CacheFileSystem(_Base):
     # -- cache control and visibility ---------------------------------------------------
 
     def announce(self, paths, *, chunk: int = 8192, rank: int = 0, ranks: int = 1,
-                 group: str | None = None, first: int = 0, replace: bool = False) -> int:
+                 group: str | None = None, first: int = 0, replace: bool = False,
+                 owner: str | None = None) -> int:
         """Tell this node's daemon the files (or (path, start, end) ranges) about to be
         read, in order: placement turns clairvoyant and prefetches ahead of the reader.
         Returns the number of blocks announced; 0 if no daemon is reachable.
@@ -402,11 +403,11 @@ class CacheFileSystem(_Base):
         one after another. ``first``: the index, among the blocks of this rank's order,
         of the first block announced here (an order announced in windows: the sum of the
         earlier calls' returns). ``replace``: this process stopped its last order early (a
-        training loop ending its epoch after some steps): what it (with ``ranks``: any
-        rank of the group's job, the group's name up to its last ':') announced and has
-        not read is withdrawn first, so the new order starts now, not after the unread
-        rest; other jobs' orders stay.
-        AnnouncingSampler does all of this.
+        training loop ending its epoch after some steps): what ``owner`` announced and has
+        not been read is withdrawn first, so the new order is not laid after that unread
+        rest; other owners' orders stay. ``owner``: whose orders these are (by default
+        this process's, or with ``ranks`` the group's name up to its last ':', which all
+        ranks share). AnnouncingSampler does all of this, each sampler an owner of its own.
 
         This process's fills written behind its reads (through any of its filesystems) are
         drained first, for as long as the daemon may stay silent at most: each asks the
@@ -422,11 +423,12 @@ class CacheFileSystem(_Base):
             raise ValueError(f"announce: rank {rank} is not one of the node's {ranks} ranks")
         if not isinstance(replace, bool):
             raise ValueError(f"announce: replace must be a bool, got {replace!r}")
-        # whose orders a replacing one withdraws: the ranks' job (they stop together), or
-        # this process alone; every order of this process names it, so it can be withdrawn
-        owner = group.rpartition(":")[0] if ranks > 1 else f"pid-{os.getpid()}"
         if ranks > 1 and not isinstance(group, str):
             raise ValueError("announce: ranks > 1 needs a group (a str) naming the ranks' epoch")
+        if owner is None:  # every order names its owner, so that a replacing one can withdraw it
+            owner = group.rpartition(":")[0] if ranks > 1 else f"pid-{os.getpid()}"
+        elif not isinstance(owner, str):
+            raise ValueError(f"announce: owner must be a str, got {owner!r}")
         if not drain_all(timeout=self.client.timeout):
             log.debug("announce: fills of earlier reads still queued after %s s; announcing",
                       self.client.timeout)

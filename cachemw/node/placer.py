@@ -94,8 +94,6 @@ class Placer:
         replace = bool(rest[0]) if rest else False
         owner = rest[1] if len(rest) > 1 else None
         with self._lock:
-            if group is not None and ranks > 1:
-                self._hold_for(group, rank, ranks, first)
             if not self._engine.policy.uses_announced:
                 current = self._engine.placement()
                 self._engine = Engine(
@@ -104,6 +102,8 @@ class Placer:
                 self.announced = True
             self._engine.announce(order, group=group, rank=rank, ranks=ranks, first=first,
                                   replace=replace, owner=owner)
+            if group is not None and ranks > 1:  # (once the engine took it as valid)
+                self._hold_for(group, rank, ranks, first)
 
     def _hold_for(self, group, rank: int, ranks: int, first: int) -> None:
         """Prefetch waits while a group's ranks are still announcing (at most HOLD s from
