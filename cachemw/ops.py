@@ -72,8 +72,8 @@ BUSY = "busy"  # sent by the daemon, never by a client (see above)
 
 #: What a daemon can do beyond the first release's protocol, named in its HELLO reply (a
 #: daemon of that release names nothing, and a client then sends what it understands).
-ANNOUNCE_RANKS = "announce-streams"  # ANNOUNCE's (group, rank, ranks, first, replace, owner)
-FEATURES = (ANNOUNCE_RANKS,)
+ANNOUNCE_STREAMS = "announce-streams"  # ANNOUNCE's (group, rank, ranks, first, replace, owner)
+FEATURES = (ANNOUNCE_STREAMS,)
 
 OPS: dict[str, Op] = {
     HELLO: Op(True, "client pid[, keepalive seconds: how often to say BUSY]",

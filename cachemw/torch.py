@@ -58,9 +58,8 @@ def _local(name: str, default: int) -> int:
 def _job() -> str:
     """What the ranks of one training share, so that two trainings at once on a node never
     make one group: torchrun's run id, else the rendezvous address, else the Slurm job
-    step; and the restart (torchrun's restart count). A later run of the same name, or
-    another sampler of the job (validation) counting its epochs alike, begins the group
-    anew (the engine sees a rank begin its order in it twice)."""
+    step; and the restart (torchrun's restart count). A later run of the same name begins
+    the group anew (the engine sees a rank begin its order in it twice)."""
     run = os.environ.get("TORCHELASTIC_RUN_ID")
     addr = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     job = os.environ.get("SLURM_JOB_ID")
@@ -73,7 +72,7 @@ def _job() -> str:
     return f"{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-#: samplers made in this process, by (rank, ranks): see AnnouncingSampler._owner
+#: samplers made in this process, by (rank, ranks, length): see AnnouncingSampler._owner
 _MADE: dict = {}
 
 
@@ -100,7 +99,10 @@ class AnnouncingSampler(torch.utils.data.Sampler):
     its order announced: the next epoch's announcement replaces it (this sampler's order
     only: another sampler's, another job's stay), so it is not laid after that rest.
 
-    Every rank of the node must announce, each iterating its sampler once an epoch (the
+    Every rank of the node must announce, each making its samplers in the same order (a
+    sampler is named by its length and its place among the process's samplers of that
+    length, so that all ranks agree on it; one that only some ranks make takes
+    ``ranks=1``) and each iterating its sampler once an epoch (the
     group is named by the iteration, not by ``set_epoch``); until all have, the daemon
     holds its prefetch back, at most 5 s per epoch. The layout counts blocks: ranks whose
     samples span different numbers of blocks, or whose shards differ in length, read a
@@ -139,10 +141,15 @@ class AnnouncingSampler(torch.utils.data.Sampler):
         self._fs_given = fs is not None
         self._warned = False
         self._epochs = 0  # iterations begun: the same count on every rank of a node
-        # this sampler among the process's of its rank (the same on every rank that makes
-        # its samplers alike): its orders are its own, a validation sampler's are not its
-        made = _MADE.setdefault((rank, ranks), itertools.count())
-        self._owner = f"{_job()}:{next(made)}"
+        # this sampler among the process's of its rank and length (the same on every rank
+        # that makes its samplers alike; by length too, so that a validation sampler only
+        # rank 0 makes does not shift the training sampler's name): its orders are its own
+        try:
+            length = len(sampler)
+        except TypeError:
+            length = None
+        made = _MADE.setdefault((rank, ranks, length), itertools.count())
+        self._owner = f"{_job()}:{length}:{next(made)}"
         self._group = None
         self._sent = 0  # blocks of this epoch's order announced so far
         self._ended = True  # the last iteration ran to its end (else: replaced; see __iter__)

@@ -109,8 +109,8 @@ class Engine:
         windows; two jobs reading at once) shares those places.
 
         ``replace``: the reader stopped its last order early (a training loop that ends its
-        epochs after some steps): the reads still ahead that ``owner`` announced (the
-        same for all of a job's announcements; None: anyone's) are withdrawn first, so
+        epochs after some steps): the reads still ahead that ``owner`` announced (one
+        sampler's orders, on every rank; None: anyone's) are withdrawn first, so
         that this order starts at the reader, not after the unread rest. In a group, only
         its first announcement withdraws (the other ranks' come after it)."""
         if not self.policy.uses_announced:

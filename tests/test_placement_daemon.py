@@ -74,7 +74,7 @@ def test_a_nodes_ranks_orders_are_prefetched_as_they_will_be_read(tmp_path):
     assert kinds(placer.prefetch(1 << 20)) == [("Prefetch", k) for k in "awbx"]
 
 
-def test_prefetch_waits_for_every_rank_of_a_group_to_announce(tmp_path, monkeypatch):
+def test_prefetch_waits_for_every_rank_of_a_group_to_announce(tmp_path, monkeypatch, caplog):
     # the second epoch: rank 0's order is in, rank 1's not yet; rank 1's cached blocks look
     # dead meanwhile, and prefetch for rank 0 would evict them only to fetch them again
     placer = placer_of(tmp_path, 4)
@@ -89,6 +89,10 @@ def test_prefetch_waits_for_every_rank_of_a_group_to_announce(tmp_path, monkeypa
     moves = kinds(placer.prefetch(1 << 20))
     assert ("Evict", "w") not in moves and ("Evict", "x") not in moves
     assert ("Prefetch", "c") in moves and ("Prefetch", "d") in moves
+    # an announcement the engine rejects holds nothing
+    with pytest.raises(ValueError):
+        placer.announce([(k, 100) for k in "q"], ("epoch-9", 5, 2, 0))
+    assert "epoch-9" not in placer._groups
     # a rank that never announces holds prefetch back for Placer.HOLD seconds, once: its
     # group's later windows do not hold it again
     monkeypatch.setattr(Placer, "HOLD", 0.2)
@@ -98,6 +102,7 @@ def test_prefetch_waits_for_every_rank_of_a_group_to_announce(tmp_path, monkeypa
     assert placer.prefetch(1 << 20) == []
     time.sleep(0.3)
     assert ("Prefetch", "e") in kinds(placer.prefetch(1 << 20))
+    assert "only ranks [0] announced" in caplog.text  # said when it gives up
     placer.announce([(k, 100) for k in "f"], ("epoch-2", 0, 2, 1))
     assert ("Prefetch", "f") in kinds(placer.prefetch(1 << 20))
 

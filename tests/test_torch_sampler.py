@@ -106,11 +106,36 @@ def test_the_ranks_of_a_node_announce_each_epoch_as_one_group(monkeypatch):
     for rank, sampler in enumerate(samplers):
         assert (sampler.rank, sampler.ranks) == (rank, 2)
         streams, calls = sampler.fs.streams, sampler.fs.calls
-        assert {s["group"] for s in streams} == {"run-7/2:0:0", "run-7/2:0:1"}
+        assert {s["group"] for s in streams} == {"run-7/2:20:0:0", "run-7/2:20:0:1"}
         for stream, (before, _) in zip(streams, calls):
             assert (stream["rank"], stream["ranks"]) == (rank, 2)
-            epoch_start = 0 if stream["group"] == "run-7/2:0:0" else 20
+            epoch_start = 0 if stream["group"] == "run-7/2:20:0:0" else 20
             assert stream["first"] == before - epoch_start
+
+
+def test_a_sampler_only_one_rank_makes_does_not_rename_the_others(monkeypatch):
+    # rank 0 makes a validation sampler before its training sampler, rank 1 does not: the
+    # training samplers still name the same owner (and so the same groups) on both
+    import cachemw.torch
+
+    names = []
+    for rank, lengths in ((0, (6, 40)), (1, (40,))):
+        monkeypatch.setattr(cachemw.torch, "_MADE", {})  # each rank its own process
+        made = [AnnouncingSampler(DistributedSampler(range(n), num_replicas=2, rank=rank),
+                                  PATHS, fs=RecordingFs(), rank=rank, ranks=2)
+                for n in lengths]
+        names.append(made[-1]._owner)
+    assert names[0] == names[1]
+
+
+def test_announce_checks_its_owner_and_names_one_for_every_order(runtime_dir):
+    fs = fsspec.filesystem("cachemw", target_protocol="file", autostart=False,
+                           runtime_dir=runtime_dir, skip_instance_cache=True)
+    for bad in ({"owner": 3}, {"replace": 1}, {"ranks": 2, "rank": 0},
+                {"ranks": 2, "rank": 0, "group": 7}):
+        with pytest.raises(ValueError):
+            fs.announce([], **bad)
+    assert fs.announce([]) == 0  # no daemon: nothing announced, no error
 
 
 def test_an_epoch_stopped_early_is_replaced_by_the_next(monkeypatch):

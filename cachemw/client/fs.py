@@ -407,7 +407,7 @@ class CacheFileSystem(_Base):
         not been read is withdrawn first, so the new order is not laid after that unread
         rest; other owners' orders stay. ``owner``: whose orders these are (by default
         this process's, or with ``ranks`` the group's name up to its last ':', which all
-        ranks share). AnnouncingSampler does all of this, each sampler an owner of its own.
+        ranks share: name groups ``<owner>:<epoch>``). AnnouncingSampler does all of this, each sampler an owner of its own.
 
         This process's fills written behind its reads (through any of its filesystems) are
         drained first, for as long as the daemon may stay silent at most: each asks the
@@ -426,7 +426,7 @@ class CacheFileSystem(_Base):
         if ranks > 1 and not isinstance(group, str):
             raise ValueError("announce: ranks > 1 needs a group (a str) naming the ranks' epoch")
         if owner is None:  # every order names its owner, so that a replacing one can withdraw it
-            owner = group.rpartition(":")[0] if ranks > 1 else f"pid-{os.getpid()}"
+            owner = (group.rpartition(":")[0] or group) if ranks > 1 else f"pid-{os.getpid()}"
         elif not isinstance(owner, str):
             raise ValueError(f"announce: owner must be a str, got {owner!r}")
         if not drain_all(timeout=self.client.timeout):

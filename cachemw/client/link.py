@@ -453,7 +453,7 @@ class DaemonClient(reporting.Reporter):
         node's (Engine.announce). A daemon that does not know of it (of the first release)
         is sent the order alone, which it appends to the others (said once)."""
         if stream is not None and self._connect() is not None \
-                and ops.ANNOUNCE_RANKS not in self._features:
+                and ops.ANNOUNCE_STREAMS not in self._features:
             if not self._warned_ranks and (stream[2] > 1 or stream[4]):
                 self._warned_ranks = True
                 log.warning("the cachemw daemon at %s predates announcements by several ranks "

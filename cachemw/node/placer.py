@@ -9,11 +9,15 @@ announces its order, it switches to the clairvoyant policy, keeping what it has.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from ..config import TierConfig
 from ..placement import Admit, Engine, Evict, Plan, Prefetch, TierSpec, nominal_bandwidth
+
+
+log = logging.getLogger(__name__)
 
 
 class Placer:
@@ -127,12 +131,16 @@ class Placer:
         """A group still waits for ranks; one past its deadline is given up for good (a
         rank that never announces holds prefetch back once, for HOLD s)."""
         now, held = time.monotonic(), False
-        for state in self._groups.values():
+        for group, state in self._groups.items():
             if state[1] is not None:
                 if now < state[1]:
                     held = True
                 else:
                     state[1] = None
+                    log.warning("prefetch waited %s s for the ranks of %r: only ranks %s "
+                                "announced (every rank of the node must, with the same "
+                                "samplers in the same order)", self.HOLD, group,
+                                sorted(state[0]))
         return held
 
     def prefetch(self, budget: int) -> list:
