@@ -55,8 +55,8 @@ class Engine:
         # the announced order by the policy's position of each read: positions start at the
         # policy's cursor when an order comes after reads it was not told of (a restart's
         # blocks loaded below count as reads), so the order is kept by position, not index
-        # (several orders may share a place: two jobs reading at once, each its own order)
-        # each place's (key, owner: who announced it, for a withdrawal; see announce)
+        # each place's (key, owner: who announced it, for a withdrawal); several orders may
+        # share a place (two jobs reading at once, each its own order)
         self._order: Dict[int, List[Tuple[Hashable, Hashable]]] = {}
         self._order_start = 0  # positions below it are read and forgotten
         self._order_end = 0
@@ -156,6 +156,10 @@ class Engine:
             if pos >= self._order_start:  # (a late rank's places the reads have passed: none)
                 self._order.setdefault(pos, []).append((key, owner))
         self._order_end = max(self._order_end, positions[-1] + 1) if keys else self._order_end
+
+    def ranks_begun(self, group: Hashable) -> frozenset:
+        """The ranks that have begun their order in ``group`` (its latest run), if any."""
+        return frozenset(self._groups[group][1]) if group in self._groups else frozenset()
 
     def _withdraw(self, owner: Hashable) -> None:
         """Take ``owner``'s places at or after the cursor out of the order (anyone's if

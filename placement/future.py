@@ -203,10 +203,9 @@ class ClairvoyantPolicy(FurthestFirst):
                 insort(q, pos)
             else:
                 q.append(pos)
-            while q and q[0] < cursor:
-                q.popleft()
-            if key in nxt and q and nxt[key] != q[0]:
-                self.set_next_use(key, q[0])  # a cached block: its next read is known now
+            nu = self.next_use(key)
+            if key in nxt and nu < NEVER and nxt[key] != nu:
+                self.set_next_use(key, nu)  # a cached block: its next read is known now
         if last is not None:
             self._announced = max(self._announced, last + 1)
 
@@ -215,7 +214,7 @@ class ClairvoyantPolicy(FurthestFirst):
         stopped its epoch early and announces the next); the places left end before
         ``until`` (at least the cursor), where the next order is laid. A cached block whose
         next read was one of them gets its next one left, or none."""
-        future, nxt, cursor = self._future, self.next, self._cursor
+        future, nxt = self._future, self.next
         for key, pos in places:
             q = future.get(key)
             if q is None:
@@ -224,14 +223,12 @@ class ClairvoyantPolicy(FurthestFirst):
                 q.remove(pos)
             except ValueError:  # read (or dropped) already
                 pass
-            while q and q[0] < cursor:
-                q.popleft()
-            nu = q[0] if q else NEVER
+            nu = self.next_use(key)
             if not q:
                 del future[key]
             if key in nxt and nxt[key] != nu:
                 self.set_next_use(key, nu)
-        self._announced = max(until, cursor)
+        self._announced = max(until, self._cursor)
         self._strays = 0
 
     def next_use(self, key: Hashable) -> int:

@@ -92,7 +92,7 @@ def test_prefetch_waits_for_every_rank_of_a_group_to_announce(tmp_path, monkeypa
     # an announcement the engine rejects holds nothing
     with pytest.raises(ValueError):
         placer.announce([(k, 100) for k in "q"], ("epoch-9", 5, 2, 0))
-    assert "epoch-9" not in placer._groups
+    assert "epoch-9" not in placer._holds
     # a rank that never announces holds prefetch back for Placer.HOLD seconds, once: its
     # group's later windows do not hold it again
     monkeypatch.setattr(Placer, "HOLD", 0.2)

@@ -34,9 +34,9 @@ class Placer:
         self._engine = Engine(self._specs, policy, announced=self.announced)
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
-        # group -> [ranks that announced in it, until when prefetch waits for the rest
-        # (None: all came, or given up)]; see _hold_for
-        self._groups: dict = {}
+        # group -> until when prefetch waits for the rest of its ranks (None: all came, or
+        # given up); which ranks came is the engine's (Engine.ranks_begun); see _hold_for
+        self._holds: dict = {}
 
     @property
     def policy_name(self) -> str:
@@ -117,30 +117,29 @@ class Placer:
         (cached, no announced read), and prefetch would evict them for the other ranks'
         next blocks, to fetch them again moments later: with 2 ranks and a cache of half
         the dataset, a quarter more source reads each epoch."""
-        state = self._groups.get(group)
-        if state is None or (first == 0 and rank in state[0]):  # new, or a later run's
-            self._groups.pop(group, None)  # one deadline per group, from its first order
-            state = self._groups[group] = [set(), time.monotonic() + self.HOLD]
-            while len(self._groups) > 16:  # the latest epochs' groups
-                del self._groups[next(iter(self._groups))]
-        state[0].add(rank)
-        if len(state[0]) >= ranks:
-            state[1] = None  # complete: holds nothing
+        begun = self._engine.ranks_begun(group)
+        if len(begun) >= ranks:
+            self._holds[group] = None  # complete: holds nothing
+        elif group not in self._holds or (first == 0 and begun == {rank}):  # new, or a new run
+            self._holds.pop(group, None)  # one deadline per group, from its first order
+            self._holds[group] = time.monotonic() + self.HOLD
+            while len(self._holds) > 16:  # the latest epochs' groups
+                del self._holds[next(iter(self._holds))]
 
     def _held(self) -> bool:
         """A group still waits for ranks; one past its deadline is given up for good (a
         rank that never announces holds prefetch back once, for HOLD s)."""
         now, held = time.monotonic(), False
-        for group, state in self._groups.items():
-            if state[1] is not None:
-                if now < state[1]:
+        for group, until in self._holds.items():
+            if until is not None:
+                if now < until:
                     held = True
                 else:
-                    state[1] = None
+                    self._holds[group] = None
                     log.warning("prefetch waited %s s for the ranks of %r: only ranks %s "
                                 "announced (every rank of the node must, with the same "
                                 "samplers in the same order)", self.HOLD, group,
-                                sorted(state[0]))
+                                sorted(self._engine.ranks_begun(group)))
         return held
 
     def prefetch(self, budget: int) -> list:
