@@ -90,7 +90,7 @@ OPS: dict[str, Op] = {
     ANNOUNCE: Op(False, "[(key, length, url, source), ...] in read order[, (group, rank, "
                         "ranks, first, replace, owner): one rank's order among the node's, "
                         "and whether it replaces the unread rest its owner announced; sent "
-                        "only with ranks > 1 or replace]", "-"),
+                        "to a daemon naming ANNOUNCE_STREAMS]", "-"),
     DROP: Op(False, "key, reason ('corrupt', 'missing')", "-"),
     INVALIDATE: Op(True, "source url (written through the cache)",
                    "('ok', blocks dropped): answered once no block of it can be read"),

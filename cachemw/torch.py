@@ -42,6 +42,8 @@ from typing import Callable, Iterator, Sequence, Union
 
 import torch.utils.data
 
+from .client.fs import check_ranks
+
 log = logging.getLogger(__name__)
 
 Entry = Union[str, tuple]  # a path, or (path, start, end)
@@ -128,11 +130,7 @@ class AnnouncingSampler(torch.utils.data.Sampler):
             raise ValueError("ranks given without rank (and no LOCAL_RANK): give both")
         rank = _local("LOCAL_RANK", 0) if rank is None else rank
         ranks = _local("LOCAL_WORLD_SIZE", 1) if ranks is None else ranks
-        for name, value in (("rank", rank), ("ranks", ranks)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-        if not rank < ranks:
-            raise ValueError(f"rank {rank} is not one of the node's {ranks} ranks")
+        check_ranks(rank, ranks)
         self.sampler = sampler
         self.paths = paths
         self.fs = fs

@@ -40,6 +40,15 @@ from .urls import TargetPaths, own_options
 log = logging.getLogger(__name__)
 
 
+def check_ranks(rank, ranks) -> None:
+    """``rank`` is one of a node's ``ranks`` (ints), else a ValueError saying what is not."""
+    for name, value in (("rank", rank), ("ranks", ranks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if not rank < ranks:
+        raise ValueError(f"rank {rank} is not one of the node's {ranks} ranks")
+
+
 class CacheFileSystem(_Base):
     protocol = "cachemw"
     # fsspec passes a chained URL's path as ``fo`` (unused here: paths come with each call);
@@ -407,7 +416,8 @@ class CacheFileSystem(_Base):
         not been read is withdrawn first, so the new order is not laid after that unread
         rest; other owners' orders stay. ``owner``: whose orders these are (by default
         this process's, or with ``ranks`` the group's name up to its last ':', which all
-        ranks share: name groups ``<owner>:<epoch>``). AnnouncingSampler does all of this, each sampler an owner of its own.
+        ranks share: name groups ``<owner>:<epoch>``). AnnouncingSampler does all of this,
+        each sampler an owner of its own.
 
         This process's fills written behind its reads (through any of its filesystems) are
         drained first, for as long as the daemon may stay silent at most: each asks the
@@ -416,11 +426,9 @@ class CacheFileSystem(_Base):
         take that block's place in it early, as if read there (a read of a block outside
         the order takes no place: placement/future.py). Other processes' fills
         (DataLoader workers') are theirs to send."""
-        for name, value in (("rank", rank), ("ranks", ranks), ("first", first)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"announce: {name} must be an int >= 0, got {value!r}")
-        if not rank < ranks:
-            raise ValueError(f"announce: rank {rank} is not one of the node's {ranks} ranks")
+        check_ranks(rank, ranks)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ValueError(f"announce: first must be an int >= 0, got {first!r}")
         if not isinstance(replace, bool):
             raise ValueError(f"announce: replace must be a bool, got {replace!r}")
         if ranks > 1 and not isinstance(group, str):
