@@ -55,12 +55,13 @@ class Engine:
         # the announced order by the policy's position of each read: positions start at the
         # policy's cursor when an order comes after reads it was not told of (a restart's
         # blocks loaded below count as reads), so the order is kept by position, not index
-        # each place's (key, owner: who announced it, for a withdrawal); several orders may
-        # share a place (two jobs reading at once, each its own order)
-        self._order: Dict[int, List[Tuple[Hashable, Hashable]]] = {}
+        # each place's (key, size, owner: who announced it, for a withdrawal); several orders
+        # may share a place (two jobs reading at once, each its own order). Sizes live with
+        # their places, so they are forgotten with them: a dict of every key ever announced
+        # would grow with each new version of each file for the daemon's lifetime
+        self._order: Dict[int, List[Tuple[Hashable, int, Hashable]]] = {}
         self._order_start = 0  # positions below it are read and forgotten
         self._order_end = 0
-        self._sizes: Dict[Hashable, int] = {}
         self._scan = 0
         # a group of ranks' orders -> its first position, the ranks that began their order
         self._groups: Dict[Hashable, Tuple[int, set]] = {}
@@ -118,14 +119,14 @@ class Engine:
                 f"policy {self.policy.name!r} ignores announced orders; build the Engine "
                 "with announced=True or policy='clairvoyant'"
             )
-        keys = []
+        keys, sizes = [], []
         for i, item in enumerate(order):
             if not isinstance(item, tuple) or len(item) != 2:
                 raise ValueError(f"order[{i}] must be a (key, size) tuple, got {item!r}")
             key, size = item
             check_positive_int(f"order[{i}] size", size)
             keys.append(key)
-            self._sizes[key] = size
+            sizes.append(size)
         if group is not None and ranks != 1:  # checked before anything changes
             check_positive_int("ranks", ranks)
             if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
@@ -152,9 +153,9 @@ class Engine:
                               base + (first + len(keys)) * ranks + rank, ranks)
             self.policy.announce(keys, positions)
             self._scan = min(self._scan, positions[0]) if keys else self._scan
-        for pos, key in zip(positions, keys):
+        for pos, key, size in zip(positions, keys, sizes):
             if pos >= self._order_start:  # (a late rank's places the reads have passed: none)
-                self._order.setdefault(pos, []).append((key, owner))
+                self._order.setdefault(pos, []).append((key, size, owner))
         self._order_end = max(self._order_end, positions[-1] + 1) if keys else self._order_end
 
     def ranks_begun(self, group: Hashable) -> frozenset:
@@ -168,8 +169,8 @@ class Engine:
         end = cursor
         for pos in sorted(p for p in self._order if p >= cursor):
             entries = self._order[pos]
-            kept = [e for e in entries if owner is not None and e[1] != owner]
-            gone.extend((key, pos) for key, who in entries if owner is None or who == owner)
+            kept = [e for e in entries if owner is not None and e[2] != owner]
+            gone.extend((key, pos) for key, _, who in entries if owner is None or who == owner)
             if kept:
                 self._order[pos] = kept
                 end = pos + 1
@@ -233,12 +234,12 @@ class Engine:
         cursor = policy.cursor
         pos = max(self._scan, cursor)
         while self._order_start < cursor:  # read (or skipped) already: forget them
-            self._order.pop(self._order_start, None)
+            for key, _, _ in self._order.pop(self._order_start, ()):
+                policy.next_use(key)  # (forgets the key's passed places: see next_use)
             self._order_start += 1
         while pos < self._order_end and budget_bytes > 0:
             full = False
-            for key, _ in self._order.get(pos, ()):  # none: a place counted before any order
-                size = self._sizes[key]
+            for key, size, _ in self._order.get(pos, ()):  # none: a place counted before any order
                 if key in policy:
                     continue
                 home = self._home(size)

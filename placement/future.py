@@ -224,20 +224,26 @@ class ClairvoyantPolicy(FurthestFirst):
             except ValueError:  # read (or dropped) already
                 pass
             nu = self.next_use(key)
-            if not q:
-                del future[key]
             if key in nxt and nxt[key] != nu:
                 self.set_next_use(key, nu)
         self._announced = max(until, self._cursor)
         self._strays = 0
 
     def next_use(self, key: Hashable) -> int:
-        """Announced position of ``key``'s next read at or after the cursor, or NEVER."""
+        """Announced position of ``key``'s next read at or after the cursor, or NEVER.
+        Places the cursor has passed are forgotten, and a key with none left with them
+        (the engine asks for each place it passes: a key announced and never read, as a
+        file's old version after it changed, is not kept for the daemon's lifetime)."""
         q = self._future.get(key)
+        if q is None:
+            return NEVER
         cursor = self._cursor
         while q and q[0] < cursor:
             q.popleft()
-        return q[0] if q else NEVER
+        if q:
+            return q[0]
+        del self._future[key]
+        return NEVER
 
     def access(self, key: Hashable, size: int) -> bool:
         q = self._future.get(key)

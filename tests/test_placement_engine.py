@@ -229,6 +229,25 @@ def test_a_ranks_place_before_one_announced_already_becomes_the_keys_next_read()
     assert e.policy.next_use("x") == 3
 
 
+def test_places_the_reads_passed_are_forgotten_with_their_keys():
+    # a long-lived daemon: every epoch announces keys that are never read as announced (a
+    # reader reading other files than its order, until the order counts as abandoned); what
+    # the engine and policy hold stays bounded by the places still ahead, not by every key
+    # ever announced
+    e = Engine(tiers(4, 4), "clairvoyant", announced=True)
+    e.policy.slack = 4
+    for epoch in range(50):
+        e.announce([(f"e{epoch}-k{i}", 1) for i in range(20)])
+        for i in range(20):
+            e.access(f"other{i}", 1)  # after `slack` of them, each takes a place
+        e.prefetch(0)  # the daemon plans after reads: passed places are forgotten there
+    assert e.policy.cursor == 50 * 20 - 4
+    assert len(e._order) <= 4  # (private state: the bound is the point of this test)
+    assert len(e.policy._future) <= 4
+    e.announce([("fresh", 1)])
+    assert e.prefetch(10).of_type(Prefetch)[-1] == Prefetch("fresh", 1, "dram", 4)
+
+
 def test_prefetch_is_empty_without_an_order_and_announce_needs_clairvoyant():
     e = Engine(tiers())
     assert e.policy.name == "history" and not e.prefetch(100)
