@@ -42,7 +42,7 @@ from typing import Callable, Iterator, Sequence, Union
 
 import torch.utils.data
 
-from .client.fs import check_ranks
+from .client.announce import check_ranks
 
 log = logging.getLogger(__name__)
 

@@ -132,7 +132,7 @@ def test_announce_checks_its_owner_and_names_one_for_every_order(runtime_dir):
     fs = fsspec.filesystem("cachemw", target_protocol="file", autostart=False,
                            runtime_dir=runtime_dir, skip_instance_cache=True)
     for bad in ({"owner": 3}, {"replace": 1}, {"ranks": 2, "rank": 0},
-                {"ranks": 2, "rank": 0, "group": 7}):
+                {"ranks": 2, "rank": 0, "group": 7}, {"chunk": 0}, {"first": -1}):
         with pytest.raises(ValueError):
             fs.announce([], **bad)
     assert fs.announce([]) == 0  # no daemon: nothing announced, no error

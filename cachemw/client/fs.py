@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
@@ -26,6 +25,7 @@ try:  # fsspec >= 2025.x marks filesystems layered over another one (fills in th
 except ImportError:  # pragma: no cover - older fsspec
     _Base = AbstractFileSystem
 
+from .announce import messages, stream_owner
 from .fills import drain_all
 from .link import DaemonClient
 from .. import trace as tracing
@@ -38,15 +38,6 @@ from ..tiers.source import ChangedSourceError, SourceTier
 from .urls import TargetPaths, own_options
 
 log = logging.getLogger(__name__)
-
-
-def check_ranks(rank, ranks) -> None:
-    """``rank`` is one of a node's ``ranks`` (ints), else a ValueError saying what is not."""
-    for name, value in (("rank", rank), ("ranks", ranks)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    if not rank < ranks:
-        raise ValueError(f"rank {rank} is not one of the node's {ranks} ranks")
 
 
 class CacheFileSystem(_Base):
@@ -426,17 +417,8 @@ class CacheFileSystem(_Base):
         take that block's place in it early, as if read there (a read of a block outside
         the order takes no place: placement/future.py). Other processes' fills
         (DataLoader workers') are theirs to send."""
-        check_ranks(rank, ranks)
-        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-            raise ValueError(f"announce: first must be an int >= 0, got {first!r}")
-        if not isinstance(replace, bool):
-            raise ValueError(f"announce: replace must be a bool, got {replace!r}")
-        if ranks > 1 and not isinstance(group, str):
-            raise ValueError("announce: ranks > 1 needs a group (a str) naming the ranks' epoch")
-        if owner is None:  # every order names its owner, so that a replacing one can withdraw it
-            owner = (group.rpartition(":")[0] or group) if ranks > 1 else f"pid-{os.getpid()}"
-        elif not isinstance(owner, str):
-            raise ValueError(f"announce: owner must be a str, got {owner!r}")
+        owner = stream_owner(rank=rank, ranks=ranks, group=group, first=first,
+                             replace=replace, owner=owner, chunk=chunk)
         if not drain_all(timeout=self.client.timeout):
             log.debug("announce: fills of earlier reads still queued after %s s; announcing",
                       self.client.timeout)
@@ -447,12 +429,11 @@ class CacheFileSystem(_Base):
             start, end = clip(start, end, meta.size)
             items.extend(self.reader.announce_items(meta, start, end))
         sent = 0
-        for i in range(0, len(items), chunk):
-            stream = (group if ranks > 1 else None, rank, ranks, first + i,
-                      replace and i == 0, owner)
-            if not self.client.announce(items[i:i + chunk], stream):
+        for part, stream in messages(items, chunk, rank=rank, ranks=ranks, group=group,
+                                     first=first, replace=replace, owner=owner):
+            if not self.client.announce(part, stream):
                 return sent
-            sent += len(items[i:i + chunk])
+            sent += len(part)
         return sent
 
     def invalidate_cache(self, path=None):
