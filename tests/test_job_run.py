@@ -64,6 +64,15 @@ def test_the_job_writes_its_figures_and_says_what_it_showed(tmp_path):
         assert all(e["store_bytes"] == 0 and e["samples"] == 24 and e["au"] < 0.5
                    for e in flat), flat
     assert "warm epochs with no compute" in run.stdout
+    # run in turn, epoch by epoch (the order rotated each round), not a block per system:
+    # the machine's drift over the run stays out of the caches' ratio
+    turns = sorted((e["started_at"], e["epoch"], key) for key, epochs in
+                   [("floor", res["floor"]["io_epochs"]),
+                    *((k, res["systems"][k]["io_epochs"]) for k in ("simplecache", "cachemw"))]
+                   for e in epochs)
+    assert [(n, k) for _, n, k in turns] == [
+        (3, "simplecache"), (3, "cachemw"), (3, "floor"),
+        (4, "cachemw"), (4, "floor"), (4, "simplecache")], turns
     # the DataLoader's own floor: the same loader flat out over samples in memory
     floor = res["floor"]["io_epochs"]
     assert [e["epoch"] for e in floor] == [3, 4]

@@ -3,10 +3,12 @@ methods side by side, on the emulated store (or a real one), measured in one run
 
 Order: the dataset is generated (or found) on the store; each system in turn lists it,
 trains ``train.epochs`` epochs and is stopped (its daemon and scratch removed), except the
-checkpoint phase's reader (cachemw, warm), which then trains, without checkpoints and then
-with each checkpoint method, as many epochs as ``checkpoint_saves`` saves take on the
-workload's schedule: every method runs under the same reads, against a like baseline. Everything the run started is stopped and removed at the end, also
-on an error or Ctrl-C; the results stay in ``out_dir``.
+two caches, whose warm loaders then run their flat-out epochs (no compute) in turn with
+the DataLoader's floor, epoch by epoch, and the checkpoint phase's reader (cachemw, warm),
+which then trains, without checkpoints and then with each checkpoint method, as many
+epochs as ``checkpoint_saves`` saves take on the workload's schedule: every method runs
+under the same reads, against a like baseline. Everything the run started is stopped and
+removed at the end, also on an error or Ctrl-C; the results stay in ``out_dir``.
 """
 from __future__ import annotations
 
@@ -102,11 +104,13 @@ def _train(system, loader, wl: Workload, store, bar, epochs, label, checkpoint=N
     for e in range(first, first + epochs):
         bar.set_description(f"{label} epoch {e}/{first + epochs - 1}")
         s0, c0 = _store_counts(store), system.daemon_counters() if system else None
+        started = time.time()
         epoch, step = train_epoch(loader, wl, e, step, compute, checkpoint, on_step=bar.update)
         flusher = loader.dataset.flusher  # the workers' last counts, before the snapshot
         complete = flusher.flush() if flusher is not None else True
         s1, c1 = _store_counts(store), system.daemon_counters() if system else None
         rec = _epoch_record(epoch, wl, s0, s1, c0, c1, complete)
+        rec["started_at"] = started  # (Unix time: epochs of the systems in one timeline)
         out.append(rec)
         _say(bar, f"{label:<34} epoch {e}: {rec['wall_s']:6.2f} s, "
                   f"{rec['samples_per_s']:7.0f} samples/s, AU {100 * rec['au']:5.1f} %, "
@@ -114,7 +118,7 @@ def _train(system, loader, wl: Workload, store, bar, epochs, label, checkpoint=N
     return out
 
 
-def _run_system(system, src, wl: Workload, store, bar, io_epochs: int) -> tuple[dict, object]:
+def _run_system(system, src, wl: Workload, store, bar) -> tuple[dict, object]:
     t0 = time.perf_counter()
     system.start()
     started = time.perf_counter()
@@ -128,40 +132,65 @@ def _run_system(system, src, wl: Workload, store, bar, io_epochs: int) -> tuple[
     epochs = _train(system, loader, wl, store, bar, wl.epochs, system.label)
     out = {"label": system.label, "start_s": started - t0, "listing_s": listed - started,
            "epochs": epochs}
-    if system.key in CACHES and io_epochs:  # warm by now: the readers alone set the pace
-        out["io_epochs"] = _train(system, loader, wl, store, bar, io_epochs,
-                                  f"{system.label} (no compute)", compute=Compute(wl, flat_out=True),
-                                  first=wl.epochs + 1)
     return out, loader
 
 
-def _run_floor(loader, wl: Workload, bar, io_epochs: int) -> dict | None:
-    """The same DataLoader flat out over samples already in memory (read once through the
-    warm cache): what the loader costs with no reader at all, which bounds the caches'
-    flat-out epochs. Informative only: None, said, where the samples would not fit in a
-    quarter of the free memory (a copy per worker counted: spawn pickles one, and under
-    fork reading them touches their pages), or if it fails."""
+def _floor_loader(loader, wl: Workload, bar):
+    """The same DataLoader over the samples already in memory (read once through the warm
+    cache), its workers started: what the loader costs with no reader at all, which bounds
+    the caches' flat-out epochs. Informative only: None, said, where the samples would not
+    fit in a quarter of the free memory (a copy per worker counted: spawn pickles one, and
+    under fork reading them touches their pages), or if it fails."""
     dataset = loader.dataset
     size = wl.dataset_bytes
     if size * (1 + wl.read_threads) > psutil.virtual_memory().available // 4:
         _say(bar, f"note: {size / 2**20:.0f} MiB of samples per process would not fit in "
                   "memory here: no DataLoader floor measured")
         return None
-    floor = None
     try:
         samples = {entry: dataset[i] for i, entry in enumerate(dataset.entries)}
         floor = make_loader(SampleDataset(MemorySamples(samples), dataset.entries), wl,
                             base_sampler(wl, len(dataset.entries)))
         for _ in floor:  # untimed: its workers start, as the caches' had before their epochs
             pass
-        epochs = _train(None, floor, wl, None, bar, io_epochs, "DataLoader floor (no compute)",
-                        compute=Compute(wl, flat_out=True), first=wl.epochs + 1)
+        return floor
     except Exception as exc:  # the floor only informs: the job's own figures stand
         _say(bar, f"warning: the DataLoader floor could not be measured: {exc}")
         return None
+
+
+def _run_flat_out(warm: dict, wl: Workload, store, bar, io_epochs: int) -> dict:
+    """The caches' warm loaders (``warm``: system key -> (System, loader)) and the
+    DataLoader's floor flat out (no compute: the readers alone set the pace), epoch by
+    epoch in turn, the order rotated each round: this machine's load drifts over a run, and
+    blocks of epochs run one system after another would put that drift into the ratio of
+    the caches. Returns key -> epochs, "floor" included (absent if it was not measured)."""
+    runs = {key: (system, loader, system.label) for key, (system, loader) in warm.items()}
+    if "cachemw" in warm:
+        floor = _floor_loader(warm["cachemw"][1], wl, bar)
+        if floor is not None:
+            runs["floor"] = (None, floor, "DataLoader floor")
+    out: dict = {key: [] for key in runs}
+    keys = list(runs)
+    try:
+        for e in range(io_epochs):
+            turn = keys[e % len(keys):] + keys[:e % len(keys)]
+            for key in turn:
+                system, loader, label = runs[key]
+                try:
+                    out[key] += _train(system, loader, wl, store if system else None, bar, 1,
+                                       f"{label} (no compute)",
+                                       compute=Compute(wl, flat_out=True),
+                                       first=wl.epochs + 1 + e)
+                except Exception as exc:
+                    if key != "floor":
+                        raise
+                    _say(bar, f"warning: the DataLoader floor could not be measured: {exc}")
+                    keys.remove(key)
+                    out.pop(key)
     finally:
-        del floor
-    return {"label": "DataLoader floor (in memory)", "io_epochs": epochs}
+        runs.clear()  # the floor's workers end with its loader (the caches' are in warm)
+    return out
 
 
 def _run_checkpoints(settings, system, loader, src, store, bar) -> dict:
@@ -223,7 +252,7 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
     reader = "cachemw" if "cachemw" in settings.systems else settings.systems[0]
     total = len(settings.systems) * wl.epochs * wl.steps_per_epoch
     total += sum(s in CACHES for s in settings.systems) * settings.io_epochs * wl.steps_per_epoch
-    if "cachemw" in settings.systems:  # the DataLoader's floor, after cachemw's epochs
+    if "cachemw" in settings.systems:  # the DataLoader's floor, with the caches' flat-out epochs
         total += settings.io_epochs * wl.steps_per_epoch
     if want_ck:
         total += ((1 + len(settings.methods)) * wl.epochs_for_saves(settings.checkpoint_saves)
@@ -235,7 +264,7 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
         "profile": dataclasses.asdict(settings.profile) if settings.source is None else None,
     }, "systems": {}, "floor": None, "checkpoints": None}
     work = scratch_dir("cachemw-job-")
-    store, src, kept = None, None, None
+    store, src, kept, warm = None, None, None, {}
     bar = tqdm(total=total, unit="step", disable=not settings.progress, file=sys.stderr,
                dynamic_ncols=True, leave=False)
     t_start = time.perf_counter()
@@ -247,16 +276,29 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
         for key in settings.systems:
             system = build(key, src, wl)
             try:
-                out, loader = _run_system(system, src, wl, store, bar, settings.io_epochs)
+                out, loader = _run_system(system, src, wl, store, bar)
                 results["systems"][key] = out
-                if key == "cachemw" and settings.io_epochs:
-                    results["floor"] = _run_floor(loader, wl, bar, settings.io_epochs)
-                if want_ck and key == reader:
+                if key in CACHES and settings.io_epochs:  # flat out below, warm then
+                    warm[key], system = (system, loader), None
+                elif want_ck and key == reader:
                     kept, system = (system, loader), None
                 del loader
             finally:
                 if system is not None:
                     system.stop()
+        if warm:
+            flat = _run_flat_out(warm, wl, store, bar, settings.io_epochs)
+            for key, epochs in flat.items():
+                if key == "floor":
+                    results["floor"] = {"label": "DataLoader floor (in memory)", "io_epochs": epochs}
+                else:
+                    results["systems"][key]["io_epochs"] = epochs
+            if want_ck and reader in warm:
+                kept = warm.pop(reader)
+            while warm:
+                system, loader = warm.pop(next(iter(warm)))[:2]
+                del loader
+                system.stop()
         if kept is not None:
             results["checkpoints"] = _run_checkpoints(settings, kept[0], kept[1], src, store, bar)
         results["job"]["wall_s"] = time.perf_counter() - t_start
@@ -264,10 +306,10 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
             results["job"]["store_totals"] = store.stats()
     finally:
         bar.close()
-        if kept is not None:
-            system, loader = kept
-            del loader, kept
+        for system, _ in [*warm.values(), *([kept] if kept is not None else [])]:
             system.stop()
+        warm.clear()
+        kept = None
         if src is not None and src.checkpoint_root and settings.source is not None:
             _remove_checkpoints(src)
         if store is not None:
