@@ -74,7 +74,7 @@ def cmd_status(args) -> int:
         if local is None:
             print("no cachemw daemon runs (start one with `cachemw start`)")
             return 1
-        print(f"local {local['node_id']} daemon (not Ray-managed), pid {local['pid']}"
+        print(f"node {local['node_id']}: daemon pid {local['pid']} (not Ray-managed)"
               f"{_metrics(local)}")
     return 0
 

@@ -30,6 +30,36 @@ def _ray_procs(temp_dir_marker: str):
     return out
 
 
+def _gcs_clients(port: str):
+    """Ray processes told to reach the GCS on ``port`` (the Ray client server names no temp
+    dir and is no child of ours: it must go with the cluster all the same)."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            args = p.info["cmdline"] or ()
+            if any("ray" in a for a in args) and any(
+                    a.startswith(("--address=", "--gcs-address=", "--gcs_address="))
+                    and a.endswith(f":{port}") for a in args):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _local_ray_pids() -> set:
+    """Every process of a local cluster cachemw started (any runtime dir), and Ray client
+    servers."""
+    pids = set()
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            args = " ".join(p.info["cmdline"] or ())
+            if "cachemw-ray-" in args or "ray.util.client.server" in args:
+                pids.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
 @pytest.mark.timeout(600)
 def test_cli_start_status_read_stop(tmp_path, dataset):
     rt = tmp_path / "rt"
@@ -47,6 +77,10 @@ def test_cli_start_status_read_stop(tmp_path, dataset):
         assert ((rt / "ray-token").stat().st_mode & 0o777) == 0o600
         state = json.loads((rt / "ray.json").read_text())
         assert state["started_by_cachemw"] and state["address"].startswith("127.0.0.1:")
+        port = state["address"].rpartition(":")[2]
+        # grpcio (a dev dependency, as in most ML environments) makes Ray start its client
+        # server on the head: a process outside our temp dir that stop must end too
+        assert any("ray.util.client.server" in " ".join(p.cmdline()) for p in _gcs_clients(port))
 
         r = _cli("start", env=env)  # idempotent: the same daemon, not a second one
         assert r.returncode == 0, r.stderr
@@ -88,6 +122,20 @@ def test_cli_start_status_read_stop(tmp_path, dataset):
     assert "stopped 1 daemon" in r.stdout
     assert not (rt / "daemon.json").exists()
     assert _ray_procs(state["temp_dir"]) == []
+    assert _gcs_clients(port) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_start_that_fails_leaves_no_ray_behind(tmp_path):
+    env = dict(os.environ, CACHEMW_RUNTIME_DIR=str(tmp_path / "rt"))
+    env.pop("RAY_ADDRESS", None)
+    before = _local_ray_pids()
+    r = _cli("start", "--dram-dir", "/proc/cachemw-cannot-be-here", env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    said = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(said) == 1 and "cannot start" in said[0] and "dram_dir" in said[0], r.stderr
+    assert _local_ray_pids() <= before
+    assert not (tmp_path / "rt" / "ray.json").exists()
 
 
 @pytest.mark.timeout(60)

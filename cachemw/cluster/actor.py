@@ -3,9 +3,11 @@
 Ray places, finds and restarts the daemons; the data plane is the node-local socket and
 the tier files (see service.py), so trainers and DataLoader workers never touch Ray.
 
-``start()`` without an address starts a private local Ray cluster bound to 127.0.0.1 with
-Ray's token authentication on (the token in a 0600 file of the runtime dir); with an
-address it joins the user's cluster as configured by the user's environment.
+``start()`` without an address starts a private local Ray cluster with Ray's token
+authentication on (the token in a 0600 file of the runtime dir): Ray listens on the
+node's interfaces all the same (it takes a loopback node address for the node's own and
+binds its servers to every interface), so the token is its guard. With an address it
+joins the user's cluster as configured by the user's environment.
 """
 from __future__ import annotations
 
@@ -155,7 +157,8 @@ def _read_ray_state(runtime_dir: str) -> dict | None:
 
 
 def _start_local_ray(runtime_dir: str) -> dict:
-    """Start a private Ray head on 127.0.0.1 with token auth; remember how to reach it."""
+    """Start a private Ray head with token auth; remember how to reach it (its GCS is
+    reached on 127.0.0.1: it listens on every interface)."""
     ensure_private_dir(runtime_dir)
     token_path = os.path.join(runtime_dir, "ray-token")
     if not os.path.exists(token_path):
@@ -171,11 +174,13 @@ def _start_local_ray(runtime_dir: str) -> dict:
     # Ray makes its temp dir (its sockets in it) 0777, so it goes one level down in ours.
     private = tempfile.mkdtemp(prefix=f"cachemw-ray-{os.getuid()}-", dir="/tmp")
     temp_dir = os.path.join(private, "ray")
+    # --node-ip-address: Ray (2.60) takes loopback for the node's own address and listens
+    # on every interface regardless; asked for all the same, for a Ray that honours it
     cmd = [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
-        _stop_local_ray(temp_dir)
+        _stop_local_ray(temp_dir, f"127.0.0.1:{port}")
         raise RuntimeError(f"`ray start` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     os.chmod(temp_dir, 0o700)
     state = {"address": f"127.0.0.1:{port}", "token_path": token_path, "temp_dir": temp_dir,
@@ -186,19 +191,26 @@ def _start_local_ray(runtime_dir: str) -> dict:
     return state
 
 
-def _stop_local_ray(temp_dir: str) -> None:
+def _stop_local_ray(temp_dir: str, address: str | None = None) -> None:
     """Stop the processes of the Ray cluster cachemw started, and only those.
 
     `ray stop` would stop every Ray cluster of this user on the machine; ours are the
     processes whose command line names our private temp dir, and all their descendants
-    (the raylet's agents and workers rename themselves: ``ray::DashboardAgent``...).
+    (the raylet's agents and workers rename themselves: ``ray::DashboardAgent``...), and
+    the Ray processes given our GCS's port (``address``, host:port) as theirs: the Ray
+    client server (started on the head when grpcio is installed) names neither the temp
+    dir nor a parent of ours, and would outlive the cluster listening on its port.
     """
     import psutil
 
+    port = address.rpartition(":")[2] if address else None
     roots = []
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline", "uids"]):
         try:
-            if any(temp_dir in arg for arg in (p.info["cmdline"] or ())):
+            cmdline = p.info["cmdline"] or ()
+            if any(temp_dir in arg for arg in cmdline) or (
+                    port and p.info["uids"] and p.info["uids"].real == os.getuid()
+                    and _names_gcs_port(cmdline, port)):
                 roots.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -225,6 +237,21 @@ def _stop_local_ray(temp_dir: str) -> None:
     private = os.path.basename(temp_dir) == "ray" and os.path.basename(parent).startswith(
         f"cachemw-ray-{os.getuid()}-")
     shutil.rmtree(parent if private else temp_dir, ignore_errors=True)
+
+
+def _names_gcs_port(cmdline, port: str) -> bool:
+    """A Ray process (``ray`` in its command line) told to reach a GCS on ``port``."""
+    if not any("ray" in arg for arg in cmdline):
+        return False
+    for i, arg in enumerate(cmdline):
+        name, eq, value = arg.partition("=")
+        if name not in ("--address", "--gcs-address", "--gcs_address"):
+            continue
+        if not eq:  # "--address HOST:PORT"
+            value = cmdline[i + 1] if i + 1 < len(cmdline) else ""
+        if value.rpartition(":")[2] == port:
+            return True
+    return False
 
 
 def _free_port() -> int:
@@ -327,7 +354,7 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
     except BaseException:  # a failed or interrupted start leaves no Ray it started; re-raised
         if state.get("started_now"):  # nothing of a failed start is left running
             ray.shutdown()
-            _stop_local_ray(state["temp_dir"])
+            _stop_local_ray(state["temp_dir"], state.get("address"))
             _forget_ray_state(runtime_dir)
         raise
     return out
@@ -439,7 +466,7 @@ def _stop_ray_daemons(address: str | None, runtime_dir: str, timeout: float) -> 
     except Exception as exc:  # cluster unreachable: still clean up what cachemw started
         log.warning("could not reach the Ray cluster: %s", exc)
         if local is not None and local.get("started_by_cachemw"):
-            _stop_local_ray(local["temp_dir"])
+            _stop_local_ray(local["temp_dir"], local.get("address"))
             _forget_ray_state(runtime_dir)
         return 0
     ray = _ray()
@@ -458,7 +485,7 @@ def _stop_ray_daemons(address: str | None, runtime_dir: str, timeout: float) -> 
             pass
     ray.shutdown()
     if address is None and state.get("started_by_cachemw"):
-        _stop_local_ray(state["temp_dir"])
+        _stop_local_ray(state["temp_dir"], state.get("address"))
         _forget_ray_state(runtime_dir)
     deadline = time.monotonic() + 10
     while lookup(runtime_dir) is not None and time.monotonic() < deadline:
