@@ -134,7 +134,7 @@ def node_share(client, config: WarmConfig, *, poll: float = 0.5) -> Share:
             return Share(host, config.nodes)
         members = tuple(d["members"])
         formed = len(members) >= d.get("alive", len(members))
-        if config.nodes == 1 or (formed and len(members) == 1):  # alone: all of it
+        if config.nodes == 1:  # alone: all of it
             return Share(d["self"], config.nodes)
         if formed and len(members) == config.nodes:
             return Share(d["self"], config.nodes, HashRing(members, d["vnodes"]), members)
@@ -204,6 +204,28 @@ def _read_batch(fs, batch, errors: dict) -> int:
     return done
 
 
+def _listed(url: str, fs, path: str, errors: dict) -> list[FileMeta]:
+    """The files under ``url`` (or the file itself), with their metadata; a file whose
+    metadata cannot be had is recorded in ``errors``. A store that refuses the listing with
+    an error of its own (not an OSError: say botocore's NoCredentialsError) is a WarmError
+    naming it: nothing has been read yet, and its traceback would say less."""
+    metas = []
+    try:
+        found = sorted(fs.find(path))  # a file's own path, or the files under a directory
+        if not found and not fs.exists(path):
+            errors[url] = f"FileNotFoundError: {url}: no such file or directory"
+        for p in found:
+            try:
+                metas.append(fs.meta.file(p))
+            except OSError as exc:
+                errors[p] = f"{type(exc).__name__}: {exc}"
+    except OSError:
+        raise
+    except Exception as exc:
+        raise WarmError(f"cannot list {url}: {type(exc).__name__}: {exc}") from exc
+    return metas
+
+
 def run(urls: list[str], config: WarmConfig, *, progress=None) -> Report:
     """Warm ``urls`` (files or directories) on this node: its share when several nodes
     warm together. ``progress(done_bytes, total_bytes)`` is called as batches complete."""
@@ -218,15 +240,7 @@ def run(urls: list[str], config: WarmConfig, *, progress=None) -> Report:
     started = time.monotonic()
     work = []
     for url, fs, path in opened:
-        metas = []
-        found = sorted(fs.find(path))  # a file's own path, or the files under a directory
-        if not found and not fs.exists(path):
-            report.errors[url] = f"FileNotFoundError: {url}: no such file or directory"
-        for p in found:
-            try:
-                metas.append(fs.meta.file(p))
-            except OSError as exc:
-                report.errors[p] = f"{type(exc).__name__}: {exc}"
+        metas = _listed(url, fs, path, report.errors)
         report.files += len(metas)
         pieces = plan(metas, share, fs.options.block_size)
         work += [(fs, b) for b in batches(pieces, config.threads)]

@@ -116,6 +116,10 @@ def test_cli_start_status_read_stop(tmp_path, dataset):
         assert stats["tiers"]["dram"]["blocks"] == len(files)
         r = _cli("stats", env=env)
         assert "hit ratio 50.0%" in r.stdout
+        # a warm on 2 nodes at once while the cache cluster has 1: an error before any read
+        # (a node warming only its share of a ring of 1 would leave half cold, or read all)
+        r = _cli("warm", "--nodes", "2", "--ring-wait", "1", str(root), env=env)
+        assert r.returncode == 2 and "has 1 node(s)" in r.stderr, r.stdout + r.stderr
     finally:
         r = _cli("stop", env=env)
     assert r.returncode == 0, r.stderr

@@ -103,6 +103,19 @@ def test_warm_caches_everything_and_a_missing_path_is_an_error(runtime_dir, make
     assert "0 fetched from the source, 36 cached already" in again.stdout
 
 
+@pytest.mark.timeout(120)
+def test_a_store_that_refuses_the_listing_is_a_clear_error(runtime_dir, s3_server, stop_daemon):
+    # no credentials at all for a real S3 server: botocore's own error (not an OSError)
+    # before anything is read, said in one line, exit status 2, no traceback
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_ENDPOINT_URL=s3_server["endpoint"], AWS_CONFIG_FILE="/nonexistent",
+               AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_EC2_METADATA_DISABLED="true")
+    r = _cli("warm", f"cachemw::s3://{s3_server['bucket']}/train/", env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    said = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(said) == 1 and "cannot list" in said[0] and "Credentials" in said[0], r.stderr
+
+
 class _FailingDisk(LocalFileSystem):
     """Local files, one of which cannot be read (EIO), as a failing disk answers."""
 
