@@ -130,6 +130,10 @@ def test_s3_forms(autostarted, s3_server):
     # a URL of another store is an error, not a read of some other object
     with pytest.raises(ValueError, match="file://"):
         fs.cat_file(f"cachemw::file:///{first}")
+    for url in (f"gcs://{first}", f"file:///{first}"):  # bare, as every method takes URLs
+        with pytest.raises(ValueError, match=url.partition(":")[0]):
+            fs.cat_file(url)
+    assert fs.cat_file(f"s3://{first}") == files[first]  # the target's own: its path
     # a misspelt option is still an error when the target's options ride along
     with pytest.raises(ValueError, match="valdate"):
         fsspec.open(f"cachemw::s3://{first}", "rb", cachemw={"valdate": "immutable", **s3},

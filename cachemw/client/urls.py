@@ -32,7 +32,8 @@ class TargetPaths:
       ``cachemw:///data/x`` and ``cachemw://data/x`` (what HF datasets makes of the first)
       are both ``/data/x``, wherever the working directory is;
     - anything else: the target's path for it (a bare relative local path is relative to
-      the working directory, as for fsspec's local filesystem).
+      the working directory, as for fsspec's local filesystem); a URL of another store,
+      as with ``cachemw::``, is an error.
     """
 
     def __init__(self, fs: AbstractFileSystem) -> None:
@@ -40,6 +41,9 @@ class TargetPaths:
         protocols = fs.protocol if isinstance(fs.protocol, (list, tuple)) else (fs.protocol,)
         self.protocols = tuple(protocols)
         self.local = isinstance(fs, LocalFileSystem)
+        # URLs the target takes for its own: a local filesystem's (a subclass's too) take
+        # file:// and local:// URLs as local paths
+        self._own = set(self.protocols) | ({"file", "local"} if self.local else set())
         self.plain = plain_local(fs)  # absolute paths are their own target paths
 
     def relative(self, path: str) -> bool:
@@ -56,18 +60,26 @@ class TargetPaths:
         fs = self.fs
         if path.startswith("cachemw::"):
             url = path[len("cachemw::"):]
-            protocol, sep, _ = url.partition("://")
-            if sep and protocol.isalnum() and protocol not in self.protocols:
-                raise ValueError(f"{path!r}: a {protocol}:// URL, but this cachemw filesystem "
-                                 f"reads from {self.protocols[0]}://; open it with "
-                                 f"fsspec.open({path!r}) or give target_protocol={protocol!r}")
+            self._check_store(path, url)
             return fs._strip_protocol(url)
         if path.startswith("cachemw://"):
             rest = path[len("cachemw://"):]
             if self.local:
                 return fs._strip_protocol("/" + rest.lstrip("/"))
             return fs._strip_protocol(f"{self.protocols[0]}://{rest}")
+        self._check_store(path, path)
         return fs._strip_protocol(path)
+
+    def _check_store(self, path: str, url: str) -> None:
+        """A URL of another store than the target is an error, not a read of some other
+        object: the target would take ``gcs://b/k`` for a key of its own, or fail in its
+        own words (botocore: 'Invalid bucket name "gcs:"')."""
+        protocol, sep, _ = url.partition("://")
+        if sep and protocol.isalnum() and protocol not in self._own:
+            raise ValueError(f"{path!r}: a {protocol}:// URL, but this cachemw filesystem "
+                             f"reads from {self.protocols[0]}://; open it with "
+                             f"fsspec.open('cachemw::{url}') or give "
+                             f"target_protocol={protocol!r}")
 
 
 def plain_local(fs: AbstractFileSystem) -> bool:
