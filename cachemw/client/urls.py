@@ -32,8 +32,9 @@ class TargetPaths:
       ``cachemw:///data/x`` and ``cachemw://data/x`` (what HF datasets makes of the first)
       are both ``/data/x``, wherever the working directory is;
     - anything else: the target's path for it (a bare relative local path is relative to
-      the working directory, as for fsspec's local filesystem); a URL of another store,
-      as with ``cachemw::``, is an error.
+      the working directory, as for fsspec's local filesystem); a URL of a store fsspec
+      knows that the target does not read (nor a filesystem it wraps), as with
+      ``cachemw::``, is an error.
     """
 
     def __init__(self, fs: AbstractFileSystem) -> None:
@@ -41,9 +42,7 @@ class TargetPaths:
         protocols = fs.protocol if isinstance(fs.protocol, (list, tuple)) else (fs.protocol,)
         self.protocols = tuple(protocols)
         self.local = isinstance(fs, LocalFileSystem)
-        # URLs the target takes for its own: a local filesystem's (a subclass's too) take
-        # file:// and local:// URLs as local paths
-        self._own = set(self.protocols) | ({"file", "local"} if self.local else set())
+        self._own = own_protocols(fs)
         self.plain = plain_local(fs)  # absolute paths are their own target paths
 
     def relative(self, path: str) -> bool:
@@ -75,11 +74,28 @@ class TargetPaths:
         object: the target would take ``gcs://b/k`` for a key of its own, or fail in its
         own words (botocore: 'Invalid bucket name "gcs:"')."""
         protocol, sep, _ = url.partition("://")
-        if sep and protocol.isalnum() and protocol not in self._own:
+        if (sep and protocol.isalnum() and protocol.lower() not in self._own
+                and protocol.lower() in fsspec.available_protocols()):
             raise ValueError(f"{path!r}: a {protocol}:// URL, but this cachemw filesystem "
                              f"reads from {self.protocols[0]}://; open it with "
                              f"fsspec.open('cachemw::{url}') or give "
                              f"target_protocol={protocol!r}")
+
+
+def own_protocols(fs: AbstractFileSystem) -> set:
+    """The protocols whose URLs ``fs`` takes for its own paths: its own, those of the
+    filesystems it wraps (``simplecache::s3://``, a DirFileSystem: ``fs.fs``), and for a
+    local filesystem (a subclass's too) ``file`` and ``local``."""
+    out: set = set()
+    seen = set()
+    while isinstance(fs, AbstractFileSystem) and id(fs) not in seen:
+        seen.add(id(fs))
+        protocols = fs.protocol if isinstance(fs.protocol, (list, tuple)) else (fs.protocol,)
+        out.update(p.lower() for p in protocols)
+        if isinstance(fs, LocalFileSystem):
+            out.update(("file", "local"))
+        fs = getattr(fs, "fs", None)
+    return out
 
 
 def plain_local(fs: AbstractFileSystem) -> bool:
