@@ -3,8 +3,9 @@ methods side by side, on the emulated store (or a real one), measured in one run
 
 Order: the dataset is generated (or found) on the store; each system in turn lists it,
 trains ``train.epochs`` epochs and is stopped (its daemon and scratch removed), except the
-two caches, whose warm loaders then run their flat-out epochs (no compute) in turn with
-the DataLoader's floor, epoch by epoch, and the checkpoint phase's reader (cachemw, warm),
+two caches, whose warm loaders, once both have trained, run their flat-out epochs (no
+compute) in turn with the DataLoader's floor, epoch by epoch (the systems after them then
+train alone), and the checkpoint phase's reader (cachemw, warm),
 which then trains, without checkpoints and then with each checkpoint method, as many
 epochs as ``checkpoint_saves`` saves take on the workload's schedule: every method runs
 under the same reads, against a like baseline. Everything the run started is stopped and
@@ -193,6 +194,19 @@ def _run_flat_out(warm: dict, wl: Workload, store, bar, io_epochs: int) -> dict:
     return out
 
 
+def _stop_all(systems: dict) -> None:
+    """Stop every (System, loader) of ``systems`` and empty it: the loaders first (their
+    workers end with them), then each system, a failure of one not keeping the others
+    running (said, the job's own outcome stands)."""
+    stopping = [system for system, _ in systems.values()]
+    systems.clear()
+    for system in stopping:
+        try:
+            system.stop()
+        except Exception as exc:
+            print(f"warning: could not stop {system.label}: {exc}", file=sys.stderr)
+
+
 def _run_checkpoints(settings, system, loader, src, store, bar) -> dict:
     wl = settings.workload
     state = ck.model_state(wl.model_size_bytes, wl.seed)
@@ -273,12 +287,13 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
         if want_ck and not src.checkpoint_root:
             _say(bar, f"note: {src.description} is read-only here: no checkpoints")
             want_ck = False
+        caches = [k for k in settings.systems if k in CACHES] if settings.io_epochs else []
         for key in settings.systems:
             system = build(key, src, wl)
             try:
                 out, loader = _run_system(system, src, wl, store, bar)
                 results["systems"][key] = out
-                if key in CACHES and settings.io_epochs:  # flat out below, warm then
+                if key in caches:  # flat out once the last cache has trained, warm then
                     warm[key], system = (system, loader), None
                 elif want_ck and key == reader:
                     kept, system = (system, loader), None
@@ -286,19 +301,18 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
             finally:
                 if system is not None:
                     system.stop()
-        if warm:
-            flat = _run_flat_out(warm, wl, store, bar, settings.io_epochs)
-            for key, epochs in flat.items():
-                if key == "floor":
-                    results["floor"] = {"label": "DataLoader floor (in memory)", "io_epochs": epochs}
-                else:
-                    results["systems"][key]["io_epochs"] = epochs
-            if want_ck and reader in warm:
-                kept = warm.pop(reader)
-            while warm:
-                system, loader = warm.pop(next(iter(warm)))[:2]
-                del loader
-                system.stop()
+            if caches and len(warm) == len(caches):  # (the systems after train alone)
+                flat = _run_flat_out(warm, wl, store, bar, settings.io_epochs)
+                for name, epochs in flat.items():
+                    if name == "floor":
+                        results["floor"] = {"label": "DataLoader floor (in memory)",
+                                            "io_epochs": epochs}
+                    else:
+                        results["systems"][name]["io_epochs"] = epochs
+                if want_ck and reader in warm:
+                    kept = warm.pop(reader)
+                _stop_all(warm)
+                caches = []
         if kept is not None:
             results["checkpoints"] = _run_checkpoints(settings, kept[0], kept[1], src, store, bar)
         results["job"]["wall_s"] = time.perf_counter() - t_start
@@ -306,10 +320,10 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
             results["job"]["store_totals"] = store.stats()
     finally:
         bar.close()
-        for system, _ in [*warm.values(), *([kept] if kept is not None else [])]:
-            system.stop()
-        warm.clear()
+        if kept is not None:
+            warm["kept"] = kept
         kept = None
+        _stop_all(warm)
         if src is not None and src.checkpoint_root and settings.source is not None:
             _remove_checkpoints(src)
         if store is not None:
