@@ -154,7 +154,7 @@ class Engine:
             self.policy.announce(keys, positions)
             self._scan = min(self._scan, positions[0]) if keys else self._scan
         for pos, key, size in zip(positions, keys, sizes):
-            if pos >= self._order_start:  # (a late rank's places the reads have passed: none)
+            if pos >= self._order_start:  # (a late rank's places long passed: none)
                 self._order.setdefault(pos, []).append((key, size, owner))
         self._order_end = max(self._order_end, positions[-1] + 1) if keys else self._order_end
 
@@ -233,9 +233,13 @@ class Engine:
         moves: List[Move] = []
         cursor = policy.cursor
         pos = max(self._scan, cursor)
-        while self._order_start < cursor:  # read (or skipped) already: forget them
+        # places read (or skipped) are forgotten once they are ``slack`` behind the cursor:
+        # a read that comes late (DataLoader workers out of order, hits reported late) still
+        # belongs to the order until then, and moves the cursor (ClairvoyantPolicy.access)
+        horizon = cursor - policy.slack
+        while self._order_start < horizon:
             for key, _, _ in self._order.pop(self._order_start, ()):
-                policy.next_use(key)  # (forgets the key's passed places: see next_use)
+                policy.forget_before(key, horizon)
             self._order_start += 1
         while pos < self._order_end and budget_bytes > 0:
             full = False

@@ -224,26 +224,33 @@ class ClairvoyantPolicy(FurthestFirst):
             except ValueError:  # read (or dropped) already
                 pass
             nu = self.next_use(key)
+            if not q:
+                del future[key]
             if key in nxt and nxt[key] != nu:
                 self.set_next_use(key, nu)
         self._announced = max(until, self._cursor)
         self._strays = 0
 
     def next_use(self, key: Hashable) -> int:
-        """Announced position of ``key``'s next read at or after the cursor, or NEVER.
-        Places the cursor has passed are forgotten, and a key with none left with them
-        (the engine asks for each place it passes: a key announced and never read, as a
-        file's old version after it changed, is not kept for the daemon's lifetime)."""
+        """Announced position of ``key``'s next read at or after the cursor, or NEVER."""
         q = self._future.get(key)
-        if q is None:
-            return NEVER
         cursor = self._cursor
         while q and q[0] < cursor:
             q.popleft()
-        if q:
-            return q[0]
-        del self._future[key]
-        return NEVER
+        return q[0] if q else NEVER
+
+    def forget_before(self, key: Hashable, pos: int) -> None:
+        """Forget ``key``'s places before ``pos``, and the key with them if it has no other
+        (Engine.prefetch, for places well behind the cursor: a key announced and never
+        read, as a file's old version after it changed, is not kept for the daemon's
+        lifetime)."""
+        q = self._future.get(key)
+        if q is None:
+            return
+        while q and q[0] < pos:
+            q.popleft()
+        if not q:
+            del self._future[key]
 
     def access(self, key: Hashable, size: int) -> bool:
         q = self._future.get(key)
