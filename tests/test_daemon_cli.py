@@ -80,7 +80,8 @@ def test_cli_start_status_read_stop(tmp_path, dataset):
         port = state["address"].rpartition(":")[2]
         # grpcio (a dev dependency, as in most ML environments) makes Ray start its client
         # server on the head: a process outside our temp dir that stop must end too
-        assert any("ray.util.client.server" in " ".join(p.cmdline()) for p in _gcs_clients(port))
+        servers = [p for p in _gcs_clients(port) if "ray.util.client.server" in p.cmdline()]
+        assert [p.pid for p in servers] == [pid for pid, _ in state["strays"]]
 
         r = _cli("start", env=env)  # idempotent: the same daemon, not a second one
         assert r.returncode == 0, r.stderr

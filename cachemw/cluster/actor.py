@@ -178,39 +178,65 @@ def _start_local_ray(runtime_dir: str) -> dict:
     # on every interface regardless; asked for all the same, for a Ray that honours it
     cmd = [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
+    began = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
-        _stop_local_ray(temp_dir, f"127.0.0.1:{port}")
+        _stop_local_ray(temp_dir)
         raise RuntimeError(f"`ray start` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     os.chmod(temp_dir, 0o700)
     state = {"address": f"127.0.0.1:{port}", "token_path": token_path, "temp_dir": temp_dir,
-             "started_by_cachemw": True}
+             "started_by_cachemw": True, "strays": _client_servers(port, since=began)}
     fd = os.open(_ray_state_path(runtime_dir), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(state, f)
     return state
 
 
-def _stop_local_ray(temp_dir: str, address: str | None = None) -> None:
+def _client_servers(port: int, since: float) -> list:
+    """[pid, start time] of the Ray client servers our head started (``ray start`` has just
+    returned: they exist): this user's processes of ``ray.util.client.server`` for the GCS
+    on ``port``, started since ``since``. They name neither our temp dir nor a parent of
+    ours (they are reparented at once), so _stop_local_ray finds them by what is kept
+    here; the start time tells a pid reused since from them."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline", "uids", "create_time"]):
+        try:
+            args = p.info["cmdline"] or ()
+            if (p.info["uids"] is not None and p.info["uids"].real == os.getuid()
+                    and p.info["create_time"] >= since - 1
+                    and "ray.util.client.server" in args
+                    and any(a.startswith("--address=") and a.endswith(f":{port}") for a in args)):
+                out.append([p.pid, p.info["create_time"]])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def _stop_local_ray(temp_dir: str, strays: list | None = None) -> None:
     """Stop the processes of the Ray cluster cachemw started, and only those.
 
     `ray stop` would stop every Ray cluster of this user on the machine; ours are the
     processes whose command line names our private temp dir, and all their descendants
     (the raylet's agents and workers rename themselves: ``ray::DashboardAgent``...), and
-    the Ray processes given our GCS's port (``address``, host:port) as theirs: the Ray
-    client server (started on the head when grpcio is installed) names neither the temp
-    dir nor a parent of ours, and would outlive the cluster listening on its port.
+    ``strays``, the [pid, start time] of processes of ours that name neither (Ray's client
+    server: see _client_servers), which would outlive the cluster on their port.
     """
     import psutil
 
-    port = address.rpartition(":")[2] if address else None
     roots = []
-    for p in psutil.process_iter(["cmdline", "uids"]):
+    for pid, started in strays or ():
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - started) < 0.01:  # the same process, not a reused pid
+                roots.append(p)
+        except psutil.Error:
+            continue
+    for p in psutil.process_iter(["cmdline"]):
         try:
             cmdline = p.info["cmdline"] or ()
-            if any(temp_dir in arg for arg in cmdline) or (
-                    port and p.info["uids"] and p.info["uids"].real == os.getuid()
-                    and _names_gcs_port(cmdline, port)):
+            if any(temp_dir in arg for arg in cmdline):
                 roots.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -237,21 +263,6 @@ def _stop_local_ray(temp_dir: str, address: str | None = None) -> None:
     private = os.path.basename(temp_dir) == "ray" and os.path.basename(parent).startswith(
         f"cachemw-ray-{os.getuid()}-")
     shutil.rmtree(parent if private else temp_dir, ignore_errors=True)
-
-
-def _names_gcs_port(cmdline, port: str) -> bool:
-    """A Ray process (``ray`` in its command line) told to reach a GCS on ``port``."""
-    if not any("ray" in arg for arg in cmdline):
-        return False
-    for i, arg in enumerate(cmdline):
-        name, eq, value = arg.partition("=")
-        if name not in ("--address", "--gcs-address", "--gcs_address"):
-            continue
-        if not eq:  # "--address HOST:PORT"
-            value = cmdline[i + 1] if i + 1 < len(cmdline) else ""
-        if value.rpartition(":")[2] == port:
-            return True
-    return False
 
 
 def _free_port() -> int:
@@ -354,7 +365,7 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
     except BaseException:  # a failed or interrupted start leaves no Ray it started; re-raised
         if state.get("started_now"):  # nothing of a failed start is left running
             ray.shutdown()
-            _stop_local_ray(state["temp_dir"], state.get("address"))
+            _stop_local_ray(state["temp_dir"], state.get("strays"))
             _forget_ray_state(runtime_dir)
         raise
     return out
@@ -466,7 +477,7 @@ def _stop_ray_daemons(address: str | None, runtime_dir: str, timeout: float) -> 
     except Exception as exc:  # cluster unreachable: still clean up what cachemw started
         log.warning("could not reach the Ray cluster: %s", exc)
         if local is not None and local.get("started_by_cachemw"):
-            _stop_local_ray(local["temp_dir"], local.get("address"))
+            _stop_local_ray(local["temp_dir"], local.get("strays"))
             _forget_ray_state(runtime_dir)
         return 0
     ray = _ray()
@@ -485,7 +496,7 @@ def _stop_ray_daemons(address: str | None, runtime_dir: str, timeout: float) -> 
             pass
     ray.shutdown()
     if address is None and state.get("started_by_cachemw"):
-        _stop_local_ray(state["temp_dir"], state.get("address"))
+        _stop_local_ray(state["temp_dir"], state.get("strays"))
         _forget_ray_state(runtime_dir)
     deadline = time.monotonic() + 10
     while lookup(runtime_dir) is not None and time.monotonic() < deadline:
