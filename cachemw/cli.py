@@ -53,7 +53,13 @@ def cmd_stop(args) -> int:
     return 0
 
 
+def _tiers(stats: dict) -> str:
+    return ", ".join(f"{k} {format_size(t['used_bytes'])}/{format_size(t['capacity_bytes'])}"
+                     for k, t in stats.get("tiers", {}).items())
+
+
 def cmd_status(args) -> int:
+    logging.getLogger("cachemw.client.link").setLevel(logging.ERROR)  # said below, once
     try:
         nodes = daemon.status(args.address, runtime_dir=_runtime_dir(args))
     except ConnectionError:
@@ -67,15 +73,13 @@ def cmd_status(args) -> int:
         if "error" in s:
             print(f"node {n['node_id']}: daemon NOT ANSWERING ({s['error']})")
         else:
-            tiers = ", ".join(f"{k} {format_size(t['used_bytes'])}/{format_size(t['capacity_bytes'])}"
-                              for k, t in s["tiers"].items())
-            print(f"node {n['node_id']}: daemon pid {s['pid']}, {tiers}{_metrics(s)}")
+            print(f"node {n['node_id']}: daemon pid {s['pid']}, {_tiers(s)}{_metrics(s)}")
     if not nodes:
         if local is None:
             print("no cachemw daemon runs (start one with `cachemw start`)")
             return 1
-        print(f"node {local['node_id']}: daemon pid {local['pid']} (not Ray-managed)"
-              f"{_metrics(local)}")
+        print(f"node {local['node_id']}: daemon pid {local['pid']} (not Ray-managed), "
+              f"{_tiers(local)}{_metrics(local)}")
     return 0
 
 

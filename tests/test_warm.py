@@ -101,6 +101,8 @@ def test_warm_caches_everything_and_a_missing_path_is_an_error(runtime_dir, make
     again = _cli("warm", data, env=env)  # all cached already
     assert again.returncode == 0, again.stderr
     assert "0 fetched from the source, 36 cached already" in again.stdout
+    status = _cli("status", env=env)  # the daemon the warm left running, with its tiers
+    assert status.returncode == 0 and "(not Ray-managed), dram " in status.stdout, status
 
 
 @pytest.mark.timeout(120)

@@ -76,8 +76,8 @@ class TargetPaths:
         protocol, sep, _ = url.partition("://")
         if (sep and protocol.isalnum() and protocol.lower() not in self._own
                 and protocol.lower() in fsspec.available_protocols()):
-            raise ValueError(f"{path!r}: a {protocol}:// URL, but this cachemw filesystem "
-                             f"reads from {self.protocols[0]}://; open it with "
+            raise ValueError(f"{path!r}: {protocol}:// is another store than this cachemw "
+                             f"filesystem's ({self.protocols[0]}://); open it with "
                              f"fsspec.open('cachemw::{url}') or give "
                              f"target_protocol={protocol!r}")
 
