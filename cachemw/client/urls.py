@@ -39,8 +39,7 @@ class TargetPaths:
 
     def __init__(self, fs: AbstractFileSystem) -> None:
         self.fs = fs
-        protocols = fs.protocol if isinstance(fs.protocol, (list, tuple)) else (fs.protocol,)
-        self.protocols = tuple(protocols)
+        self.protocols = _protocols(fs)
         self.local = isinstance(fs, LocalFileSystem)
         self._own = own_protocols(fs)
         self.plain = plain_local(fs)  # absolute paths are their own target paths
@@ -82,6 +81,11 @@ class TargetPaths:
                              f"target_protocol={protocol!r}")
 
 
+def _protocols(fs: AbstractFileSystem) -> tuple:
+    """``fs``'s protocols (fsspec gives one as a str, several as a tuple)."""
+    return tuple(fs.protocol) if isinstance(fs.protocol, (list, tuple)) else (fs.protocol,)
+
+
 def own_protocols(fs: AbstractFileSystem) -> set:
     """The protocols whose URLs ``fs`` takes for its own paths: its own, those of the
     filesystems it wraps (``simplecache::s3://``, a DirFileSystem: ``fs.fs``), and for a
@@ -90,8 +94,7 @@ def own_protocols(fs: AbstractFileSystem) -> set:
     seen = set()
     while isinstance(fs, AbstractFileSystem) and id(fs) not in seen:
         seen.add(id(fs))
-        protocols = fs.protocol if isinstance(fs.protocol, (list, tuple)) else (fs.protocol,)
-        out.update(p.lower() for p in protocols)
+        out.update(p.lower() for p in _protocols(fs))
         if isinstance(fs, LocalFileSystem):
             out.update(("file", "local"))
         fs = getattr(fs, "fs", None)

@@ -235,8 +235,7 @@ def _stop_local_ray(temp_dir: str, strays: list | None = None) -> None:
             continue
     for p in psutil.process_iter(["cmdline"]):
         try:
-            cmdline = p.info["cmdline"] or ()
-            if any(temp_dir in arg for arg in cmdline):
+            if any(temp_dir in arg for arg in (p.info["cmdline"] or ())):
                 roots.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

@@ -166,31 +166,27 @@ def _run_flat_out(warm: dict, wl: Workload, store, bar, io_epochs: int) -> dict:
     epoch in turn, the order rotated each round: this machine's load drifts over a run, and
     blocks of epochs run one system after another would put that drift into the ratio of
     the caches. Returns key -> epochs, "floor" included (absent if it was not measured)."""
-    runs = {key: (system, loader, system.label) for key, (system, loader) in warm.items()}
+    runs = dict(warm)  # the floor's workers end with its loader, when this returns
     if "cachemw" in warm:
         floor = _floor_loader(warm["cachemw"][1], wl, bar)
         if floor is not None:
-            runs["floor"] = (None, floor, "DataLoader floor")
+            runs["floor"] = (None, floor)
     out: dict = {key: [] for key in runs}
     keys = list(runs)
-    try:
-        for e in range(io_epochs):
-            turn = keys[e % len(keys):] + keys[:e % len(keys)]
-            for key in turn:
-                system, loader, label = runs[key]
-                try:
-                    out[key] += _train(system, loader, wl, store if system else None, bar, 1,
-                                       f"{label} (no compute)",
-                                       compute=Compute(wl, flat_out=True),
-                                       first=wl.epochs + 1 + e)
-                except Exception as exc:
-                    if key != "floor":
-                        raise
-                    _say(bar, f"warning: the DataLoader floor could not be measured: {exc}")
-                    keys.remove(key)
-                    out.pop(key)
-    finally:
-        runs.clear()  # the floor's workers end with its loader (the caches' are in warm)
+    for e in range(io_epochs):
+        for key in keys[e % len(keys):] + keys[:e % len(keys)]:
+            system, loader = runs[key]
+            label = system.label if system else "DataLoader floor"
+            try:
+                out[key] += _train(system, loader, wl, store if system else None, bar, 1,
+                                   f"{label} (no compute)", compute=Compute(wl, flat_out=True),
+                                   first=wl.epochs + 1 + e)
+            except Exception as exc:
+                if key != "floor":
+                    raise
+                _say(bar, f"warning: the DataLoader floor could not be measured: {exc}")
+                keys.remove(key)
+                out.pop(key)
     return out
 
 
