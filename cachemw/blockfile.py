@@ -1,16 +1,21 @@
 """On-disk format of one cached block: the data, then a checksum per page, then a trailer.
 
-    [data: L bytes][xxh3-64 of each 4 KiB page: 8 bytes x n][trailer: 56 bytes]
+    [data: L bytes][xxh3-64 of each 4 KiB page: 8 bytes x n][trailer: 72 bytes]
 
 Data comes first so a whole-block read is one ``read(L)`` straight into the bytes returned
 to the caller (no copy) and is verified with the one whole-data checksum in the trailer; a
 range read touches only the pages it needs and verifies those against their checksums.
 The trailer also carries a tag (the digest of the source URL), so a daemon re-indexing its
-tiers after a restart still knows which blocks belong to which file. Every read verifies what it returns, so a flipped bit, a truncated file or a
+tiers after a restart still knows which blocks belong to which file, and the block's key:
+a block file is named by its key (``<key>``, or ``<key>.<lease>.staged`` while a fill is
+staged), and a file whose trailer names another key, a sound block under a wrong name (a
+misdirected write, a copy or rename by hand), is as corrupt as a flipped bit. Every read
+verifies what it returns, so a flipped bit, a truncated file, another block's file or a
 foreign file in a tier directory is detected, never served.
 """
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -20,11 +25,11 @@ import xxhash
 from .files import atomic_write
 
 MAGIC = b"CMWB"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: the trailer names the block's key
 PAGE_SIZE = 4 * 1024  # a random 4 KiB read verifies 1-2 pages, not a large chunk
-# magic, format, data_len, page_size, n_pages, hash of (page table + tag), hash of all the
-# data, tag (digest of the source URL)
-_TRAILER = struct.Struct("<4sIQIIQQ16s")
+# magic, format, data_len, page_size, n_pages, hash of (page table + tag + key), hash of
+# all the data, tag (digest of the source URL), key (the block's, as 16 bytes)
+_TRAILER = struct.Struct("<4sIQIIQQ16s16s")
 TRAILER_SIZE = _TRAILER.size
 _hash = xxhash.xxh3_64_intdigest
 SMALL_BLOCK = 64 * 1024  # read_block reads blocks up to this size with their tail at once
@@ -33,6 +38,23 @@ page_hash = _hash  # a page's checksum, the C function itself (for inlined hot p
 
 class CorruptBlock(OSError):
     """A cached block failed verification; the caller drops it and refetches from the source."""
+
+
+def key_id(key: str) -> bytes:
+    """The 16 bytes a trailer records for ``key``: a block key (32 hex digits, keys.py) as
+    its digest, any other name (tests, tools) hashed to 16 bytes."""
+    if len(key) == 32:
+        try:
+            return bytes.fromhex(key)
+        except ValueError:
+            pass
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+def path_key(path: str) -> bytes:
+    """``key_id`` of the key a block file's name gives: the name up to its first dot
+    (``<key>``, ``<key>.<lease>.staged``, the temp file a write renames into place)."""
+    return key_id(path[path.rfind("/") + 1:].partition(".")[0])
 
 
 def n_pages(length: int, page_size: int = PAGE_SIZE) -> int:
@@ -49,8 +71,9 @@ def stored_size(length: int) -> int:
     return length + tail_size(length)
 
 
-def encode_tail(data: bytes | memoryview, page_size: int = PAGE_SIZE, tag: bytes = b"") -> bytes:
-    """Checksum table and trailer for ``data``."""
+def encode_tail(data: bytes | memoryview, page_size: int = PAGE_SIZE, tag: bytes = b"",
+                key: bytes = b"") -> bytes:
+    """Checksum table and trailer for ``data``, the block of ``key`` (``key_id``)."""
     view = memoryview(data)
     length = len(view)
     n = n_pages(length, page_size)
@@ -59,8 +82,9 @@ def encode_tail(data: bytes | memoryview, page_size: int = PAGE_SIZE, tag: bytes
     table = struct.pack(f"<{n}Q", *map(_hash, [view[i:i + page_size]
                                                for i in range(0, n * page_size, page_size)]))
     tag = tag.ljust(16, b"\0")
+    key = key.ljust(16, b"\0")
     return table + _TRAILER.pack(MAGIC, FORMAT_VERSION, length, page_size, n,
-                                 _hash(table + tag), _hash(view), tag)
+                                 _hash(table + tag + key), _hash(view), tag, key)
 
 
 def data_length(file_size: int, where: str = "block") -> int:
@@ -73,29 +97,34 @@ def data_length(file_size: int, where: str = "block") -> int:
     raise CorruptBlock(f"{where}: {file_size} bytes is not the size of any block file")
 
 
-def _parse_tail(tail: bytes, length: int, page_size: int, where: str) -> tuple[tuple[int, ...], int]:
+def _parse_tail(tail: bytes, length: int, page_size: int, where: str,
+                key: bytes) -> tuple[tuple[int, ...], int]:
     """(page checksums, whole-data checksum) from a block's tail, checked for consistency."""
     n = n_pages(length, page_size)
-    dhash = _check_tail(tail, 0, length, page_size, where)
+    dhash = _check_tail(tail, 0, length, page_size, where, key)
     return struct.unpack(f"<{n}Q", tail[:8 * n]), dhash
 
 
-def _check_tail(buf, at: int, length: int, page_size: int, where: str) -> int:
+def _check_tail(buf, at: int, length: int, page_size: int, where: str, key: bytes) -> int:
     """The whole-data checksum of the block whose tail starts at ``buf[at:]`` (running to its
-    end), once the tail is checked for consistency: its length, the trailer, the hash of
-    the page table (not unpacked: a whole-block read needs none of its entries)."""
+    end), once the tail is checked for consistency: its length, the trailer and the key it
+    names (``key``), the hash of the page table (not unpacked: a whole-block read needs
+    none of its entries)."""
     n = n_pages(length, page_size)
     if len(buf) - at != 8 * n + TRAILER_SIZE:
         raise CorruptBlock(f"{where}: block has {len(buf) - at - 8 * n - TRAILER_SIZE:+d} bytes "
                            f"of unexpected length (truncated or overwritten)")
-    magic, fmt, dlen, psize, npg, thash, dhash, tag = _TRAILER.unpack_from(buf, at + 8 * n)
+    magic, fmt, dlen, psize, npg, thash, dhash, tag, named = _TRAILER.unpack_from(buf, at + 8 * n)
     if magic != MAGIC or fmt != FORMAT_VERSION:
         raise CorruptBlock(f"{where}: not a cachemw block (bad trailer)")
     if (dlen, psize, npg) != (length, page_size, n):
         raise CorruptBlock(f"{where}: trailer says {dlen} bytes/{psize} pages/{npg}, "
                            f"expected {length}/{page_size}/{n}")
+    if named != key:
+        raise CorruptBlock(f"{where}: the file holds another block (its trailer names "
+                           f"key {named.hex()})")
     table = bytes(buf[at:at + 8 * n]) if type(buf) is memoryview else buf[at:at + 8 * n]
-    if _hash(table + tag) != thash:
+    if _hash(table + tag + named) != thash:
         raise CorruptBlock(f"{where}: checksum table corrupted")
     return dhash
 
@@ -134,7 +163,7 @@ def read_block(path: str, length: int, page_size: int = PAGE_SIZE) -> bytes | No
         os.close(fd)
     if len(data) != length:
         raise CorruptBlock(f"{path}: block truncated ({len(data)} of {length} bytes)")
-    if _hash(data) != _check_tail(tail, at, length, page_size, path):
+    if _hash(data) != _check_tail(tail, at, length, page_size, path, path_key(path)):
         raise CorruptBlock(f"{path}: checksum mismatch")
     return data
 
@@ -164,9 +193,12 @@ def read_range(path: str, length: int, start: int, end: int, page_size: int = PA
         os.close(fd)
     if len(trailer) != TRAILER_SIZE:
         raise CorruptBlock(f"{path}: block has the wrong size (truncated or overwritten)")
-    magic, fmt, dlen, psize, npg, *_ = _TRAILER.unpack(trailer)
+    magic, fmt, dlen, psize, npg, *_, named = _TRAILER.unpack(trailer)
     if magic != MAGIC or fmt != FORMAT_VERSION or (dlen, psize, npg) != (length, page_size, n):
         raise CorruptBlock(f"{path}: not a cachemw block of {length} bytes (bad trailer)")
+    if named != path_key(path):  # the trailer is not hashed here: a damaged key fails too
+        raise CorruptBlock(f"{path}: the file holds another block (its trailer names key "
+                           f"{named.hex()})")
     if len(data) != want or len(sums) != 8 * (last - first + 1):
         raise CorruptBlock(f"{path}: block truncated")
     view = memoryview(data)
@@ -181,16 +213,17 @@ def hash_of(data: bytes | memoryview) -> int:
     return _hash(data)
 
 
-def data_hash(fd: int, length: int, page_size: int = PAGE_SIZE) -> int:
-    """The whole-data checksum recorded in the trailer of the open block file ``fd``
-    (of ``length`` data bytes); CorruptBlock if the trailer does not describe that block."""
+def data_hash(fd: int, key: str, length: int, page_size: int = PAGE_SIZE) -> int:
+    """The whole-data checksum recorded in the trailer of the open block file ``fd`` (the
+    block of ``key``, ``length`` data bytes); CorruptBlock if the trailer does not
+    describe that block."""
     trailer = os.pread(fd, TRAILER_SIZE + 1, length + 8 * n_pages(length, page_size))
     if len(trailer) != TRAILER_SIZE:
         raise CorruptBlock(f"fd {fd}: block has the wrong size")
-    magic, fmt, dlen, psize, npg, _, dhash, _ = _TRAILER.unpack(trailer)
-    if (magic, fmt, dlen, psize, npg) != (MAGIC, FORMAT_VERSION, length, page_size,
-                                          n_pages(length, page_size)):
-        raise CorruptBlock(f"fd {fd}: not a cachemw block of {length} bytes")
+    magic, fmt, dlen, psize, npg, _, dhash, _, named = _TRAILER.unpack(trailer)
+    if (magic, fmt, dlen, psize, npg, named) != (MAGIC, FORMAT_VERSION, length, page_size,
+                                                 n_pages(length, page_size), key_id(key)):
+        raise CorruptBlock(f"fd {fd}: not the cachemw block {key} of {length} bytes")
     return dhash
 
 
@@ -204,7 +237,7 @@ def read_tag(path: str) -> bytes:
             trailer = os.pread(f.fileno(), TRAILER_SIZE, size - TRAILER_SIZE)
     except OSError:
         return b""
-    magic, fmt, *_, tag = _TRAILER.unpack(trailer)
+    magic, fmt, *_, tag, _ = _TRAILER.unpack(trailer)
     return tag if magic == MAGIC and fmt == FORMAT_VERSION else b""
 
 
@@ -215,7 +248,7 @@ def write_block(path: str, data: bytes | memoryview, page_size: int = PAGE_SIZE,
     Returns the bytes it occupies. A crash leaves at most a ``*.tmp`` file, which the
     tier sweeps on start; readers never see a partial block.
     """
-    tail = encode_tail(data, page_size, tag)
+    tail = encode_tail(data, page_size, tag, path_key(path))
     atomic_write(path, data, tail)
     return len(data) + len(tail)
 
@@ -241,7 +274,7 @@ def map_block(path: str, length: int) -> memoryview | None:
         os.close(fd)
     whole = memoryview(mm)
     try:  # the tail as read_block checks it (the page table's own hash included)
-        dhash = _check_tail(whole, length, length, PAGE_SIZE, path)
+        dhash = _check_tail(whole, length, length, PAGE_SIZE, path, path_key(path))
         view = whole[:length]
         if _hash(view) != dhash:
             view.release()
@@ -280,7 +313,8 @@ class MappedBlock:
         self.full_pages = length // PAGE_SIZE  # pages before it are whole
         self.view = memoryview(self.mm)
         try:
-            self.sums, _ = _parse_tail(self.mm[length:], length, PAGE_SIZE, path)
+            self.sums, _ = _parse_tail(self.mm[length:], length, PAGE_SIZE, path,
+                                       path_key(path))
         except CorruptBlock:
             self.close()
             raise

@@ -1,6 +1,6 @@
 """Integrity: a damaged block file in a tier (flipped byte, truncated, overwritten with
-garbage) is detected on read, dropped, refetched from the source; the read returns the
-right bytes and the repair is counted."""
+garbage or with another block's sound file) is detected on read, dropped, refetched from
+the source; the read returns the right bytes and the repair is counted."""
 from __future__ import annotations
 
 import os
@@ -40,6 +40,19 @@ def _replace(content):
     return damage
 
 
+def _another_block(length, size):
+    """A sound block file of ``length`` data bytes, written under another key's name: what
+    a misdirected write or a copy by hand leaves in place of the block."""
+    other = f"/dev/shm/{'f' * 32}" if os.path.isdir("/dev/shm") else f"/tmp/{'f' * 32}"
+    other += f"-{os.getpid()}"
+    try:
+        blockfile.write_block(other, random.Random(length).randbytes(length))
+        with open(other, "rb") as f:
+            return f.read()
+    finally:
+        os.unlink(other)
+
+
 def _append(path, length):
     with open(path, "ab") as f:
         f.write(b"\0junk")
@@ -52,13 +65,15 @@ DAMAGES = {
     "flip page checksum": _flip(lambda length, size: length),
     "flip trailer magic": _flip(lambda length, size: size - blockfile.TRAILER_SIZE),
     "flip whole-data checksum": _flip(lambda length, size: size - blockfile.TRAILER_SIZE + 32),
-    "flip source tag": _flip(lambda length, size: size - 1),
+    "flip source tag": _flip(lambda length, size: size - 17),
+    "flip block key": _flip(lambda length, size: size - 1),
     "truncate inside data": _truncate(lambda length, size: 50),
     "truncate one byte": _truncate(lambda length, size: size - 1),
     "empty file": _truncate(lambda length, size: 0),
     "append garbage": _append,
     "garbage of the same size": _replace(lambda length, size: random.Random(size).randbytes(size)),
     "short garbage file": _replace(lambda length, size: b"garbage"),
+    "another block's file": _replace(_another_block),
 }
 
 FILES = {"whole": 5000, "multi": 3 * BS + 999}  # cached whole / as 4 blocks (damage block 1)
@@ -100,8 +115,8 @@ def test_damaged_block_detected_dropped_refetched(make_cache_fs, runtime_dir, tm
             assert got == want, (kind, name)
             after = fs.stats()
             if how == "range" and name in ("flip whole-data checksum", "flip source tag"):
-                # a range read verifies the pages it returns (and the trailer's sizes), not
-                # the whole-data checksum nor the table/tag hash: right bytes, and the
+                # a range read verifies the pages it returns (and the trailer's sizes and
+                # key), not the whole-data checksum nor the table/tag hash: right bytes, and the
                 # damage is caught by the next whole-block read
                 assert after["corrupt_repaired"] == before["corrupt_repaired"]
                 assert fs.cat_file(path) == data
@@ -293,3 +308,33 @@ def test_a_damaged_block_of_a_read_joined_from_mapped_blocks(make_cache_fs, runt
     assert after["bytes_from_source"] - before["bytes_from_source"] == bs
     published(fs)
     assert fs.cat_file(path, bs - 10, 2 * bs + 10) == data[bs - 10:2 * bs + 10]
+
+
+def test_a_sound_block_under_another_keys_name_is_refused(tmp_path):
+    """Every way a block file is read checks that its trailer names the key the file is
+    read as: another block's sound file (same length, right checksums) is corrupt there."""
+    length = 3 * blockfile.PAGE_SIZE + 1000
+    mine, other = "a" * 32, "b" * 32
+    blockfile.write_block(str(tmp_path / other), random.Random(1).randbytes(length))
+    os.rename(tmp_path / other, tmp_path / mine)
+    path = str(tmp_path / mine)
+    with pytest.raises(blockfile.CorruptBlock, match="another block"):
+        blockfile.read_block(path, length)
+    with pytest.raises(blockfile.CorruptBlock, match="another block"):
+        blockfile.read_range(path, length, 10, 20)
+    with pytest.raises(blockfile.CorruptBlock, match="another block"):
+        blockfile.map_block(path, length)
+    with pytest.raises(blockfile.CorruptBlock, match="another block"):
+        blockfile.MappedBlock(path, length)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(blockfile.CorruptBlock):
+            blockfile.data_hash(fd, mine, length)
+        assert blockfile.data_hash(fd, other, length) == blockfile.hash_of(
+            random.Random(1).randbytes(length))
+    finally:
+        os.close(fd)
+    # under its own name, and staged under its own key, it reads back
+    os.rename(path, tmp_path / f"{other}.7.staged")
+    assert blockfile.read_block(str(tmp_path / f"{other}.7.staged"), length) == \
+        random.Random(1).randbytes(length)

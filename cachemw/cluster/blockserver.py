@@ -74,7 +74,7 @@ class BlockServer:
         except OSError:
             return None
         try:
-            return fd, blockfile.data_hash(fd, length)
+            return fd, blockfile.data_hash(fd, key, length)
         except (OSError, blockfile.CorruptBlock):
             os.close(fd)
             return None
