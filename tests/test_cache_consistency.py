@@ -9,6 +9,7 @@ import shutil
 import time
 
 import pytest
+from fsspec.implementations.local import LocalFileSystem
 
 from conftest import wait_for
 
@@ -286,3 +287,40 @@ def test_write_through_invalidates_blocks_cached_before_a_daemon_restart(
     rewrite_keeping_version(fs, path, b"new" * 1000)
     time.sleep(0.5)  # give the invalidation all the time it wants
     assert fs.cat_file(path) == b"new" * 1000
+
+
+class _ReplacedAfterFirstInfo(LocalFileSystem):
+    """A target whose file is replaced (a new version, by rename) right after the first
+    ``info`` of it that ``armed`` allows: a writer racing a multi-range read."""
+
+    armed = False
+
+    def info(self, path, **kwargs):
+        found = super().info(path, **kwargs)
+        if type(self).armed:
+            type(self).armed = False
+            with open(path + ".new", "wb") as f:
+                f.write(type(self).next_bytes)
+            os.replace(path + ".new", path)
+        return found
+
+
+@pytest.mark.parametrize("validate", ["always", "ttl"])
+def test_cat_ranges_of_one_path_come_from_one_version(make_cache_fs, tmp_path, validate):
+    """Two ranges of one file in one ``cat_ranges`` call, the file replaced between the
+    metadata lookups a per-range lookup would make: both ranges are of one version (one
+    lookup per path per call; a version that moves during the batch restarts the path)."""
+    block = 65536
+    old, new = os.urandom(16 * block), os.urandom(16 * block)
+    path = str(tmp_path / "f.bin")
+    with open(path, "wb") as f:
+        f.write(old)
+    target = _ReplacedAfterFirstInfo()
+    fs = make_cache_fs(fs=target, validate=validate, ttl=0, block_size=block)
+    assert fs.cat_file(path, 0, block) == old[:block]  # block 0 of the old version cached
+    _ReplacedAfterFirstInfo.next_bytes = new
+    _ReplacedAfterFirstInfo.armed = True
+    a, b = fs.cat_ranges([path, path], [0, 10 * block], [100, 10 * block + 100],
+                         on_error="raise")
+    assert (a, b) in ((old[:100], old[10 * block:10 * block + 100]),
+                      (new[:100], new[10 * block:10 * block + 100]))

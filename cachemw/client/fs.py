@@ -201,7 +201,12 @@ class CacheFileSystem(_Base):
         return self.reader.read(meta, *clip(start, end, meta.size))
 
     def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
-        """Many ranges in one batch: misses go to the daemon (and to owner nodes) together."""
+        """Many ranges in one batch: misses go to the daemon (and to owner nodes) together.
+
+        The ranges of one path come from one version of it: its metadata is looked up once
+        per call, and if the source moves on during the batch (or a file goes), each path
+        of the batch starts over once on its own, with fresh metadata, as ``cat_file``
+        does."""
         if not isinstance(starts, list):
             starts = [starts] * len(paths)
         if not isinstance(ends, list):
@@ -209,43 +214,64 @@ class CacheFileSystem(_Base):
         if len(starts) != len(paths) or len(ends) != len(paths):
             raise ValueError("cat_ranges: paths, starts and ends must have the same length")
         out: list = [None] * len(paths)
-        requests, where, alone = [], [], []  # alone: read one by one, through cat_file
-        for i, (p, s, e) in enumerate(zip(paths, starts, ends)):
+        by_path: dict[str, list[int]] = {}
+        for i, p in enumerate(paths):
             try:
-                path = self._strip_protocol(p)
+                by_path.setdefault(self._strip_protocol(p), []).append(i)
+            except Exception as exc:  # fsspec's on_error: any error of a path is its result
+                if on_error == "raise":
+                    raise
+                out[i] = exc
+        failed, batch = self._read_ranges(by_path, starts, ends, out, on_error)
+        if failed is not None:  # a version moved or a file went: each path again, alone
+            for path in batch:
+                self.meta.forget(path)
+                exc, _ = self._read_ranges({path: by_path[path]}, starts, ends, out, on_error)
+                if exc is not None:
+                    self.meta.forget(path)
+                    if on_error == "raise":
+                        raise exc
+                    for i in by_path[path]:
+                        out[i] = exc
+        return out
+
+    def _read_ranges(self, by_path: dict[str, list[int]], starts, ends, out: list,
+                     on_error: str) -> tuple[OSError | None, list[str]]:
+        """Fill ``out`` with the ranges of ``by_path`` (path -> indices), every path at one
+        version, the blocks they miss fetched as one batch. Returns the batch's OSError
+        (None if it succeeded) and the paths it read."""
+        requests, where, batch = [], [], []
+        for path, idx in by_path.items():
+            try:
                 meta, seen = self.meta.known_file(path)
-                if meta is None and not seen and self.options.validate != "always" \
-                        and self.reader.source.tells_versions:
-                    alone.append(i)  # read cold, its version from its GET (see _read_path)
+                if meta is None and not seen and len(idx) == 1 \
+                        and self.options.validate != "always" and self.reader.source.tells_versions:
+                    # read cold, its version from its GET (see _read_path)
+                    out[idx[0]] = self.cat_file(path, starts[idx[0]], ends[idx[0]])
                     continue
                 meta = meta or self.meta.ask_file(path)
+                if meta.size == 0:  # read to its end once (see _read), each range cut from it
+                    data = self.cat_file(path)
+                    for i in idx:
+                        out[i] = data[slice(*clip(starts[i], ends[i], len(data)))]
+                    continue
             except Exception as exc:  # fsspec's on_error: any error of a path is its result
                 if on_error == "raise":
                     raise
-                out[i] = exc
+                for i in idx:
+                    out[i] = exc
                 continue
-            if meta.size == 0:  # read to its end (see _read)
-                alone.append(i)
-                continue
-            requests.append((meta, *clip(s, e, meta.size)))
-            where.append(i)
+            batch.append(path)
+            for i in idx:
+                requests.append((meta, *clip(starts[i], ends[i], meta.size)))
+                where.append(i)
         try:
             results = self.reader.read_many(requests)
-        except ChangedSourceError:  # one path's version moved: each read again on its own
-            for meta, _, _ in requests:
-                self.meta.forget(meta.path)
-            alone.extend(where)
-        else:
-            for i, data in zip(where, results):
-                out[i] = data
-        for i in sorted(alone):
-            try:
-                out[i] = self.cat_file(paths[i], starts[i], ends[i])
-            except Exception as exc:  # fsspec's on_error: any error of a path is its result
-                if on_error == "raise":
-                    raise
-                out[i] = exc
-        return out
+        except OSError as exc:
+            return exc, batch
+        for i, data in zip(where, results):
+            out[i] = data
+        return None, batch
 
     def cat(self, path, recursive=False, on_error="raise", **kwargs):
         """fsspec's ``cat``, with all the files' misses fetched as one batch."""
