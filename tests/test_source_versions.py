@@ -86,6 +86,36 @@ def test_an_open_file_replaced_reads_one_version_or_raises(make_cache_fs, tmp_pa
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("how", ["replaced", "deleted"])
+def test_reopen_after_a_changed_source_error_reads_the_new_version(make_cache_fs, tmp_path,
+                                                                   mode, how):
+    """README: an open file that meets a changed source raises; reopen it to read the new
+    version, under every validate mode (immutable trusts the old metadata for good, so the
+    failed read must drop it), from this process and from a new filesystem."""
+    fs = make_cache_fs(block_size=BS, **mode)
+    path = str(tmp_path / "f.bin")
+    old, new = os.urandom(5 * BS), os.urandom(4 * BS + 9)
+    write(path, old)
+    assert fs.cat_file(path, 0, 100) == old[:100]  # block 0 cached, the rest not
+    with fs.open(path, "rb") as f:
+        assert f.read(100) == old[:100]  # a hit, at the version it was opened with
+        if how == "replaced":
+            replace(path, new)
+        else:
+            os.unlink(path)
+        with pytest.raises(ChangedSourceError if how == "replaced" else FileNotFoundError):
+            f.read()
+    for reader in (fs, make_cache_fs(block_size=BS, **mode)):
+        if how == "replaced":
+            with reader.open(path, "rb") as f:
+                assert f.read() == new
+        else:
+            with pytest.raises(FileNotFoundError):
+                reader.open(path, "rb")
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("reader", ["cat_file", "cat_ranges", "cat"])
 def test_a_partly_cached_file_replaced_under_ttl_reads_the_new_version_whole(
         make_cache_fs, tmp_path, reader):

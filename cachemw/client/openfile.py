@@ -10,6 +10,7 @@ from fsspec.spec import AbstractBufferedFile
 from .. import trace
 from ..blockfile import PAGE_SIZE, CorruptBlock, MappedBlock, page_hash
 from ..keys import block_key, block_length
+from ..tiers.source import ChangedSourceError
 
 if TYPE_CHECKING:  # fs.py opens these files: a type only, no import at run time
     from .fs import CacheFileSystem
@@ -49,7 +50,14 @@ class CachedFile(AbstractBufferedFile):
 
     def _fetch_range(self, start, end):
         start, end = clip(start, end, self.meta.size)
-        return self.fs.reader.read(self.meta, start, end)
+        try:
+            return self.fs.reader.read(self.meta, start, end)
+        except (ChangedSourceError, FileNotFoundError):
+            # this file keeps its version and fails; what the node knows of the path is
+            # dropped, so that a reopen reads the new version under every validate mode
+            # (under immutable the metadata would otherwise be trusted for good)
+            self.fs.meta.forget(self.path)
+            raise
 
     def seek(self, loc, whence=0):
         if whence == 0 and type(loc) is int and loc >= 0:  # the hot path of random reads
