@@ -159,6 +159,8 @@ def read_block(path: str, length: int, page_size: int = PAGE_SIZE) -> bytes | No
         else:  # read straight into the bytes returned
             data = _read_exact(fd, length)
             tail, at = os.read(fd, want), 0
+    except IsADirectoryError:
+        raise CorruptBlock(f"{path}: a directory, not a block file") from None
     finally:
         os.close(fd)
     if len(data) != length:
@@ -189,6 +191,8 @@ def read_range(path: str, length: int, start: int, end: int, page_size: int = PA
         trailer = os.pread(fd, TRAILER_SIZE + 1, length + 8 * n)
         sums = os.pread(fd, 8 * (last - first + 1), length + 8 * first)
         data = os.pread(fd, want, lo)
+    except IsADirectoryError:
+        raise CorruptBlock(f"{path}: a directory, not a block file") from None
     finally:
         os.close(fd)
     if len(trailer) != TRAILER_SIZE:

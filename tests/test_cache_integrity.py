@@ -53,6 +53,14 @@ def _another_block(length, size):
         os.unlink(other)
 
 
+def _directory(path, length):
+    """A directory (with a file in it) where the block file was."""
+    os.unlink(path)
+    os.mkdir(path)
+    with open(os.path.join(path, "inside"), "wb") as f:
+        f.write(b"x")
+
+
 def _append(path, length):
     with open(path, "ab") as f:
         f.write(b"\0junk")
@@ -74,6 +82,7 @@ DAMAGES = {
     "garbage of the same size": _replace(lambda length, size: random.Random(size).randbytes(size)),
     "short garbage file": _replace(lambda length, size: b"garbage"),
     "another block's file": _replace(_another_block),
+    "a directory in its place": _directory,
 }
 
 FILES = {"whole": 5000, "multi": 3 * BS + 999}  # cached whole / as 4 blocks (damage block 1)

@@ -181,6 +181,26 @@ def test_sigterm_cleans_up_like_a_normal_exit(runtime_dir, dataset, reap_daemons
 
 
 @pytest.mark.timeout(90)
+def test_stop_frees_a_dram_tier_with_a_directory_in_a_blocks_place(runtime_dir, dataset,
+                                                                  reap_daemons):
+    """A directory where a block file was (a hand, a tool): the stop still frees the tier,
+    the directory included, and says so without an error."""
+    fs, address, dram = autostarted(runtime_dir, dataset, reap_daemons)
+    sub = sorted(d for d in os.listdir(dram) if len(d) == 2 and os.listdir(os.path.join(dram, d)))[0]
+    block = os.path.join(dram, sub, os.listdir(os.path.join(dram, sub))[0])
+    os.unlink(block)
+    os.mkdir(block)
+    with open(os.path.join(block, "inside"), "wb") as f:
+        f.write(b"x")
+    r = cli("stop", runtime_dir=runtime_dir)
+    assert r.returncode == 0, r.stderr
+    assert "stopped 1 daemon" in r.stdout, r.stdout
+    wait_for(lambda: gone(address.pid), 20, what="the daemon to exit")
+    assert dram_blocks(dram) == []
+    assert not os.path.exists(block)
+
+
+@pytest.mark.timeout(90)
 def test_stop_finds_a_daemon_whose_socket_was_deleted(runtime_dir, dataset, reap_daemons):
     fs, address, dram = autostarted(runtime_dir, dataset, reap_daemons)
     os.unlink(os.path.join(runtime_dir, SOCKET))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from typing import Iterator
 
 from .. import blockfile
@@ -105,11 +106,14 @@ class DirectoryTier:
     def delete(self, key: str) -> int:
         path = self.block_path(key)
         try:
-            size = os.stat(path).st_size
-            os.unlink(path)
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode):  # a directory under a block's name: never ours
+                shutil.rmtree(path)  # (reads count it corrupt), gone with what it holds
+            else:
+                os.unlink(path)
         except FileNotFoundError:
             return 0
-        return size
+        return st.st_size
 
     def contains(self, key: str) -> bool:
         return os.path.exists(self.block_path(key))
