@@ -31,7 +31,7 @@ from cachemw.node_daemon import node_daemon
 from . import watch as watch_channel
 from .background import niceness, run_at
 from .chunk_plan import DEFAULT_CHUNK_BYTES
-from .coordination import Coordinator, report
+from .coordination import Coordinator, check_same_step, report
 from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
 from .errors import CheckpointBusyError, ChecksumError, CheckpointNotFoundError
@@ -264,11 +264,14 @@ class Checkpointer:
         name = None
         try:
             if prepared is None and not self.coord.no_dist:
-                votes = self.coord.all_gather("ok" if staged is not None else failure or "busy")
+                gathered = self.coord.all_gather(("ok" if staged is not None else failure or "busy",
+                                                  step))
+                votes = [v for v, _ in gathered]
                 failed = [(r, v) for r, v in enumerate(votes) if v not in ("ok", "busy")]
                 if failed:
                     raise RuntimeError(f"checkpoint failed on rank(s) {[r for r, _ in failed]}; "
                                        f"rank {failed[0][0]}: {failed[0][1]}")
+                check_same_step(step, [s for _, s in gathered])
                 refused = [r for r, v in enumerate(votes) if v == "busy"]
                 if refused:
                     raise CheckpointBusyError(f"save of step {step} refused on rank(s) {refused}: "

@@ -20,6 +20,18 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 
+def check_same_step(step: int, steps: list) -> None:
+    """Raise on every rank (they all see the same ``steps``, one per rank) unless every rank
+    saves the same step: ranks saving under different steps would each commit a part."""
+    if any(s != steps[0] for s in steps):
+        by_step: dict = {}
+        for rank, s in enumerate(steps):
+            by_step.setdefault(s, []).append(rank)
+        raise ValueError(f"save of step {step}: the ranks save different steps "
+                         f"({'; '.join(f'step {s}: rank(s) {r}' for s, r in by_step.items())}); "
+                         "every rank must save the same step")
+
+
 def report(error: BaseException | None) -> str | None:
     """What a rank tells the others about its local failure (None: no failure)."""
     return None if error is None else f"{type(error).__name__}: {error}"

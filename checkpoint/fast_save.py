@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from .coordination import Coordinator, report
+from .coordination import Coordinator, check_same_step, report
 from .errors import CheckpointBusyError
 from .file_pool import FilePool, blob_reserve
 from .layout import CheckpointDir, step_dir_name
@@ -133,7 +133,8 @@ class FastSaver:
         it, and the local rest ends with one vote: every rank submits the save, or every rank
         raises the same error (and drops what it made of this step).
         """
-        state_dict, described, votes = self._vote(get_state_dict, busy, uuid.uuid4().hex)
+        state_dict, described, votes = self._vote(get_state_dict, busy, uuid.uuid4().hex, step)
+        check_same_step(step, [v[4] for v in votes])
         busy_ranks = [r for r, v in enumerate(votes) if v[0]]
         if busy_ranks:
             raise CheckpointBusyError(f"save of step {step} refused: the previous save is still writing on "
@@ -155,7 +156,7 @@ class FastSaver:
         Collective, like ``prepare`` (the same gathers, a failure raised on every rank); the
         caller has no save pending. True if the pool is ready; False where saves of this state
         go through buffers (the caller reserves those)."""
-        state_dict, described, votes = self._vote(get_state_dict, False, "")
+        state_dict, described, votes = self._vote(get_state_dict, False, "", None)
         digests = tuple(v[2] for v in votes)
         plan = self._plan(described, digests)
 
@@ -168,9 +169,10 @@ class FastSaver:
         del state_dict  # only its description is needed
         return self._locally(plan, digests, self.pool.release, make_pool)
 
-    def _vote(self, get_state_dict, busy: bool, name_part: str) -> tuple:
-        """The state, its description and every rank's (busy, name part, digest, failure):
-        the first gather, raised on every rank if any rank failed to describe its state."""
+    def _vote(self, get_state_dict, busy: bool, name_part: str, step: int | None) -> tuple:
+        """The state, its description and every rank's (busy, name part, digest, failure,
+        step): the first gather, raised on every rank if any rank failed to describe its
+        state."""
         digest, error, state_dict, described = None, None, None, None
         try:
             state_dict = get_state_dict()
@@ -178,7 +180,7 @@ class FastSaver:
             digest = hashlib.blake2b(repr(described.signature).encode(), digest_size=16).hexdigest()
         except Exception as exc:  # any failure travels in the vote: every rank raises it
             error = exc
-        votes = self.coord.front_gather((busy, name_part, digest, report(error)))
+        votes = self.coord.front_gather((busy, name_part, digest, report(error), step))
         self.coord.raise_if_failed([v[3] for v in votes], error)
         return state_dict, described, votes
 

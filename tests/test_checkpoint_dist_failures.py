@@ -182,3 +182,45 @@ def test_reserve_on_every_rank_lays_out_once_and_a_failure_on_one_is_raised_on_a
             assert res["layouts"] == 2, res  # the failed one, and every rank's anew at save 1
         assert res["save1"] == "ok" and res["save2"] == "ok", res
         assert res["load"] == 2 and res["ok"], res
+
+
+def _steps_main(rank, world, rdv, root, fast, out_dir):
+    """Ranks that pass different steps to one save: refused on every rank, nothing lost."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    from cachemw.checkpoint import Checkpointer
+
+    ck = Checkpointer(root, keep_last=1, collective_timeout_s=10, chunk_bytes=256 << 10,
+                      fast_root=root + "-fast" if fast == "fast" else None)
+    res = {"rank": rank}
+    ck.save(1, state(1.0)).wait(60)
+    try:
+        ck.save(2 + rank, state(2.0)).wait(60)  # a rank whose step counter is off by one
+        res["mismatch"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        res["mismatch"] = f"{type(exc).__name__}: {exc}"
+    res["steps"] = ck.steps()
+    out = state(0.0)
+    res["load"] = ck.load(out)
+    res["ok1"] = bool(torch.all(out["w"] == 1.0))
+    ck.save(3, state(3.0)).wait(60)
+    res["load3"] = ck.load(out)
+    res["ok3"] = bool(torch.all(out["w"] == 3.0))
+    ck.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fast", ["fast", "root-only"])
+def test_ranks_saving_different_steps_are_refused_on_every_rank(tmp_path, fast):
+    results = run_ranks(tmp_path, 2, tmp_path / "ckpt", fast, target=_steps_main)
+    assert sorted(results) == [0, 1], results
+    for res in results.values():
+        assert res["mismatch"].startswith("ValueError") and "different steps" in res["mismatch"], res
+        assert "step 2: rank(s) [0]" in res["mismatch"] and "step 3: rank(s) [1]" in res["mismatch"], res
+        assert res["steps"] == [1], res  # the step before is kept, nothing partial committed
+        assert res["load"] == 1 and res["ok1"], res
+        assert res["load3"] == 3 and res["ok3"], res
