@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import socket
@@ -17,7 +18,10 @@ import time
 
 from cachemw.processes import process_alive, process_start
 from .storage_io import Location
-from .writer import MANIFEST_NAME
+from .errors import ChecksumError
+from .writer import MANIFEST_NAME, parse_manifest
+
+log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d{12})-([0-9a-f]{8})$")
 OWNER_NAME = ".owner.json"
@@ -47,6 +51,7 @@ class CheckpointDir:
         # overwrites in place. Fresh tmpfs pages cost a page fault and zeroing each; reused
         # ones cost a memcpy, as reused staging buffers do.
         self.recycle = recycle and location.local
+        self._damaged: set[str] = set()  # step directories whose damaged manifest was logged
 
     def step_dirs(self) -> list[tuple[int, str]]:
         out = []
@@ -57,9 +62,18 @@ class CheckpointDir:
         return sorted(out)
 
     def manifest(self, name: str) -> dict | None:
+        """The checked manifest of ``name``; None if it is not committed, or if its manifest
+        is damaged (said once per directory: the step is passed over, as uncommitted)."""
         try:
-            return json.loads(self.location.read_bytes(f"{name}/{MANIFEST_NAME}"))
-        except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+            data = self.location.read_bytes(f"{name}/{MANIFEST_NAME}")
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            return parse_manifest(data, self.location.child(name).url)
+        except ChecksumError as exc:
+            if name not in self._damaged:
+                self._damaged.add(name)
+                log.warning("%s; not counted as a committed checkpoint", exc)
             return None
 
     def is_committed(self, name: str) -> bool:

@@ -9,6 +9,7 @@ placeholders, is stored as one pickled item, so dict keys, lists and tuples come
 """
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 from typing import Any
@@ -22,7 +23,7 @@ from .planner import SpreadSavePlanner
 from .quiet import single_process_dcp
 from .reader import CachemwStorageReader
 from .storage_io import as_location
-from .writer import MANIFEST_NAME, CachemwStorageWriter
+from .writer import MANIFEST_NAME, CachemwStorageWriter, read_manifest
 
 SKELETON_KEY = "__cachemw_skeleton__"
 PLACEHOLDER = "\x00cachemw-tensor:"
@@ -82,7 +83,13 @@ def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int
     # DCP's own "load without a template" (rebuilds the state dict from the metadata).
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    reader = CachemwStorageReader(as_location(path), thread_count=thread_count)
+    location = as_location(path)
+    # checked here, so that a missing or damaged manifest is its own clear error (DCP's
+    # loader turns any failure to read metadata into an AssertionError)
+    if read_manifest(location) is None:
+        raise FileNotFoundError(errno.ENOENT, "not a committed checkpoint (no manifest)",
+                                location.url)
+    reader = CachemwStorageReader(location, thread_count=thread_count)
     try:
         with single_process_dcp():
             state = _load_state_dict_from_keys(storage_reader=reader)

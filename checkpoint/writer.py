@@ -17,6 +17,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import xxhash
 from torch.futures import Future
 from typing import Any, Callable
 
@@ -28,13 +29,15 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from cachemw import trace
 
 from .chunk_codec import StoredItem, write_chunk
+from .errors import ChecksumError
 from .planner import item_key, item_nbytes
 from .storage_io import Location, as_location
 
 MANIFEST_NAME = "cachemw-manifest.json"
 METADATA_NAME = ".metadata"
 DCP_VERSION = "1.0.0"
-MANIFEST_FORMAT = "cachemw-checkpoint/1"
+MANIFEST_FORMAT = "cachemw-checkpoint/2"  # 2: sealed with a checksum of its own
+UNSEALED_FORMATS = ("cachemw-checkpoint/1",)  # written before manifests were sealed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +173,7 @@ class CachemwStorageWriter(StorageWriter):
             "items": {k: v.to_json() for k, v in sorted(stored.items())},
             "extra": self.manifest_extra,
         }
-        self.location.write_atomic(MANIFEST_NAME, json.dumps(manifest).encode())
+        self.location.write_atomic(MANIFEST_NAME, seal_manifest(manifest))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.location.url if self.location else None, save_id=self.save_id)
@@ -259,13 +262,40 @@ class CachemwStorageWriter(StorageWriter):
         return results
 
 
+def _manifest_sum(manifest: dict) -> str:
+    return xxhash.xxh3_64_hexdigest(json.dumps(manifest, sort_keys=True).encode())
+
+
+def seal_manifest(manifest: dict) -> bytes:
+    """The manifest as written: JSON with the checksum of the rest of it. The manifest names
+    every chunk's file, range, item and checksum, so a flipped bit in it could give one
+    item's sound chunk to another: it is checked as the chunks are."""
+    return json.dumps({**manifest, "checksum": _manifest_sum(manifest)}).encode()
+
+
+def parse_manifest(data: bytes, where: str) -> dict:
+    """A manifest's content, checked; ChecksumError if it is damaged (not JSON, an unknown
+    format, or not what its checksum says)."""
+    try:
+        manifest = json.loads(data)
+        fmt = manifest.get("format")
+    except (ValueError, AttributeError):  # not JSON (UnicodeDecodeError is a ValueError)
+        raise ChecksumError(f"{where}: the checkpoint's manifest is damaged (not JSON)") from None
+    if fmt in UNSEALED_FORMATS:
+        return manifest
+    if fmt != MANIFEST_FORMAT:
+        raise ChecksumError(f"{where}: the checkpoint's manifest is damaged or of an unknown "
+                            f"format ({fmt!r})")
+    checksum = manifest.pop("checksum", None)
+    if checksum != _manifest_sum(manifest):
+        raise ChecksumError(f"{where}: the checkpoint's manifest is damaged (checksum mismatch)")
+    return manifest
+
+
 def read_manifest(location: Location) -> dict | None:
     """The manifest of a checkpoint directory, or None if it is not committed."""
     try:
         data = location.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
         return None
-    manifest = json.loads(data)
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{location.url}: unknown manifest format {manifest.get('format')!r}")
-    return manifest
+    return parse_manifest(data, f"{location.url}/{MANIFEST_NAME}")

@@ -316,3 +316,35 @@ def test_fast_tier_recycles_its_own_files_in_place(tmp_path):
         assert ck.load(out) == 3 and torch.all(out["t"] == 3.0)
     assert not [p for p in fast.iterdir() if p.name.startswith(".pool-")]  # close() unmaps and unlinks the pool
     assert committed_dirs(fast) == [name]  # the committed in-memory copy stays
+
+
+def _flip_manifest_byte(path, at):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_manifest_is_never_loaded_and_says_so(tmp_path, caplog):
+    """The manifest names every chunk's item, file and range: a flipped bit in it could hand
+    one item's sound chunk to another. It carries its own checksum: a damaged one is passed
+    over (logged), the step before it loads; the torch-style load raises ChecksumError."""
+    root = tmp_path / "root"
+    with Checkpointer(str(root)) as ck:
+        ck.save(1, {"a": torch.full((1000,), 1.0), "b": torch.full((1000,), 2.0)}).wait(60)
+        ck.save(2, {"a": torch.full((1000,), 3.0), "b": torch.full((1000,), 4.0)}).wait(60)
+    newest = root / committed_dirs(root)[-1] / MANIFEST_NAME
+    assert Checkpointer(str(root)).steps() == [1, 2]
+    # which item a chunk belongs to: "a" -> "c", as one flipped bit does ("b" -> "c" too)
+    _flip_manifest_byte(newest, newest.read_bytes().index(b'"a') + 1)
+    caplog.set_level("WARNING", logger="cachemw")
+    with Checkpointer(str(root)) as ck:
+        assert ck.steps() == [1]
+        out = {"a": torch.zeros(1000), "b": torch.zeros(1000)}
+        assert ck.load(out) == 1
+        assert torch.all(out["a"] == 1.0) and torch.all(out["b"] == 2.0)
+    assert "manifest is damaged" in caplog.text
+    from cachemw.checkpoint import load, save
+    save({"x": torch.arange(10)}, str(tmp_path / "one"))
+    _flip_manifest_byte(tmp_path / "one" / MANIFEST_NAME, 40)
+    with pytest.raises(ChecksumError, match="manifest is damaged"):
+        load(str(tmp_path / "one"))
