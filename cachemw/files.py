@@ -62,3 +62,26 @@ def make_private_dirs(path: str) -> None:
             os.mkdir(d, 0o700)
         except FileExistsError:
             pass
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swap the paths ``a`` and ``b`` (files or directories) in one step: a reader, or a
+    crash, sees both old or both new (Linux ``renameat2(RENAME_EXCHANGE)``: ext4, xfs,
+    btrfs, tmpfs). False where the kernel, the filesystem or the C library cannot (then
+    nothing was moved); other failures raise OSError."""
+    import ctypes
+    import errno
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # a C library without it (glibc < 2.28, musl < 1.2.4)
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a)

@@ -12,11 +12,17 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import re
+import shutil
+import uuid
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+
+from cachemw.files import exchange
+from cachemw.processes import process_alive
 
 from .checkpointer import unwrap
 from .planner import SpreadSavePlanner
@@ -62,8 +68,55 @@ def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def save(obj: Any, path: str | os.PathLike, *, compression: str | None = None, thread_count: int = 2) -> None:
-    """Write ``obj`` (any picklable object holding tensors) as a checkpoint directory ``path``."""
+    """Write ``obj`` (any picklable object holding tensors) as a checkpoint directory ``path``.
+
+    On a local filesystem the checkpoint is written beside ``path`` and swapped in whole
+    (files.exchange): a crash or a kill leaves what ``path`` held before, or the new one,
+    never neither. Elsewhere (an object store has no rename) ``path`` is rewritten in
+    place, uncommitted (no manifest) until the new one is whole."""
     location = as_location(path)
+    if not location.local:
+        _write(obj, location, compression, thread_count)
+        return
+    final = location.path
+    _sweep_beside(final)
+    staged = f"{final}.cachemw-new-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        _write(obj, as_location(staged), compression, thread_count)
+        if not os.path.lexists(final):
+            os.rename(staged, final)
+            return
+        if not exchange(staged, final):  # no atomic swap here: the old one aside, briefly
+            aside = f"{final}.cachemw-old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, aside)
+            os.rename(staged, final)
+            staged = aside
+    finally:
+        _remove(staged)
+
+
+def _sweep_beside(final: str) -> None:
+    """Remove what saves killed before their swap left beside ``final`` (a checkpoint being
+    written, or the old one set aside): the directories named by a process that is gone."""
+    parent, name = os.path.split(final)
+    try:
+        entries = os.listdir(parent or ".")
+    except OSError:
+        return
+    for entry in entries:
+        m = re.fullmatch(re.escape(name) + r"\.cachemw-(?:new|old)-(\d+)-[0-9a-f]{8}", entry)
+        if m and not process_alive(int(m.group(1))):
+            _remove(os.path.join(parent, entry))
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _write(obj: Any, location, compression: str | None, thread_count: int) -> None:
     location.makedirs()
     location.remove_file(MANIFEST_NAME)  # an overwritten checkpoint is uncommitted while it is rewritten
     tensors: dict[str, torch.Tensor] = {}

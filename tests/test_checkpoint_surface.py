@@ -283,3 +283,46 @@ def test_lightning_plugin_checkpoint_on_s3_reads_with_the_usual_calls(aws_env):
         io.load_checkpoint("s3://bucket/run-2/checkpoints/bad.ckpt")
     io.remove_checkpoint(url)
     assert "Contents" not in aws_env.list_objects_v2(Bucket="bucket", Prefix="run-2/checkpoints/epoch")
+
+
+_OVERWRITE = textwrap.dedent("""
+    import sys, torch
+    from cachemw.checkpoint import save
+    obj = {"w": torch.full((4_000_000,), float(sys.argv[2])), "v": int(sys.argv[2])}
+    print("saving", flush=True)
+    save(obj, sys.argv[1])
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_save_over_a_checkpoint_killed_midway_leaves_one_whole_version(tmp_path):
+    """``save(obj, path)`` over an existing checkpoint, the process killed at any moment:
+    ``load(path)`` gives the old object or the new one, whole, never an error."""
+    import signal
+    import time
+
+    from cachemw.checkpoint import load, save
+    path = str(tmp_path / "final")
+    save({"w": torch.full((4_000_000,), 1.0), "v": 1}, path)
+    for delay in (0.0, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, None):
+        proc = subprocess.Popen([sys.executable, "-c", _OVERWRITE, path, "2"],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline() == "saving\n"
+            if delay is not None:
+                time.sleep(delay)
+                proc.send_signal(signal.SIGKILL)
+            proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        obj = load(path)
+        assert obj["v"] in (1, 2), delay
+        assert torch.equal(obj["w"], torch.full((4_000_000,), float(obj["v"]))), delay
+        if delay is None:  # not killed: the new one
+            assert obj["v"] == 2
+        save({"w": torch.full((4_000_000,), 1.0), "v": 1}, path)  # back to the old one
+        # what a killed save left beside the path is swept by the next save
+        assert [p.name for p in tmp_path.iterdir()] == ["final"]
