@@ -216,6 +216,18 @@ class DaemonLock:
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)
 
+    def still_held(self) -> bool:
+        """Is the lock file at our path still the one we hold? Not once the runtime dir or
+        the lock file was removed (an ``rm -rf`` to reset the cache): a new daemon would
+        take a new lock there, and every tool would find that one, not us."""
+        if self._fd is None:
+            return False
+        try:
+            here, ours = os.stat(self.path, follow_symlinks=False), os.fstat(self._fd)
+        except OSError:
+            return False
+        return (here.st_dev, here.st_ino) == (ours.st_dev, ours.st_ino)
+
     def release(self) -> None:
         """Unlock and close (the daemon's exit: the lock is free for the next one)."""
         if self._fd is not None:

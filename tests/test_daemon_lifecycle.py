@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -198,6 +199,29 @@ def test_stop_frees_a_dram_tier_with_a_directory_in_a_blocks_place(runtime_dir, 
     wait_for(lambda: gone(address.pid), 20, what="the daemon to exit")
     assert dram_blocks(dram) == []
     assert not os.path.exists(block)
+
+
+@pytest.mark.timeout(90)
+def test_a_daemon_whose_runtime_dir_is_removed_exits_and_leaves_the_next_one_alone(
+        runtime_dir, dataset, reap_daemons):
+    """``rm -rf`` of the runtime dir under a running daemon (a reset of the cache): no tool
+    could find that daemon any more, so it exits (within a second or so), and it leaves the
+    socket and tiers made since in its place alone: the next reader's daemon serves on."""
+    fs, address, dram = autostarted(runtime_dir, dataset, reap_daemons)
+    shutil.rmtree(runtime_dir)
+    wait_for(lambda: gone(address.pid), 10, what="the orphaned daemon to exit")
+    _, files = dataset
+    paths = sorted(files)
+    late = new_fs(runtime_dir)
+    for p in paths[:3]:
+        assert late.cat_file(p) == files[p]
+    second = lookup(runtime_dir)
+    assert second is not None and second.pid != address.pid
+    assert os.path.exists(os.path.join(runtime_dir, SOCKET))
+    r = cli("stop", runtime_dir=runtime_dir)
+    assert r.returncode == 0 and "stopped 1 daemon" in r.stdout, (r.stdout, r.stderr)
+    wait_for(lambda: gone(second.pid), 20, what="the second daemon to exit")
+    assert service_procs(runtime_dir) == []
 
 
 @pytest.mark.timeout(90)

@@ -34,6 +34,7 @@ class SocketServer:
         self.on_shutdown = on_shutdown
         self._dispatch = self._handlers()
         self._sock: socket.socket | None = None
+        self._bound: tuple[int, int] | None = None  # (dev, inode) of the socket file we made
         self._closing = threading.Event()
         self._conns: set[Connection] = set()
         self._lock = threading.Lock()
@@ -66,6 +67,8 @@ class SocketServer:
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
+        st = os.stat(self.path)
+        self._bound = (st.st_dev, st.st_ino)  # the socket file ours, as long as it is this one
         sock.listen(128)
         self._sock = sock
         self._thread = threading.Thread(target=self._accept_loop, name="cachemw-accept", daemon=True)
@@ -111,8 +114,10 @@ class SocketServer:
             except OSError:
                 pass
             self._sock.close()
-        try:
-            os.unlink(self.path)
+        try:  # only our own socket file: one made since in its place is a successor's
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._bound:
+                os.unlink(self.path)
         except FileNotFoundError:
             pass
         with self._lock:

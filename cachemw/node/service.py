@@ -91,11 +91,17 @@ class NodeService:
             raise
         log.info("cachemw %s daemon for node %s serving %s", kind, config.node_id, sock)
 
-    def close(self) -> None:
+    def orphaned(self) -> bool:
+        """The runtime dir (or its lock) was removed under us: no client, tool or successor
+        can find this daemon any more, and a new one may already serve its tiers."""
+        return not self._lock.still_held()
+
+    def close(self, orphaned: bool = False) -> None:
         """Stop serving; with an NVMe tier, copy what DRAM holds down to it (the next daemon
         on the node, of this job or the next, starts warm); an autostarted daemon then frees
         its DRAM tier, before it lets go of the lock (a successor re-indexes the tiers as
-        soon as it has the lock)."""
+        soon as it has the lock). ``orphaned``: the tiers may be a successor's by now, so
+        they are left as they are."""
         if self.stopped.is_set():
             return
         self.stopped.set()
@@ -104,8 +110,9 @@ class NodeService:
         if self.metrics is not None:
             self.metrics.close()
         self.node.close()
-        self.node.keep_on_stop()
-        if self.free_dram_at_exit:  # /dev/shm is the node's RAM, shared with other jobs
+        if not orphaned:
+            self.node.keep_on_stop()
+        if self.free_dram_at_exit and not orphaned:  # /dev/shm is the node's RAM, shared with other jobs
             for tier in self.config.tiers:
                 if tier.name == "dram":
                     freed = free_dram(tier.path)
@@ -163,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         if stop.is_set():
             log.info("asked to stop (signal): exiting")
             service.close()
+        elif service.orphaned():
+            log.warning("the runtime dir %s or its lock was removed under the daemon: exiting, "
+                        "its tiers left as they are (the next reader starts a new daemon)",
+                        args.runtime_dir)
+            service.close(orphaned=True)
         elif args.parent_pid is not None:
             if process_state(args.parent_pid) in (None, "Z"):  # exited (maybe unreaped)
                 log.info("process %d that started us is gone: exiting", args.parent_pid)
