@@ -188,8 +188,9 @@ def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: 
         try:
             log_path = os.path.join(runtime_dir, LOG)
             fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            log_start = os.fstat(fd).st_size  # what this start writes comes after
             with os.fdopen(fd, "ab") as log_file:
-                subprocess.Popen(
+                proc = subprocess.Popen(
                     [sys.executable, "-m", "cachemw.node.service", "--runtime-dir", runtime_dir,
                      "--idle-exit", str(idle_exit), "--options", json.dumps(options or {}),
                      "--lock-fd", str(lock.fd), "--ready-fd", str(write_end),
@@ -211,10 +212,29 @@ def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: 
         return None
     if answer == "ok":
         return lookup(runtime_dir)
-    error = answer[len("error "):] if answer.startswith("error ") else (
-        answer or _log_tail(runtime_dir) or "the daemon exited at start")
+    if answer.startswith("error "):
+        error = answer[len("error "):]
+    elif answer:
+        error = answer
+    else:  # it died without a word: how, and what it logged in this start, if anything
+        try:
+            status = proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            status = None
+        if status is not None and status < 0:  # killed (kill -9, the OOM killer): not its
+            raise DaemonStartError(  # settings, so not remembered: the next process retries
+                f"the daemon was killed while it started ({_signal_name(-status)})")
+        error = _log_tail(runtime_dir, log_start) or (
+            f"the daemon exited while it started (exit status {status})")
     _record_failure(runtime_dir, settings, error)
     raise DaemonStartError(error)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _read_answer(fd: int, wait: float) -> str | None:
@@ -235,11 +255,12 @@ def _read_answer(fd: int, wait: float) -> str | None:
         chunks.append(chunk)
 
 
-def _log_tail(runtime_dir: str) -> str:
+def _log_tail(runtime_dir: str, since: int) -> str:
+    """The last line the daemon's log got from offset ``since`` on (this start's), or ""."""
     try:
         with open(os.path.join(runtime_dir, LOG), "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 2000))
+            f.seek(max(since, f.tell() - 2000))
             lines = f.read().decode(errors="replace").strip().splitlines()
         return lines[-1] if lines else ""
     except OSError:

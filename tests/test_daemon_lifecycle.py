@@ -417,3 +417,52 @@ def test_a_daemon_of_the_first_release_names_no_features_in_its_hello(tmp_path):
             assert got == features
     finally:
         server.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_daemon_killed_while_it_starts_is_said_so_and_not_remembered(runtime_dir, reap_daemons):
+    """A daemon killed during its start (kill -9, the OOM killer) is no fault of its
+    settings: the starter says it was killed (not an older line of the log), records no
+    failure, and the next start goes ahead at once."""
+    import threading
+    import time
+
+    from cachemw.launch import FAILED, DaemonStartError, spawn_detached
+
+    reap_daemons(runtime_dir)
+    os.makedirs(runtime_dir, mode=0o700, exist_ok=True)
+    with open(os.path.join(runtime_dir, "daemon.log"), "w") as f:
+        f.write("2026-01-01 00:00:00,000 INFO __main__: an older daemon's last line\n")
+    os.chmod(os.path.join(runtime_dir, "daemon.log"), 0o600)
+
+    def killer(done):
+        while not done.is_set():
+            for proc in service_procs(runtime_dir):
+                os.kill(proc.pid, signal.SIGKILL)
+                return
+            time.sleep(0.002)
+
+    for _ in range(5):  # the daemon is killed as soon as it appears: at the latest, the 5th time
+        done = threading.Event()
+        t = threading.Thread(target=killer, args=(done,), daemon=True)
+        t.start()
+        try:
+            address = spawn_detached(runtime_dir, wait=20)
+        except DaemonStartError as exc:
+            err = exc
+            break
+        finally:
+            done.set()
+            t.join(5)
+        assert cli("stop", runtime_dir=runtime_dir).returncode == 0  # it started first: again
+        wait_for(lambda: gone(address.pid), 20, what="the daemon to exit")
+    else:
+        pytest.fail("the daemon finished its start before it could be killed, 5 times")
+    assert "killed" in str(err) and "SIGKILL" in str(err), err
+    assert "older daemon" not in str(err)
+    assert not os.path.exists(os.path.join(runtime_dir, FAILED))
+    address = spawn_detached(runtime_dir, wait=20)  # at once: nothing remembered
+    assert address is not None and not gone(address.pid)
+    r = cli("stop", runtime_dir=runtime_dir)
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: gone(address.pid), 20, what="the daemon to exit")
