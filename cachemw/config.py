@@ -249,10 +249,11 @@ class DaemonConfig:
         runtime_dir, rt_name = pick(runtime_dir, "CACHEMW_RUNTIME_DIR", "runtime_dir")
         runtime_dir = check_runtime_dir(default_runtime_dir(env) if runtime_dir is None
                                         else runtime_dir, rt_name)
-        dram_dir, _ = pick(dram_dir, "CACHEMW_DRAM_DIR", "dram_dir")
-        dram_dir = dram_dir or os.path.join(runtime_dir, "dram")
+        dram_dir, dram_dir_name = pick(dram_dir, "CACHEMW_DRAM_DIR", "dram_dir")
+        dram_dir = _absolute(dram_dir, dram_dir_name) or os.path.join(runtime_dir, "dram")
         dram_capacity, dram_name = pick(dram_capacity, "CACHEMW_DRAM_CAPACITY", "dram_capacity")
-        nvme_dir, _ = pick(nvme_dir, "CACHEMW_NVME_DIR", "nvme_dir")
+        nvme_dir, nvme_dir_name = pick(nvme_dir, "CACHEMW_NVME_DIR", "nvme_dir")
+        nvme_dir = _absolute(nvme_dir, nvme_dir_name)
         nvme_capacity, nvme_name = pick(nvme_capacity, "CACHEMW_NVME_CAPACITY", "nvme_capacity")
         placement, placement_name = pick(placement, "CACHEMW_PLACEMENT", "placement")
         check_placement(placement, placement_name)
@@ -288,6 +289,16 @@ class DaemonConfig:
         d = dict(d)
         d["tiers"] = tuple(TierConfig(**t) for t in d["tiers"])
         return cls(**d)
+
+
+def _absolute(path, name: str) -> str | None:
+    """A tier directory: an absolute path (a relative one would name a different directory
+    from each working directory, and the daemon's is not the reader's); None if unset."""
+    if path is None or path == "":
+        return None
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isabs(os.fspath(path)):
+        raise ValueError(f"{name}: must be an absolute path, got {path!r}")
+    return os.fspath(path)
 
 
 def _tier(name: str, path: str, capacity, what: str) -> TierConfig:

@@ -53,6 +53,7 @@ def test_target_errors_are_oserrors(make_cache_fs, tmp_path):
 BAD_OPTIONS = [
     ("validate", "bogus"), ("validate", ""), ("ttl", -1), ("ttl", "abc"), ("block_size", "abc"),
     ("block_size", -5), ("block_size", 100), ("block_size", True), ("autostart", "yes"),
+    ("daemon_options", "notadict"),
 ]
 
 
@@ -65,6 +66,12 @@ def test_bad_option_is_a_value_error_naming_it(name, value, tmp_path):
         fsspec.open(f"cachemw::file://{tmp_path}/x", "rb", cachemw={name: value}).open()
 
 
+@pytest.mark.parametrize("name,value", [("target_options", "notadict"), ("fs", "notafs")])
+def test_a_target_of_the_wrong_type_is_a_value_error_naming_it(name, value):
+    with pytest.raises(ValueError, match=name):
+        fsspec.filesystem("cachemw", skip_instance_cache=True, **{name: value})
+
+
 def test_unknown_option_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="valdate"):
         fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True,
@@ -73,7 +80,9 @@ def test_unknown_option_is_a_value_error_naming_it():
 
 @pytest.mark.parametrize("name,value", [("CACHEMW_VALIDATE", "bogus"), ("CACHEMW_TTL", "soon"),
                                         ("CACHEMW_BLOCK_SIZE", "huge"),
-                                        ("CACHEMW_AUTOSTART", "maybe")])
+                                        ("CACHEMW_AUTOSTART", "maybe"),
+                                        ("CACHEMW_GC_FREEZE", "maybe"),
+                                        ("CACHEMW_WORKER_HEAP", "maybe")])
 def test_bad_environment_option_is_a_value_error(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     option = name[len("CACHEMW_"):].lower()
@@ -84,6 +93,8 @@ def test_bad_environment_option_is_a_value_error(monkeypatch, name, value):
 @pytest.mark.parametrize("options,name", [
     ({"dram_capacity": "lots"}, "dram_capacity"),
     ({"bogus": 1}, "bogus"),
+    ({"dram_dir": "relative/dram"}, "dram_dir"),
+    ({"nvme_dir": "relative/nvme", "nvme_capacity": "1GiB"}, "nvme_dir"),
 ])
 def test_bad_daemon_option_is_a_value_error(runtime_dir, tmp_path, options, name):
     (tmp_path / "f").write_bytes(b"data")

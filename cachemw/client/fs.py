@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
@@ -29,10 +30,11 @@ from .announce import messages, stream_owner
 from .fills import drain_all
 from .link import DaemonClient
 from .. import trace as tracing
-from ..config import CacheOptions, DaemonConfig, keep_heap_in_workers
+from ..config import CacheOptions, DaemonConfig, freeze_gc_in_workers, keep_heap_in_workers
 from ..keys import block_count, block_key
 from .metadata import MetadataCache
 from .openfile import BytesFile, CachedFile, clip
+from .ranges import read_ranges
 from .reader import BlockReader
 from ..tiers.source import ChangedSourceError, SourceTier
 from .urls import TargetPaths, own_options
@@ -54,6 +56,11 @@ class CacheFileSystem(_Base):
                  write_behind: int | str | None = None, daemon_options: dict | None = None,
                  daemon_timeout: float | None = None, trace: str | None = None,
                  fo: str | None = None, **kwargs) -> None:
+        for name, value in (("target_options", target_options), ("daemon_options", daemon_options)):
+            if value is not None and not isinstance(value, Mapping):
+                raise ValueError(f"{name}: must be a dict of options, got {value!r}")
+        if fs is not None and not isinstance(fs, AbstractFileSystem):
+            raise ValueError(f"fs: must be an fsspec filesystem, got {fs!r}")
         kwargs = own_options(kwargs, target_options or {})
         super().__init__(**kwargs)
         if fs is not None and target_protocol is not None:
@@ -67,7 +74,8 @@ class CacheFileSystem(_Base):
         if self.options.trace:  # this process, and a daemon it starts
             tracing.start(self.options.trace)
             daemon_options = {"trace_dir": self.options.trace, **(daemon_options or {})}
-        keep_heap_in_workers()  # a bad CACHEMW_WORKER_HEAP fails here, not in a worker
+        keep_heap_in_workers()  # a bad CACHEMW_WORKER_HEAP or CACHEMW_GC_FREEZE fails here,
+        freeze_gc_in_workers()  # not in a worker
         if daemon_options:  # a bad daemon option fails here, not as fallbacks on every read
             DaemonConfig.build(runtime_dir=self.options.runtime_dir, **daemon_options)
         self.target = fs
@@ -201,77 +209,8 @@ class CacheFileSystem(_Base):
         return self.reader.read(meta, *clip(start, end, meta.size))
 
     def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
-        """Many ranges in one batch: misses go to the daemon (and to owner nodes) together.
-
-        The ranges of one path come from one version of it: its metadata is looked up once
-        per call, and if the source moves on during the batch (or a file goes), each path
-        of the batch starts over once on its own, with fresh metadata, as ``cat_file``
-        does."""
-        if not isinstance(starts, list):
-            starts = [starts] * len(paths)
-        if not isinstance(ends, list):
-            ends = [ends] * len(paths)
-        if len(starts) != len(paths) or len(ends) != len(paths):
-            raise ValueError("cat_ranges: paths, starts and ends must have the same length")
-        out: list = [None] * len(paths)
-        by_path: dict[str, list[int]] = {}
-        for i, p in enumerate(paths):
-            try:
-                by_path.setdefault(self._strip_protocol(p), []).append(i)
-            except Exception as exc:  # fsspec's on_error: any error of a path is its result
-                if on_error == "raise":
-                    raise
-                out[i] = exc
-        failed, batch = self._read_ranges(by_path, starts, ends, out, on_error)
-        if failed is not None:  # a version moved or a file went: each path again, alone
-            for path in batch:
-                self.meta.forget(path)
-                exc, _ = self._read_ranges({path: by_path[path]}, starts, ends, out, on_error)
-                if exc is not None:
-                    self.meta.forget(path)
-                    if on_error == "raise":
-                        raise exc
-                    for i in by_path[path]:
-                        out[i] = exc
-        return out
-
-    def _read_ranges(self, by_path: dict[str, list[int]], starts, ends, out: list,
-                     on_error: str) -> tuple[OSError | None, list[str]]:
-        """Fill ``out`` with the ranges of ``by_path`` (path -> indices), every path at one
-        version, the blocks they miss fetched as one batch. Returns the batch's OSError
-        (None if it succeeded) and the paths it read."""
-        requests, where, batch = [], [], []
-        for path, idx in by_path.items():
-            try:
-                meta, seen = self.meta.known_file(path)
-                if meta is None and not seen and len(idx) == 1 \
-                        and self.options.validate != "always" and self.reader.source.tells_versions:
-                    # read cold, its version from its GET (see _read_path)
-                    out[idx[0]] = self.cat_file(path, starts[idx[0]], ends[idx[0]])
-                    continue
-                meta = meta or self.meta.ask_file(path)
-                if meta.size == 0:  # read to its end once (see _read), each range cut from it
-                    data = self.cat_file(path)
-                    for i in idx:
-                        out[i] = data[slice(*clip(starts[i], ends[i], len(data)))]
-                    continue
-            except Exception as exc:  # fsspec's on_error: any error of a path is its result
-                if on_error == "raise":
-                    raise
-                for i in idx:
-                    out[i] = exc
-                continue
-            batch.append(path)
-            for i in idx:
-                requests.append((meta, *clip(starts[i], ends[i], meta.size)))
-                where.append(i)
-        try:
-            results = self.reader.read_many(requests)
-        except OSError as exc:
-            return exc, batch
-        for i, data in zip(where, results):
-            out[i] = data
-        return None, batch
+        """Many ranges in one batch, each path's at one version (see ranges.py)."""
+        return read_ranges(self, paths, starts, ends, on_error)
 
     def cat(self, path, recursive=False, on_error="raise", **kwargs):
         """fsspec's ``cat``, with all the files' misses fetched as one batch."""

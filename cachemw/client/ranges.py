@@ -1,0 +1,87 @@
+"""``cat_ranges`` of the cachemw filesystem: many byte ranges in one call, their misses
+fetched as one batch (to the daemon, and on to owner nodes, together).
+
+The ranges of one path come from one version of it, as a ``cat_file`` of it would: its
+metadata is looked up once per call (a lookup per range, revalidating under ``always``,
+could meet a file replaced between two of them), and if the source moves on during the
+batch, or a file goes, each path of the batch starts over once on its own, with fresh
+metadata. fsspec's ``on_error``: with "return" a path's failure is its ranges' result.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .openfile import clip
+
+if TYPE_CHECKING:
+    from .fs import CacheFileSystem
+
+
+def read_ranges(fs: CacheFileSystem, paths, starts, ends, on_error: str = "return") -> list:
+    """``fs.cat_ranges``: the bytes of each range (or, with on_error="return", its error)."""
+    if not isinstance(starts, list):
+        starts = [starts] * len(paths)
+    if not isinstance(ends, list):
+        ends = [ends] * len(paths)
+    if len(starts) != len(paths) or len(ends) != len(paths):
+        raise ValueError("cat_ranges: paths, starts and ends must have the same length")
+    out: list = [None] * len(paths)
+    by_path: dict[str, list[int]] = {}
+    for i, p in enumerate(paths):
+        try:
+            by_path.setdefault(fs._strip_protocol(p), []).append(i)
+        except Exception as exc:  # fsspec's on_error: any error of a path is its result
+            if on_error == "raise":
+                raise
+            out[i] = exc
+    failed, batch = _read_ranges(fs, by_path, starts, ends, out, on_error)
+    if failed is not None:  # a version moved or a file went: each path again, alone
+        for path in batch:
+            fs.meta.forget(path)
+            exc, _ = _read_ranges(fs, {path: by_path[path]}, starts, ends, out, on_error)
+            if exc is not None:
+                fs.meta.forget(path)
+                if on_error == "raise":
+                    raise exc
+                for i in by_path[path]:
+                    out[i] = exc
+    return out
+
+
+def _read_ranges(fs: CacheFileSystem, by_path: dict[str, list[int]], starts, ends, out: list,
+                 on_error: str) -> tuple[OSError | None, list[str]]:
+    """Fill ``out`` with the ranges of ``by_path`` (path -> indices), every path at one
+    version, the blocks they miss fetched as one batch. Returns the batch's OSError
+    (None if it succeeded) and the paths it read."""
+    requests, where, batch = [], [], []
+    for path, idx in by_path.items():
+        try:
+            meta, seen = fs.meta.known_file(path)
+            if meta is None and not seen and len(idx) == 1 \
+                    and fs.options.validate != "always" and fs.reader.source.tells_versions:
+                # read cold, its version from its GET (fs._read_path)
+                out[idx[0]] = fs.cat_file(path, starts[idx[0]], ends[idx[0]])
+                continue
+            meta = meta or fs.meta.ask_file(path)
+            if meta.size == 0:  # read to its end once (fs._read), each range cut from it
+                data = fs.cat_file(path)
+                for i in idx:
+                    out[i] = data[slice(*clip(starts[i], ends[i], len(data)))]
+                continue
+        except Exception as exc:  # fsspec's on_error: any error of a path is its result
+            if on_error == "raise":
+                raise
+            for i in idx:
+                out[i] = exc
+            continue
+        batch.append(path)
+        for i in idx:
+            requests.append((meta, *clip(starts[i], ends[i], meta.size)))
+            where.append(i)
+    try:
+        results = fs.reader.read_many(requests)
+    except OSError as exc:
+        return exc, batch
+    for i, data in zip(where, results):
+        out[i] = data
+    return None, batch
