@@ -382,3 +382,36 @@ def test_a_block_demoted_while_its_fill_is_in_flight_lands_then_moves(tmp_path):
     node.tier("dram").stage(first, os.urandom(BS), lease)  # its 'filled' note not sent yet
     assert node.lease(second, BS, URL, conn)[:2] == ("fill", "dram")
     assert node._index[first].tier == "nvme" and os.path.exists(node.tier("nvme").block_path(first))
+
+
+@pytest.mark.timeout(30)
+def test_a_demote_of_a_block_whose_fill_has_not_been_written_waits_for_no_one(tmp_path):
+    """The engine demotes a block whose fill is leased but not written yet (its writer
+    may itself be waiting for a lease that needs this very room): the move is put off to
+    the next maintenance pass instead of holding the moves' lock, and so every reader of
+    the node, while it waits (2 s a time, in steps, before). The lease that wanted the
+    room reads on without it; once the fill lands, the move is carried out."""
+    import time
+
+    from cachemw import blockfile
+
+    stored = blockfile.stored_size(BS)
+    node = NodeCache(DaemonConfig(tiers=(
+        TierConfig("dram", str(tmp_path / "dram"), stored, high_watermark=1.0),
+        TierConfig("nvme", str(tmp_path / "nvme"), 8 * stored, high_watermark=1.0)),
+        runtime_dir=str(tmp_path / "rt")))
+    conn = object()
+    first, second = (block_key(URL, "v", i, BS) for i in range(2))
+    kind, tier, lease = node.lease(first, BS, URL, conn)
+    assert (kind, tier) == ("fill", "dram")
+    started = time.monotonic()
+    answer = node.lease(second, BS, URL, object())  # nothing of the first staged yet
+    assert time.monotonic() - started < 1.0
+    assert answer[0] in ("nofill", "fill"), answer
+    assert first in node._deferred and first not in node._index
+    node.filled(first, "dram", node.tier("dram").stage(first, os.urandom(BS), lease), conn, lease)
+    with node._lock:
+        moves, node._pending = node._pending, []
+    node.run_moves(moves)  # the maintenance pass
+    assert node._index[first].tier == "nvme" and first not in node._deferred
+    assert os.path.exists(node.tier("nvme").block_path(first))

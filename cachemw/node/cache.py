@@ -67,6 +67,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         self.claims.clear()  # no lease outlives a daemon, nor the claims that came with them
         self.metrics_url: str | None = None  # the daemon's Prometheus endpoint, if any
         self._pending: list = []  # moves for the maintenance thread (promotions)
+        self._deferred: dict[str, float] = {}  # key -> since when its move waits for its fill
         self._sources: dict[str, tuple] = {}  # announced key -> (length, url, source)
         self._moves_lock = threading.Lock()  # moves run one at a time, in order
         self._wake = threading.Event()

@@ -18,7 +18,7 @@ from .prefetch import run_prefetch
 
 log = logging.getLogger(__name__)
 
-MOVE_WAIT = 2.0  # seconds a move waits for the fill of the block it moves to land
+MOVE_DEFER = 30.0  # seconds a move of a block whose fill is in flight is tried again
 KEEP_ON_STOP = 10.0  # seconds a clean stop may spend copying DRAM's blocks down to NVMe
 
 
@@ -108,7 +108,14 @@ class MoveRunner:
             if entry is not None:
                 self._tiers[entry.tier].tier.delete(move.key)
         elif isinstance(move, (Demote, Promote)):
-            if not self._move_tier(move.key, move.dst):
+            moved = self._move_tier(move.key, move.dst)
+            with self._lock:
+                first = self._deferred.pop(move.key, None) or time.monotonic()
+                if moved is None and time.monotonic() - first < MOVE_DEFER:
+                    self._deferred[move.key] = first  # its fill in flight: again next pass
+                    self._pending.append(move)
+                    return
+            if not moved:
                 self.placer.drop(move.key)
                 self.drop(move.key, "move failed")
         elif isinstance(move, Admit):  # re-admitted by a late hit report: not cached here
@@ -117,15 +124,22 @@ class MoveRunner:
             if not present:
                 self.placer.drop(move.key)
 
-    def _move_tier(self, key: str, dst: str) -> bool:
+    def _move_tier(self, key: str, dst: str) -> bool | None:
+        """Move ``key``'s block to tier ``dst``: True once it is there, False if it cannot
+        be, None if its fill is still in flight (planned while a fill written behind the
+        read had not landed): the move waits for no fill, as it runs under the moves'
+        lock, which the lease of that very fill may need to make its room (a wait here
+        held every reader of the node for its length); it is tried again later."""
         with self._lock:
             entry = self._index.get(key)
             inflight = self._inflight.get(key) if entry is None else None
-        if inflight is not None:  # planned while its fill is in flight (a fill written
-            # behind the read): let it land first, or the block and its room are lost
-            self._wait_for_fill(key, inflight, time.monotonic() + MOVE_WAIT)
+        if inflight is not None:
+            self._land_if_staged(key, inflight)
             with self._lock:
                 entry = self._index.get(key)
+                if entry is None and self._inflight.get(key) is inflight \
+                        and not inflight.cancelled:
+                    return None
         if entry is None:
             return False
         if entry.tier == dst:

@@ -42,6 +42,15 @@ class LeaseWaits:
             step = min(step * 2, 0.01)
         return False
 
+    def _land_if_staged(self, key: str, inflight: Inflight) -> bool:
+        """Publish ``inflight``'s fill now if its block file is staged whole (its note may
+        still be on its way); True if it landed."""
+        try:
+            stored = os.stat(self._tiers[inflight.tier].tier.staged_path(key, inflight.lease)).st_size
+        except FileNotFoundError:
+            return False
+        return stored == inflight.nbytes and self.land(key, inflight, stored)
+
     def _wait_for_fill(self, key: str, inflight: Inflight, deadline: float):
         """Wait for another client's fill: until its lease ends, or until its block is
         staged, then published here. The file can be staged well before the 'filled'
