@@ -365,7 +365,7 @@ def test_a_block_moved_between_tiers_while_written_over_is_not_kept(tmp_path, mo
 @pytest.mark.timeout(30)
 def test_a_block_demoted_while_its_fill_is_in_flight_lands_then_moves(tmp_path):
     """A fill written behind its read is still in flight (staged, not yet noted) when the
-    next miss makes the engine demote it: the move waits for it to land and moves it; it
+    next miss makes the engine demote it: the move lands it (it is staged) and moves it; it
     used to fail, the engine forgot the block, the fill was indexed anyway, and from then
     on every miss was bypassed (the engine saw room the tier did not have)."""
     from cachemw import blockfile
@@ -415,3 +415,33 @@ def test_a_demote_of_a_block_whose_fill_has_not_been_written_waits_for_no_one(tm
     node.run_moves(moves)  # the maintenance pass
     assert node._index[first].tier == "nvme" and first not in node._deferred
     assert os.path.exists(node.tier("nvme").block_path(first))
+
+
+def test_moves_into_a_full_tier_stop_it_admitting_and_say_so_once(tmp_path, monkeypatch, caplog):
+    """Demotions into an NVMe tier out of space: the first says so and stops the tier
+    admitting for a while (as a fill meeting ENOSPC does); the next are not tried."""
+    import errno
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="cachemw")
+    node = NodeCache(DaemonConfig(tiers=(TierConfig("dram", str(tmp_path / "dram"), 1 << 30),
+                                         TierConfig("nvme", str(tmp_path / "nvme"), 1 << 30)),
+                                  runtime_dir=str(tmp_path / "rt")))
+    keys = [block_key(URL, "v", i, BS) for i in range(5)]
+    for key in keys:
+        kind, tier, lease = node.lease(key, BS, URL, object())
+        node.filled(key, "dram", node.tier("dram").stage(key, os.urandom(BS), lease),
+                    node._inflight[key].conn, lease)
+    tries = []
+
+    def full(key, data, lease, tag=b""):
+        tries.append(key)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(node.tier("nvme"), "stage", full)
+    for key in keys:
+        assert node._move_tier(key, "nvme") is False
+    assert len(tries) == 1
+    assert node.stats()["tiers"]["nvme"]["admitting"] is False
+    assert len([r for r in caplog.records if "out of space" in r.getMessage()]) == 1
+    assert all(node._index[k].tier == "dram" for k in keys)  # kept where they were

@@ -7,6 +7,7 @@ A mixin of NodeCache (node.py): it works on the node's index, tiers and locks.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -145,6 +146,8 @@ class MoveRunner:
         if entry.tier == dst:
             return True
         src, lower = self._tiers[entry.tier], self._tiers[dst]
+        if lower.full_until > time.monotonic():  # out of space a moment ago: not tried
+            return False
         lease = next(self._lease_numbers)  # staged, published below (see NodeCache.land)
         try:
             data = _read_whole(src.tier.block_path(key))
@@ -152,8 +155,13 @@ class MoveRunner:
                 return False
             stored = lower.tier.stage(key, data, lease, tag=entry.tag or b"")
         except OSError as exc:
-            log.warning("moving %s from %s to %s failed: %s", key, entry.tier, dst, exc)
             lower.tier.unstage(key, lease)
+            if exc.errno == errno.ENOSPC:  # as a fill meeting it: once, then not for 5 s
+                lower.full_until = time.monotonic() + 5.0
+                log.warning("%s tier %s is out of space; not admitting for 5 s",
+                            lower.config.name, lower.tier.path)
+            else:
+                log.warning("moving %s from %s to %s failed: %s", key, entry.tier, dst, exc)
             return False
         with self._lock:  # dropped or invalidated meanwhile: the copy must not appear
             moved = self._index.get(key) is entry and lower.tier.publish(key, lease)
