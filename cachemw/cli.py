@@ -76,11 +76,22 @@ def cmd_status(args) -> int:
             print(f"node {n['node_id']}: daemon pid {s['pid']}, {_tiers(s)}{_metrics(s)}")
     if not nodes:
         if local is None:
-            print("no cachemw daemon runs (start one with `cachemw start`)")
+            silent = _silent_daemon(_runtime_dir(args))
+            print(silent or "no cachemw daemon runs (start one with `cachemw start`)")
             return 1
         print(f"node {local['node_id']}: daemon pid {local['pid']} (not Ray-managed), "
               f"{_tiers(local)}{_metrics(local)}")
     return 0
+
+
+def _silent_daemon(runtime_dir: str) -> str:
+    """What to say of a daemon that holds the runtime dir's lock (it lives) but did not
+    answer (stopped with SIGSTOP, hung, busy past the timeout); "" if none holds it."""
+    holder = lock_holder(runtime_dir)
+    if not holder or not holder.get("pid"):
+        return ""
+    return (f"a cachemw daemon (pid {holder['pid']}) holds {runtime_dir} but does not answer "
+            f"(stopped or hung?); reads go to the source meanwhile; `cachemw stop` ends it")
 
 
 def _local_stats(args) -> dict | None:
@@ -97,7 +108,10 @@ def cmd_stats(args) -> int:
     if stats is None:
         rt = _runtime_dir(args)
         address = lookup(rt)
-        if address is not None and lock_holder(rt) is None:
+        silent = _silent_daemon(rt)
+        if silent:
+            print(silent, file=sys.stderr)
+        elif address is not None and lock_holder(rt) is None:
             print(f"no cachemw daemon answers in {rt}: the daemon (pid {address.pid}) died; "
                   f"the next process that reads through the cache starts another, "
                   f"`cachemw stop` clears what it left", file=sys.stderr)

@@ -280,6 +280,10 @@ def test_a_hung_daemon_holds_a_reader_for_daemon_timeout(runtime_dir, spawn_daem
         # the first client's reads were not held up either (their leases come behind them,
         # from its fill writer, which waited daemon_timeout): its next miss says so
         assert fs.cat_file(paths[5]) == files[paths[5]]
+        # status names the silent daemon, and does not say that none runs
+        r = cli("status", runtime_dir=runtime_dir)
+        assert r.returncode == 1 and f"pid {daemon.pid}" in r.stdout, (r.stdout, r.stderr)
+        assert "does not answer" in r.stdout and "no cachemw daemon runs" not in r.stdout
     finally:
         os.kill(daemon.pid, signal.SIGCONT)
     warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
