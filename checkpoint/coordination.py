@@ -14,6 +14,7 @@ running (e.g. one that is being refused).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 from typing import Any, Callable
 
@@ -87,8 +88,21 @@ class Coordinator:
         if self.no_dist:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._collective():
+            dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    @contextlib.contextmanager
+    def _collective(self):
+        """A collective of the checkpointer: the backend's error (gloo's "Timed out waiting
+        20000ms for recv", "Connection reset by peer") says what happened on the wire; this
+        says what it means for the checkpoint."""
+        try:
+            yield
+        except RuntimeError as exc:  # torch.distributed's errors are RuntimeErrors
+            raise RuntimeError(
+                f"checkpoint: another rank did not take part (it died, or did not reach this "
+                f"save or load within collective_timeout_s, {self.timeout_s:g} s): {exc}") from exc
 
     def enable_front(self, wanted: bool) -> bool:
         """Agree (calling thread, at construction) whether every rank wants the front group; use it if so.
@@ -110,7 +124,8 @@ class Coordinator:
         if self.front is None:
             raise RuntimeError("front collectives need enable_front() first")
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.front)
+        with self._collective():
+            dist.all_gather_object(out, obj, group=self.front)
         return out
 
     def broadcast(self, obj: Any) -> Any:
@@ -118,7 +133,8 @@ class Coordinator:
         if self.no_dist:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        with self._collective():
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
     def agree(self, error: BaseException | None) -> None:

@@ -224,3 +224,39 @@ def test_ranks_saving_different_steps_are_refused_on_every_rank(tmp_path, fast):
         assert res["steps"] == [1], res  # the step before is kept, nothing partial committed
         assert res["load"] == 1 and res["ok1"], res
         assert res["load3"] == 3 and res["ok3"], res
+
+
+def _absent_main(rank, world, rdv, root, _, out_dir):
+    """Rank 1 fails before the save (caught, and lingers, as a stuck data loader would)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    from cachemw.checkpoint import Checkpointer
+
+    ck = Checkpointer(root, collective_timeout_s=4, chunk_bytes=256 << 10)
+    ck.save(1, state(1.0)).wait(60)
+    res = {"rank": rank}
+    if rank == 1:
+        time.sleep(8)
+        res["save2"] = "absent"
+    else:
+        started = time.monotonic()
+        try:
+            ck.save(2, state(2.0)).wait(60)
+            res["save2"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            res["save2"] = f"{type(exc).__name__}: {exc}"
+        res["after"] = time.monotonic() - started
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    os._exit(0)  # the groups are out of step: no orderly teardown
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_never_reaches_a_save_fails_the_others_within_the_timeout_saying_so(tmp_path):
+    results = run_ranks(tmp_path, 2, tmp_path / "ckpt", "absent", target=_absent_main)
+    assert sorted(results) == [0, 1], results
+    res = results[0]
+    assert res["save2"].startswith("RuntimeError"), res
+    assert "another rank did not take part" in res["save2"] and "collective_timeout_s" in res["save2"], res
+    assert res["after"] < 30, res
