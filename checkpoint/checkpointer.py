@@ -355,7 +355,7 @@ class Checkpointer:
         if name is None:
             return
         for tier in (self.fast, self.root if self.coord.is_coordinator else None):
-            if tier is not None and tier.manifest(name) is None:
+            if tier is not None and not tier.is_committed(name):
                 try:
                     tier.remove(name)
                 except OSError:

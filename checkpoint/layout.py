@@ -167,11 +167,13 @@ class CheckpointDir:
         self.location.remove_tree(SPARE_NAME)
 
     def sweep(self, stale_after_s: float) -> list[str]:
-        """Remove uncommitted directories whose writer is dead (same host) or that are stale."""
+        """Remove uncommitted directories whose writer is dead (same host) or that are stale.
+        A directory with a manifest is committed, even if that manifest is damaged or of a
+        newer format (then it is not loaded, and kept: its chunks may still be sound)."""
         removed = []
         host, now = socket.gethostname(), time.time()
         for _, name in self.step_dirs():
-            if self.manifest(name) is not None:
+            if self.is_committed(name):
                 continue
             try:
                 owner = json.loads(self.location.read_bytes(f"{name}/{OWNER_NAME}"))

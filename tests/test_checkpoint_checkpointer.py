@@ -318,6 +318,13 @@ def test_fast_tier_recycles_its_own_files_in_place(tmp_path):
     assert committed_dirs(fast) == [name]  # the committed in-memory copy stays
 
 
+def gone_pid() -> int:
+    """The pid of a process that has exited."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def _flip_manifest_byte(path, at):
     data = bytearray(path.read_bytes())
     data[at] ^= 1
@@ -336,9 +343,13 @@ def test_a_damaged_manifest_is_never_loaded_and_says_so(tmp_path, caplog):
     assert Checkpointer(str(root)).steps() == [1, 2]
     # which item a chunk belongs to: "a" -> "c", as one flipped bit does ("b" -> "c" too)
     _flip_manifest_byte(newest, newest.read_bytes().index(b'"a') + 1)
+    # its writer's process is gone: what the sweep of uncommitted directories looks for
+    owner = newest.parent / OWNER_NAME
+    owner.write_text(json.dumps({**json.loads(owner.read_text()), "pid": gone_pid(), "started": 0}))
     caplog.set_level("WARNING", logger="cachemw")
-    with Checkpointer(str(root)) as ck:
+    with Checkpointer(str(root)) as ck:  # its sweep keeps the damaged step, whole
         assert ck.steps() == [1]
+        assert newest.exists() and len(list(newest.parent.iterdir())) > 3
         out = {"a": torch.zeros(1000), "b": torch.zeros(1000)}
         assert ck.load(out) == 1
         assert torch.all(out["a"] == 1.0) and torch.all(out["b"] == 2.0)
