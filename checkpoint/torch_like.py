@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import shutil
+import socket
 import uuid
 from typing import Any
 
@@ -70,24 +71,28 @@ def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 def save(obj: Any, path: str | os.PathLike, *, compression: str | None = None, thread_count: int = 2) -> None:
     """Write ``obj`` (any picklable object holding tensors) as a checkpoint directory ``path``.
 
-    On a local filesystem the checkpoint is written beside ``path`` and swapped in whole
-    (files.exchange): a crash or a kill leaves what ``path`` held before, or the new one,
-    never neither. Elsewhere (an object store has no rename) ``path`` is rewritten in
-    place, uncommitted (no manifest) until the new one is whole."""
+    A new checkpoint, or one replacing a checkpoint directory that holds nothing else, on a
+    local filesystem, is written beside ``path`` (a link: beside where it points) and put
+    in its place whole (files.exchange): a crash or a kill leaves the old checkpoint or
+    the new one. Where the filesystem cannot swap (NFS), the old one is set aside for the
+    two renames, and a crash between them leaves it beside ``path`` (``<path>.cachemw-old-
+    ...``), swept by the next save. Anywhere else (an object store, a directory with other files in it, a mount
+    point, a parent we cannot write) ``path`` is rewritten in place, as no checkpoint (no
+    manifest) until the new one is whole."""
     location = as_location(path)
-    if not location.local:
+    final = os.path.realpath(location.path) if location.local else None
+    if final is None or not _swappable(final):
         _write(obj, location, compression, thread_count)
         return
-    final = location.path
     _sweep_beside(final)
-    staged = f"{final}.cachemw-new-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staged = f"{final}.cachemw-new-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _write(obj, as_location(staged), compression, thread_count)
         if not os.path.lexists(final):
             os.rename(staged, final)
             return
-        if not exchange(staged, final):  # no atomic swap here: the old one aside, briefly
-            aside = f"{final}.cachemw-old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        if not exchange(staged, final):
+            aside = f"{final}.cachemw-old-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.rename(final, aside)
             os.rename(staged, final)
             staged = aside
@@ -95,16 +100,40 @@ def save(obj: Any, path: str | os.PathLike, *, compression: str | None = None, t
         _remove(staged)
 
 
+_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())
+_OURS = re.compile(r"(__\d+_\d+\.distcp|\.metadata|" + re.escape(MANIFEST_NAME) + r"|.*\.tmp)")
+
+
+def _swappable(final: str) -> bool:
+    """Can a new checkpoint be written beside ``final`` and swapped in? Only over nothing,
+    or over a checkpoint directory holding only its own files, on the same filesystem as
+    its parent (not a mount point), in a parent we may write."""
+    parent = os.path.dirname(final) or "."
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return False
+    if not os.path.lexists(final):
+        return True
+    try:
+        if not os.path.isdir(final) or os.stat(final).st_dev != os.stat(parent).st_dev:
+            return False
+        names = os.listdir(final)
+    except OSError:
+        return False
+    return MANIFEST_NAME in names and all(_OURS.fullmatch(n) for n in names)
+
+
 def _sweep_beside(final: str) -> None:
     """Remove what saves killed before their swap left beside ``final`` (a checkpoint being
-    written, or the old one set aside): the directories named by a process that is gone."""
+    written, or the old one set aside): the directories named by a process of this host
+    that is gone."""
     parent, name = os.path.split(final)
     try:
         entries = os.listdir(parent or ".")
     except OSError:
         return
+    pattern = re.escape(name) + r"\.cachemw-(?:new|old)-" + re.escape(_HOST) + r"-(\d+)-[0-9a-f]{8}"
     for entry in entries:
-        m = re.fullmatch(re.escape(name) + r"\.cachemw-(?:new|old)-(\d+)-[0-9a-f]{8}", entry)
+        m = re.fullmatch(pattern, entry)
         if m and not process_alive(int(m.group(1))):
             _remove(os.path.join(parent, entry))
 

@@ -326,3 +326,28 @@ def test_a_save_over_a_checkpoint_killed_midway_leaves_one_whole_version(tmp_pat
         save({"w": torch.full((4_000_000,), 1.0), "v": 1}, path)  # back to the old one
         # what a killed save left beside the path is swept by the next save
         assert [p.name for p in tmp_path.iterdir()] == ["final"]
+
+
+def test_a_save_into_a_directory_with_other_files_keeps_them(tmp_path):
+    """Only a checkpoint directory that holds nothing else is replaced whole: a save into a
+    run directory with other files writes in place, as before, and keeps them; a link is
+    saved through; a regular file in the way is an error, not replaced."""
+    from cachemw.checkpoint import load, save
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    save({"x": torch.arange(4)}, str(run))
+    save({"x": torch.arange(5)}, str(run))
+    assert (run / "config.json").read_text() == "{}"
+    assert torch.equal(load(str(run))["x"], torch.arange(5))
+    real = tmp_path / "real"
+    save({"x": torch.arange(6)}, str(real))
+    (tmp_path / "latest").symlink_to(real)
+    save({"x": torch.arange(7)}, str(tmp_path / "latest"))
+    assert (tmp_path / "latest").is_symlink()
+    assert torch.equal(load(str(real))["x"], torch.arange(7))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "real", "run"]
+    (tmp_path / "model.pt").write_bytes(b"a torch.save file")
+    with pytest.raises(OSError):
+        save({"x": torch.arange(8)}, str(tmp_path / "model.pt"))
+    assert (tmp_path / "model.pt").read_bytes() == b"a torch.save file"
