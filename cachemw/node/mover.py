@@ -146,8 +146,6 @@ class MoveRunner:
         if entry.tier == dst:
             return True
         src, lower = self._tiers[entry.tier], self._tiers[dst]
-        if lower.full_until > time.monotonic():  # out of space a moment ago: not tried
-            return False
         lease = next(self._lease_numbers)  # staged, published below (see NodeCache.land)
         try:
             data = _read_whole(src.tier.block_path(key))
@@ -156,10 +154,11 @@ class MoveRunner:
             stored = lower.tier.stage(key, data, lease, tag=entry.tag or b"")
         except OSError as exc:
             lower.tier.unstage(key, lease)
-            if exc.errno == errno.ENOSPC:  # as a fill meeting it: once, then not for 5 s
+            if exc.errno == errno.ENOSPC:  # as a fill meeting it: said once while it lasts
+                if lower.full_until <= time.monotonic():
+                    log.warning("%s tier %s is out of space; not admitting for 5 s",
+                                lower.config.name, lower.tier.path)
                 lower.full_until = time.monotonic() + 5.0
-                log.warning("%s tier %s is out of space; not admitting for 5 s",
-                            lower.config.name, lower.tier.path)
             else:
                 log.warning("moving %s from %s to %s failed: %s", key, entry.tier, dst, exc)
             return False
