@@ -144,8 +144,9 @@ def _read_exact(fd: int, n: int) -> bytes:
     return b"".join(parts)
 
 
-def read_block(path: str, length: int, page_size: int = PAGE_SIZE) -> bytes | None:
-    """The whole block at ``path`` (``length`` data bytes), verified; None if absent."""
+def read_block(path: str, length: int, page_size: int = PAGE_SIZE, key: str | None = None) -> bytes | None:
+    """The whole block at ``path`` (``length`` data bytes), verified; None if absent.
+    ``key``: the block's, where the caller has it (else it is read off the file's name)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -165,12 +166,14 @@ def read_block(path: str, length: int, page_size: int = PAGE_SIZE) -> bytes | No
         os.close(fd)
     if len(data) != length:
         raise CorruptBlock(f"{path}: block truncated ({len(data)} of {length} bytes)")
-    if _hash(data) != _check_tail(tail, at, length, page_size, path, path_key(path)):
+    named = path_key(path) if key is None else key_id(key)
+    if _hash(data) != _check_tail(tail, at, length, page_size, path, named):
         raise CorruptBlock(f"{path}: checksum mismatch")
     return data
 
 
-def read_range(path: str, length: int, start: int, end: int, page_size: int = PAGE_SIZE) -> bytes | None:
+def read_range(path: str, length: int, start: int, end: int, page_size: int = PAGE_SIZE,
+               key: str | None = None) -> bytes | None:
     """Bytes ``[start, end)`` of the block at ``path``, verifying only the pages touched.
 
     It reads the trailer and just the checksums of those pages (not the whole table, which
@@ -178,7 +181,7 @@ def read_range(path: str, length: int, start: int, end: int, page_size: int = PA
     mismatch of its page, a damaged trailer or a file of the wrong size as a bad trailer.
     """
     if start <= 0 and end >= length:
-        return read_block(path, length, page_size)
+        return read_block(path, length, page_size, key)
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -200,7 +203,8 @@ def read_range(path: str, length: int, start: int, end: int, page_size: int = PA
     magic, fmt, dlen, psize, npg, *_, named = _TRAILER.unpack(trailer)
     if magic != MAGIC or fmt != FORMAT_VERSION or (dlen, psize, npg) != (length, page_size, n):
         raise CorruptBlock(f"{path}: not a cachemw block of {length} bytes (bad trailer)")
-    if named != path_key(path):  # the trailer is not hashed here: a damaged key fails too
+    # (the trailer is not hashed here: a damaged key field fails this check too)
+    if named != (path_key(path) if key is None else key_id(key)):
         raise CorruptBlock(f"{path}: the file holds another block (its trailer names key "
                            f"{named.hex()})")
     if len(data) != want or len(sums) != 8 * (last - first + 1):
@@ -231,18 +235,19 @@ def data_hash(fd: int, key: str, length: int, page_size: int = PAGE_SIZE) -> int
     return dhash
 
 
-def read_tag(path: str) -> bytes:
-    """The tag recorded in a block file's trailer (b"" for a file that is no block)."""
+def read_tag(path: str) -> bytes | None:
+    """The tag recorded in a block file's trailer; None for a file that is no block of this
+    format (another file, a block an older version wrote, one that cannot be read)."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < TRAILER_SIZE:
-                return b""
+                return None
             trailer = os.pread(f.fileno(), TRAILER_SIZE, size - TRAILER_SIZE)
     except OSError:
-        return b""
+        return None
     magic, fmt, *_, tag, _ = _TRAILER.unpack(trailer)
-    return tag if magic == MAGIC and fmt == FORMAT_VERSION else b""
+    return tag if magic == MAGIC and fmt == FORMAT_VERSION else None
 
 
 def write_block(path: str, data: bytes | memoryview, page_size: int = PAGE_SIZE,
@@ -257,7 +262,7 @@ def write_block(path: str, data: bytes | memoryview, page_size: int = PAGE_SIZE,
     return len(data) + len(tail)
 
 
-def map_block(path: str, length: int) -> memoryview | None:
+def map_block(path: str, length: int, key: str | None = None) -> memoryview | None:
     """The data of the whole block at ``path``, verified, as a view of the file mapped into
     memory; None if absent. For joining blocks into one large read: their bytes go
     from the page cache straight into the result, instead of through a fresh buffer per
@@ -278,7 +283,8 @@ def map_block(path: str, length: int) -> memoryview | None:
         os.close(fd)
     whole = memoryview(mm)
     try:  # the tail as read_block checks it (the page table's own hash included)
-        dhash = _check_tail(whole, length, length, PAGE_SIZE, path, path_key(path))
+        dhash = _check_tail(whole, length, length, PAGE_SIZE, path,
+                            path_key(path) if key is None else key_id(key))
         view = whole[:length]
         if _hash(view) != dhash:
             view.release()

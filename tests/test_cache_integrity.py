@@ -151,7 +151,8 @@ def test_damaged_block_detected_dropped_refetched(make_cache_fs, runtime_dir, tm
 
 
 def test_foreign_files_in_a_tier_are_ignored_on_restart(runtime_dir, spawn_daemon, tmp_path):
-    """A daemon re-indexing its tier skips what is not a block and sweeps crashed fills."""
+    """A daemon re-indexing its tier skips what is not a block, sweeps crashed fills and
+    removes blocks of an older format (an upgrade), none of them counted as corrupt."""
     dram = os.path.join(runtime_dir, "dram")
     proc = spawn_daemon(runtime_dir)
     import fsspec
@@ -169,6 +170,11 @@ def test_foreign_files_in_a_tier_are_ignored_on_restart(runtime_dir, spawn_daemo
     stray_tmp = os.path.join(dram, "cd", "cd" + "0" * 30 + ".123.abcd.tmp")
     with open(stray_tmp, "wb") as f:
         f.write(b"partial fill")
+    older = os.path.join(dram, "ef", "ef" + "1" * 30)  # a block an older version wrote
+    blockfile.write_block(older, os.urandom(5000))
+    with open(older, "r+b") as f:  # its trailer's format field
+        f.seek(os.path.getsize(older) - blockfile.TRAILER_SIZE + 4)
+        f.write((blockfile.FORMAT_VERSION - 1).to_bytes(4, "little"))
     proc.kill()
     proc.wait(10)
     spawn_daemon(runtime_dir)
@@ -176,6 +182,8 @@ def test_foreign_files_in_a_tier_are_ignored_on_restart(runtime_dir, spawn_daemo
     assert stats["counters"]["reindexed"] == 2
     assert stats["tiers"]["dram"]["blocks"] == 2
     assert not os.path.exists(stray_tmp)
+    assert not os.path.exists(older)  # removed at the start, not indexed, not "corrupt"
+    assert stats["counters"]["corrupt_repaired"] == 0
     fresh = fsspec.filesystem("cachemw", target_protocol="file", block_size=BS, autostart=False,
                               runtime_dir=runtime_dir, skip_instance_cache=True)
     assert fresh.cat_file(path) == data

@@ -71,13 +71,13 @@ class DirectoryTier:
     def get(self, key: str, length: int, start: int = 0, end: int | None = None) -> bytes | None:
         path = f"{self.path}/{key[:2]}/{key}"
         if start == 0 and (end is None or end >= length):
-            return blockfile.read_block(path, length)
-        return blockfile.read_range(path, length, start, length if end is None else end)
+            return blockfile.read_block(path, length, key=key)
+        return blockfile.read_range(path, length, start, length if end is None else end, key=key)
 
     def view(self, key: str, length: int) -> memoryview | None:
         """The whole block of ``key``, verified, as a view of its mapped file (see
         blockfile.map_block); None if absent."""
-        return blockfile.map_block(f"{self.path}/{key[:2]}/{key}", length)
+        return blockfile.map_block(f"{self.path}/{key[:2]}/{key}", length, key)
 
     def put(self, key: str, data: bytes, tag: bytes = b"") -> int:
         return blockfile.write_block(self.block_path(key), data, tag=tag)
@@ -124,7 +124,9 @@ class DirectoryTier:
 
     def scan(self) -> Iterator[BlockEntry]:
         """Blocks on disk; leftover temp and staged files of fills whose writer or lease
-        died (the daemon is starting: no lease is held) are removed on the way."""
+        died (the daemon is starting: no lease is held), and files under a block's name
+        that are no block of this format (an older version's, after an upgrade), are
+        removed on the way."""
         for sub in _FANOUT:
             d = os.path.join(self.path, sub)
             try:
@@ -145,8 +147,11 @@ class DirectoryTier:
                         st = entry.stat()
                     except FileNotFoundError:
                         continue
-                    yield BlockEntry(entry.name, st.st_size, max(st.st_atime, st.st_mtime),
-                                     blockfile.read_tag(entry.path))
+                    tag = blockfile.read_tag(entry.path)
+                    if tag is None:  # under a block's name, no block of this format (one
+                        self.delete(entry.name)  # an older version wrote): not served,
+                        continue  # nor counted as corrupt; its room is freed
+                    yield BlockEntry(entry.name, st.st_size, max(st.st_atime, st.st_mtime), tag)
 
     def clear(self) -> int:
         """Delete every block file (and leftover temp file) of this tier; nothing else.
