@@ -91,7 +91,7 @@ def _silent_daemon(runtime_dir: str) -> str:
     if not holder or not holder.get("pid"):
         return ""
     return (f"a cachemw daemon (pid {holder['pid']}) holds {runtime_dir} but does not answer "
-            f"(stopped or hung?); reads go to the source meanwhile; `cachemw stop` ends it")
+            f"(starting, stopping, stopped or hung?); reads go to the source meanwhile; `cachemw stop` ends it")
 
 
 def _local_stats(args) -> dict | None:

@@ -100,9 +100,14 @@ class Coordinator:
         try:
             yield
         except RuntimeError as exc:  # torch.distributed's errors are RuntimeErrors
-            raise RuntimeError(
-                f"checkpoint: another rank did not take part (it died, or did not reach this "
-                f"save or load within collective_timeout_s, {self.timeout_s:g} s): {exc}") from exc
+            text = (f"checkpoint: a collective with the other ranks failed (a rank died, or did "
+                    f"not reach this save or load within collective_timeout_s, "
+                    f"{self.timeout_s:g} s?): {exc}")
+            try:  # the same type (DistBackendError, ...), for callers that catch it
+                wrapped = type(exc)(text)
+            except Exception:  # noqa: BLE001 - a type that takes other arguments
+                wrapped = RuntimeError(text)
+            raise wrapped from exc
 
     def enable_front(self, wanted: bool) -> bool:
         """Agree (calling thread, at construction) whether every rank wants the front group; use it if so.

@@ -452,6 +452,7 @@ def test_a_daemon_killed_while_it_starts_is_said_so_and_not_remembered(runtime_d
         t.start()
         try:
             address = spawn_detached(runtime_dir, wait=20)
+            assert address is not None, "the daemon neither started nor failed within 20 s"
         except DaemonStartError as exc:
             err = exc
             break

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .openfile import clip
+from ..tiers.source import ChangedSourceError
 
 if TYPE_CHECKING:
     from .fs import CacheFileSystem
@@ -35,12 +36,15 @@ def read_ranges(fs: CacheFileSystem, paths, starts, ends, on_error: str = "retur
                 raise
             out[i] = exc
     failed, batch = _read_ranges(fs, by_path, starts, ends, out, on_error)
-    if failed is not None:  # a version moved or a file went: each path again, alone
+    if failed is not None:  # each path again, alone (fresh metadata if a version moved)
+        stale = isinstance(failed, (ChangedSourceError, FileNotFoundError))
         for path in batch:
-            fs.meta.forget(path)
+            if stale:
+                fs.meta.forget(path)
             exc, _ = _read_ranges(fs, {path: by_path[path]}, starts, ends, out, on_error)
             if exc is not None:
-                fs.meta.forget(path)
+                if isinstance(exc, (ChangedSourceError, FileNotFoundError)):
+                    fs.meta.forget(path)
                 if on_error == "raise":
                     raise exc
                 for i in by_path[path]:

@@ -101,7 +101,7 @@ class NodeService:
         on the node, of this job or the next, starts warm); an autostarted daemon then frees
         its DRAM tier, before it lets go of the lock (a successor re-indexes the tiers as
         soon as it has the lock). ``orphaned``: the tiers may be a successor's by now, so
-        they are left as they are."""
+        they are left as they are, DRAM too unless no successor holds the runtime dir."""
         if self.stopped.is_set():
             return
         self.stopped.set()
@@ -112,7 +112,9 @@ class NodeService:
         self.node.close()
         if not orphaned:
             self.node.keep_on_stop()
-        if self.free_dram_at_exit and not orphaned:  # /dev/shm is the node's RAM, shared with other jobs
+        # /dev/shm is the node's RAM, shared with other jobs; orphaned: freed only if no
+        # successor holds the runtime dir (it may serve the same tier by now)
+        if self.free_dram_at_exit and (not orphaned or not lock_holder(self.config.runtime_dir)):
             for tier in self.config.tiers:
                 if tier.name == "dram":
                     freed = free_dram(tier.path)
