@@ -75,10 +75,10 @@ def save(obj: Any, path: str | os.PathLike, *, compression: str | None = None, t
     local filesystem, is written beside ``path`` (a link: beside where it points) and put
     in its place whole (files.exchange): a crash or a kill leaves the old checkpoint or
     the new one. Where the filesystem cannot swap (NFS), the old one is set aside for the
-    two renames, and a crash between them leaves it beside ``path`` (``<path>.cachemw-old-
-    ...``), swept by the next save. Anywhere else (an object store, a directory with other files in it, a mount
-    point, a parent we cannot write) ``path`` is rewritten in place, as no checkpoint (no
-    manifest) until the new one is whole."""
+    two renames; a crash between them leaves it beside ``path`` (``<path>.cachemw-old-...``),
+    and the next save puts it back first. Anywhere else (an object store, a directory with
+    other files in it, a mount point, a parent we cannot write) ``path`` is rewritten in
+    place, as no checkpoint (no manifest) until the new one is whole."""
     location = as_location(path)
     final = os.path.realpath(location.path) if location.local else None
     if final is None or not _swappable(final):
@@ -123,18 +123,22 @@ def _swappable(final: str) -> bool:
 
 
 def _sweep_beside(final: str) -> None:
-    """Remove what saves killed before their swap left beside ``final`` (a checkpoint being
-    written, or the old one set aside): the directories named by a process of this host
-    that is gone."""
+    """Clear up after saves killed before their swap, by gone processes of this host: a
+    checkpoint being written beside ``final`` is removed; an old one set aside is put back
+    if ``final`` is missing (killed between the two renames), else removed."""
     parent, name = os.path.split(final)
     try:
-        entries = os.listdir(parent or ".")
+        entries = sorted(os.listdir(parent or "."))
     except OSError:
         return
-    pattern = re.escape(name) + r"\.cachemw-(?:new|old)-" + re.escape(_HOST) + r"-(\d+)-[0-9a-f]{8}"
+    pattern = re.escape(name) + r"\.cachemw-(new|old)-" + re.escape(_HOST) + r"-(\d+)-[0-9a-f]{8}"
     for entry in entries:
         m = re.fullmatch(pattern, entry)
-        if m and not process_alive(int(m.group(1))):
+        if not m or process_alive(int(m.group(2))):
+            continue
+        if m.group(1) == "old" and not os.path.lexists(final):
+            os.rename(os.path.join(parent, entry), final)
+        else:
             _remove(os.path.join(parent, entry))
 
 
@@ -166,6 +170,8 @@ def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     location = as_location(path)
+    if location.local and not os.path.lexists(location.path):  # a save killed mid-swap
+        _sweep_beside(os.path.realpath(location.path))  # left the old one beside it
     # checked here, so that a missing or damaged manifest is its own clear error (DCP's
     # loader turns any failure to read metadata into an AssertionError)
     if read_manifest(location) is None:

@@ -351,3 +351,25 @@ def test_a_save_into_a_directory_with_other_files_keeps_them(tmp_path):
     with pytest.raises(OSError):
         save({"x": torch.arange(8)}, str(tmp_path / "model.pt"))
     assert (tmp_path / "model.pt").read_bytes() == b"a torch.save file"
+
+
+def test_where_directories_cannot_be_swapped_the_old_one_is_set_aside_and_put_back(
+        tmp_path, monkeypatch):
+    """Without RENAME_EXCHANGE (NFS) the old checkpoint is set aside for two renames; a
+    save killed between them leaves it beside the path, and a load or the next save puts
+    it back."""
+    import socket as socket_module
+
+    import cachemw.checkpoint.torch_like as torch_like
+    from cachemw.checkpoint import load, save
+    monkeypatch.setattr(torch_like, "exchange", lambda a, b: False)
+    path = tmp_path / "final"
+    save({"v": 1}, str(path))
+    save({"v": 2}, str(path))
+    assert load(str(path))["v"] == 2 and [p.name for p in tmp_path.iterdir()] == ["final"]
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # a pid that is gone: the killed save's
+    host = re.sub(r"[^A-Za-z0-9_]", "_", socket_module.gethostname())
+    os.rename(path, tmp_path / f"final.cachemw-old-{host}-{proc.pid}-0123abcd")
+    assert load(str(path))["v"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["final"]
