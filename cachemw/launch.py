@@ -29,6 +29,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 from .config import DaemonConfig
@@ -198,6 +199,8 @@ def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: 
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
                     start_new_session=True, pass_fds=(lock.fd, write_end),
                 )
+            # it is our child until we exit: reaped as soon as it ends, not left a zombie
+            threading.Thread(target=proc.wait, name="cachemw-daemon-reaper", daemon=True).start()
         finally:
             os.close(write_end)
     except BaseException:  # the lock goes whatever failed, even Ctrl-C; re-raised

@@ -210,6 +210,8 @@ def test_a_daemon_whose_runtime_dir_is_removed_exits_and_leaves_the_next_one_alo
     fs, address, dram = autostarted(runtime_dir, dataset, reap_daemons)
     shutil.rmtree(runtime_dir)
     wait_for(lambda: gone(address.pid), 10, what="the orphaned daemon to exit")
+    # reaped by the process that started it (this one), not left a zombie under it
+    wait_for(lambda: process_state(address.pid) is None, 5, what="the daemon to be reaped")
     _, files = dataset
     paths = sorted(files)
     late = new_fs(runtime_dir)
