@@ -57,6 +57,12 @@ def path_key(path: str) -> bytes:
     return key_id(path[path.rfind("/") + 1:].partition(".")[0])
 
 
+def _expected_key(path: str, key: str | None) -> bytes:
+    """What a read of the block file ``path`` expects its trailer to name: ``key`` where
+    the caller has it, else the key its name gives."""
+    return path_key(path) if key is None else key_id(key)
+
+
 def n_pages(length: int, page_size: int = PAGE_SIZE) -> int:
     return max(1, -(-length // page_size))
 
@@ -166,8 +172,7 @@ def read_block(path: str, length: int, page_size: int = PAGE_SIZE, key: str | No
         os.close(fd)
     if len(data) != length:
         raise CorruptBlock(f"{path}: block truncated ({len(data)} of {length} bytes)")
-    named = path_key(path) if key is None else key_id(key)
-    if _hash(data) != _check_tail(tail, at, length, page_size, path, named):
+    if _hash(data) != _check_tail(tail, at, length, page_size, path, _expected_key(path, key)):
         raise CorruptBlock(f"{path}: checksum mismatch")
     return data
 
@@ -204,7 +209,7 @@ def read_range(path: str, length: int, start: int, end: int, page_size: int = PA
     if magic != MAGIC or fmt != FORMAT_VERSION or (dlen, psize, npg) != (length, page_size, n):
         raise CorruptBlock(f"{path}: not a cachemw block of {length} bytes (bad trailer)")
     # (the trailer is not hashed here: a damaged key field fails this check too)
-    if named != (path_key(path) if key is None else key_id(key)):
+    if named != _expected_key(path, key):
         raise CorruptBlock(f"{path}: the file holds another block (its trailer names key "
                            f"{named.hex()})")
     if len(data) != want or len(sums) != 8 * (last - first + 1):
@@ -283,8 +288,7 @@ def map_block(path: str, length: int, key: str | None = None) -> memoryview | No
         os.close(fd)
     whole = memoryview(mm)
     try:  # the tail as read_block checks it (the page table's own hash included)
-        dhash = _check_tail(whole, length, length, PAGE_SIZE, path,
-                            path_key(path) if key is None else key_id(key))
+        dhash = _check_tail(whole, length, length, PAGE_SIZE, path, _expected_key(path, key))
         view = whole[:length]
         if _hash(view) != dhash:
             view.release()

@@ -51,9 +51,7 @@ def check_runtime_dir(path, name: str = "runtime_dir") -> str:
     """
     if not isinstance(path, str) or not path:
         raise ValueError(f"{name}: an absolute directory path is required, got {path!r}")
-    if "\0" in path or not os.path.isabs(path):
-        raise ValueError(f"{name}: must be an absolute path, got {path!r} (it would "
-                         f"depend on each process's working directory)")
+    _check_absolute(path, name)
     sock = os.path.join(path, SOCKET_NAME)
     if len(os.fsencode(sock)) >= SOCKET_PATH_MAX:
         raise ValueError(f"{name}: the daemon's socket {sock} would be "
@@ -61,6 +59,14 @@ def check_runtime_dir(path, name: str = "runtime_dir") -> str:
                          f"limit of a Unix socket path (NUL included); choose a shorter "
                          f"runtime dir")
     return path
+
+
+def _check_absolute(path: str, name: str) -> None:
+    """Relative paths are refused: every process of a node (DataLoader workers started in
+    another working directory, the CLI, the daemon) must name the same directory."""
+    if "\0" in path or not os.path.isabs(path):
+        raise ValueError(f"{name}: must be an absolute path, got {path!r} (it would "
+                         f"depend on each process's working directory)")
 
 
 def check_seconds(value, name: str, *, zero_ok: bool = False) -> float:
@@ -292,12 +298,12 @@ class DaemonConfig:
 
 
 def _absolute(path, name: str) -> str | None:
-    """A tier directory: an absolute path (a relative one would name a different directory
-    from each working directory, and the daemon's is not the reader's); None if unset."""
+    """A tier directory, absolute (see _check_absolute); None if unset."""
     if path is None or path == "":
         return None
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isabs(os.fspath(path)):
+    if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"{name}: must be an absolute path, got {path!r}")
+    _check_absolute(os.fspath(path), name)
     return os.fspath(path)
 
 

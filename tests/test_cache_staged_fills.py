@@ -362,19 +362,24 @@ def test_a_block_moved_between_tiers_while_written_over_is_not_kept(tmp_path, mo
         assert not os.path.exists(t.block_path(KEY)) and not staged_files(t, KEY)
 
 
+def _one_block_of_dram_over_nvme(tmp_path) -> NodeCache:
+    """A node whose DRAM tier holds one block of BS (the next fill demotes it) over NVMe."""
+    from cachemw import blockfile
+
+    stored = blockfile.stored_size(BS)
+    return NodeCache(DaemonConfig(tiers=(
+        TierConfig("dram", str(tmp_path / "dram"), stored, high_watermark=1.0),
+        TierConfig("nvme", str(tmp_path / "nvme"), 8 * stored, high_watermark=1.0)),
+        runtime_dir=str(tmp_path / "rt")))
+
+
 @pytest.mark.timeout(30)
 def test_a_block_demoted_while_its_fill_is_in_flight_lands_then_moves(tmp_path):
     """A fill written behind its read is still in flight (staged, not yet noted) when the
     next miss makes the engine demote it: the move lands it (it is staged) and moves it; it
     used to fail, the engine forgot the block, the fill was indexed anyway, and from then
     on every miss was bypassed (the engine saw room the tier did not have)."""
-    from cachemw import blockfile
-
-    stored = blockfile.stored_size(BS)
-    node = NodeCache(DaemonConfig(tiers=(
-        TierConfig("dram", str(tmp_path / "dram"), stored, high_watermark=1.0),
-        TierConfig("nvme", str(tmp_path / "nvme"), 8 * stored, high_watermark=1.0)),
-        runtime_dir=str(tmp_path / "rt")))
+    node = _one_block_of_dram_over_nvme(tmp_path)
     conn = object()
     first, second = (block_key(URL, "v", i, BS) for i in range(2))
     kind, tier, lease = node.lease(first, BS, URL, conn)
@@ -391,15 +396,7 @@ def test_a_demote_of_a_block_whose_fill_has_not_been_written_waits_for_no_one(tm
     the next maintenance pass instead of holding the moves' lock, and so every reader of
     the node, while it waits (2 s a time, in steps, before). The lease that wanted the
     room reads on without it; once the fill lands, the move is carried out."""
-    import time
-
-    from cachemw import blockfile
-
-    stored = blockfile.stored_size(BS)
-    node = NodeCache(DaemonConfig(tiers=(
-        TierConfig("dram", str(tmp_path / "dram"), stored, high_watermark=1.0),
-        TierConfig("nvme", str(tmp_path / "nvme"), 8 * stored, high_watermark=1.0)),
-        runtime_dir=str(tmp_path / "rt")))
+    node = _one_block_of_dram_over_nvme(tmp_path)
     conn = object()
     first, second = (block_key(URL, "v", i, BS) for i in range(2))
     kind, tier, lease = node.lease(first, BS, URL, conn)
