@@ -31,10 +31,10 @@ from cachemw.node_daemon import node_daemon
 from . import watch as watch_channel
 from .background import niceness, run_at
 from .chunk_plan import DEFAULT_CHUNK_BYTES
-from .coordination import Coordinator, check_same_step, report
+from .coordination import Coordinator, check_same_step, report, same_type
 from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
-from .errors import CheckpointBusyError, ChecksumError, CheckpointNotFoundError
+from .errors import CheckpointBusyError, CheckpointNotFoundError
 from .handle import SaveHandle
 from .layout import CheckpointDir, step_dir_name
 from .notes import note_begin, note_end
@@ -109,11 +109,7 @@ def unwrap(exc: CheckpointException, world_size: int) -> Exception:
     if world_size == 1 and isinstance(first, Exception):
         return first
     text = f"checkpoint failed on rank(s) {sorted(failures)}; rank {rank}: {type(first).__name__}: {first}"
-    if isinstance(first, ChecksumError):
-        return ChecksumError(text)
-    if isinstance(first, OSError):
-        return OSError(first.errno, text)
-    return RuntimeError(text)
+    return same_type(report(first), text) if isinstance(first, Exception) else RuntimeError(text)
 
 
 def daemon_fast_root(root: str) -> str | None:
@@ -259,7 +255,7 @@ class Checkpointer:
             raise errors[0]
 
     def _run(self, step: int, staged: dict | None, handle: SaveHandle, prepared: FastSnapshot | None = None,
-             failure: str | None = None) -> None:
+             failure: tuple | None = None) -> None:
         """The background half of a save; ``staged`` None: this rank refused (busy) or failed (``failure``)."""
         name = None
         try:
@@ -267,10 +263,7 @@ class Checkpointer:
                 gathered = self.coord.all_gather(("ok" if staged is not None else failure or "busy",
                                                   step))
                 votes = [v for v, _ in gathered]
-                failed = [(r, v) for r, v in enumerate(votes) if v not in ("ok", "busy")]
-                if failed:
-                    raise RuntimeError(f"checkpoint failed on rank(s) {[r for r, _ in failed]}; "
-                                       f"rank {failed[0][0]}: {failed[0][1]}")
+                self.coord.raise_if_failed([v if isinstance(v, tuple) else None for v in votes], None)
                 check_same_step(step, [s for _, s in gathered])
                 refused = [r for r, v in enumerate(votes) if v == "busy"]
                 if refused:
@@ -390,7 +383,7 @@ class Checkpointer:
         """Load in place into ``state`` (newest committed step by default); return the step.
 
         If the fast-tier copy fails under the reader (the trainer's next save recycles its files
-        once the step is committed at the root), the step is loaded again from the root, whole,
+        once the step is committed at the root, or a file is damaged), the step is loaded again from the root, whole,
         so ``state`` never keeps bytes of two steps; the root is checked again at that point,
         since a step chosen while in memory only is committed there before it is recycled.
         """
@@ -425,6 +418,8 @@ class Checkpointer:
                 # reports that as an AssertionError in one process; the root copy is intact.
                 # DCP fails every rank alike, so every rank is here and takes part in the broadcast.
                 error = unwrap(exc, self.coord.world_size) if isinstance(exc, CheckpointException) else exc
+                if tier is self.fast and not self._fast_copy_failed(name, error):
+                    raise error from None  # the state's fault (a shape that differs): the root's copy is no better
                 if tier is self.fast and not at_root:
                     at_root = bool(self.coord.broadcast(self.root.is_committed(name)
                                                         if self.coord.is_coordinator else None))
@@ -436,6 +431,14 @@ class Checkpointer:
                             error, tiers[0].location.url, exc_info=True)
         apply_loaded(state, loaded)
         return step
+
+    def _fast_copy_failed(self, name: str, error: BaseException) -> bool:
+        """True on every rank if the fast tier's copy of ``name`` failed the load on some rank:
+        a read error there (a damaged or vanished file: DCP's AssertionError in one process),
+        or the copy is no longer complete (recycled by the next save). Not a ValueError of a
+        copy still whole, e.g. a tensor whose shape differs from the saved one."""
+        failed = isinstance(error, (OSError, AssertionError)) or not self.fast.complete(name)
+        return any(self.coord.all_gather(failed))
 
     def watch(self, state: dict, *, poll_interval: float | None = None, after: int | None = -1,
               timeout: float | None = None) -> Iterator[int]:

@@ -14,8 +14,10 @@ running (e.g. one that is being refused).
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import datetime
+import sys
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -33,9 +35,34 @@ def check_same_step(step: int, steps: list) -> None:
                          "every rank must save the same step")
 
 
-def report(error: BaseException | None) -> str | None:
-    """What a rank tells the others about its local failure (None: no failure)."""
-    return None if error is None else f"{type(error).__name__}: {error}"
+def report(error: BaseException | None) -> tuple | None:
+    """What a rank tells the others about its local failure (None: no failure): the class's
+    module and name, the errno of an OSError, and the text, so that every rank can raise the
+    same type."""
+    if error is None:
+        return None
+    return (type(error).__module__, type(error).__qualname__, getattr(error, "errno", None),
+            f"{type(error).__name__}: {error}")
+
+
+def same_type(reported: tuple, message: str) -> Exception:
+    """``message`` as an exception of the class a rank ``report``-ed, where every rank can rebuild
+    it (a built-in, or a cachemw class taking a message); else a ``RuntimeError``. So an
+    ``except OSError`` around a save works the same at any world size."""
+    module, name, code, _ = reported
+    cls = None
+    if module == "builtins":
+        cls = getattr(builtins, name, None)
+    elif module.startswith("cachemw.") and module in sys.modules:
+        cls = getattr(sys.modules[module], name, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            if issubclass(cls, OSError) and isinstance(code, int):
+                return cls(code, message)
+            return cls(message)
+        except Exception:  # noqa: BLE001 - a constructor that wants more: fall back
+            pass
+    return RuntimeError(message)
 
 
 def _private_groups(ranks: list[int], process_group: Any, timeout_s: float) -> tuple[Any, Any]:
@@ -146,8 +173,9 @@ class Coordinator:
         """Raise on every rank if any rank passes an exception; else return.
 
         In one process the exception itself is raised. With several ranks every rank raises
-        the same ``RuntimeError`` naming the failed ranks and the first failure (chained to
-        the local exception where there is one), so no rank goes on alone.
+        one error naming the failed ranks and the first failure, of that failure's type
+        (``same_type``) and chained to the local exception where there is one, so no rank
+        goes on alone.
         """
         if self.no_dist:
             if error is not None:
@@ -155,19 +183,19 @@ class Coordinator:
             return
         self.raise_if_failed(self.all_gather(report(error)), error)
 
-    def raise_if_failed(self, reports: list[str | None], error: BaseException | None) -> None:
+    def raise_if_failed(self, reports: list[tuple | None], error: BaseException | None) -> None:
         """Raise the same error on every rank if any gathered ``report`` is not None.
 
-        The local exception itself in one process; otherwise a ``RuntimeError`` naming the failed
-        ranks and the first failure, chained to the local exception where there is one.
+        The local exception itself in one process; otherwise one naming the failed ranks and
+        the first failure, of its type, chained to the local exception where there is one.
         """
         failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
         if not failed:
             return
         if self.no_dist and error is not None:
             raise error
-        rank, text = failed[0]
-        raise RuntimeError(f"checkpoint failed on rank(s) {[r for r, _ in failed]}; rank {rank}: {text}") from error
+        rank, first = failed[0]
+        raise same_type(first, f"checkpoint failed on rank(s) {[r for r, _ in failed]}; rank {rank}: {first[3]}") from error
 
     def run_everywhere(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on every rank, then fail every rank if it failed on any."""

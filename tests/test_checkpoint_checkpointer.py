@@ -94,6 +94,10 @@ def test_a_rerun_saving_lower_steps_than_the_root_holds_commits_them(tmp_path, f
         assert (root / "latest").read_text() == os.path.basename(handle.path.rstrip("/"))
         out = {"t": torch.zeros(1000)}
         assert ck.load(out, step=2) == 2 and torch.all(out["t"] == 20.0)
+        assert ck.steps() == [2, 4]  # keep_last + 1: the higher step and the one just saved
+        for step, kept in ((3, [3, 4]), (5, [5])):
+            ck.save(step, {"t": torch.full((1000,), float(step))}).wait(60)
+            assert ck.steps() == kept
 
 
 def test_partial_dirs_of_dead_writers_are_swept_live_ones_kept(tmp_path):

@@ -306,6 +306,24 @@ def test_load_falls_back_to_the_root_when_the_fast_copy_is_recycled_mid_load(tmp
         assert started and started[0].wait(60) is None
 
 
+def test_a_state_that_does_not_fit_the_checkpoint_fails_once_not_again_from_the_root(tmp_path, monkeypatch, caplog):
+    """A shape that differs from the saved one is the caller's error: the fast copy is whole,
+    so it is raised as it is, without a warning and a second read of the same step."""
+    from cachemw.checkpoint import CachemwStorageReader
+
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        ck.save(1, {"t": torch.ones(100)}).wait(60)
+        reads, original = [], CachemwStorageReader.read_metadata
+        monkeypatch.setattr(CachemwStorageReader, "read_metadata",
+                            lambda self, *a: reads.append(str(self.location.url)) or original(self, *a))
+        with caplog.at_level("WARNING", logger="cachemw.checkpoint"):
+            with pytest.raises(ValueError, match="Size mismatch"):
+                ck.load({"t": torch.zeros(10)})
+    assert len(reads) == 1 and reads[0].startswith(str(fast)), reads
+    assert not [r for r in caplog.records if "loading it again" in r.getMessage()]
+
+
 def test_a_full_fast_tier_at_snapshot_time_falls_back_to_buffers(tmp_path, monkeypatch):
     import errno
 

@@ -104,3 +104,27 @@ def test_local_plan_is_dcp_default():
     planner = SpreadSavePlanner()
     planner.set_up_planner(state, is_coordinator=True)
     assert planner.create_local_plan().items == create_default_local_save_plan(state, True).items
+
+
+def test_a_failure_reported_by_one_rank_is_rebuilt_with_its_type_on_every_rank():
+    """What ranks gather is plain data; each rebuilds the first failure's type from it, so an
+    ``except OSError`` around a save catches the same failures at any world size."""
+    import errno
+    import pickle
+
+    from cachemw.checkpoint.coordination import report, same_type
+    from cachemw.checkpoint.errors import ChecksumError
+
+    full = pickle.loads(pickle.dumps(report(OSError(errno.ENOSPC, "disk full"))))
+    rebuilt = same_type(full, "checkpoint failed on rank(s) [1]; rank 1: " + full[3])
+    assert type(rebuilt) is OSError and rebuilt.errno == errno.ENOSPC and "rank(s) [1]" in str(rebuilt)
+    assert type(same_type(report(FileNotFoundError(errno.ENOENT, "gone")), "m")) is FileNotFoundError
+    assert type(same_type(report(ChecksumError("bad chunk")), "m")) is ChecksumError
+    assert type(same_type(report(TypeError("no")), "m")) is TypeError
+
+    class Odd(Exception):
+        pass
+    assert type(same_type(report(Odd("x")), "m")) is RuntimeError  # not rebuildable on another rank
+    decode = UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad")
+    assert type(same_type(report(decode), "m")) is RuntimeError  # a constructor that wants more
+    assert report(None) is None
