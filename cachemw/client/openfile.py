@@ -10,7 +10,7 @@ from fsspec.spec import AbstractBufferedFile
 from .. import trace
 from ..blockfile import PAGE_SIZE, CorruptBlock, MappedBlock, page_hash
 from ..keys import block_key, block_length
-from ..tiers.source import ChangedSourceError
+from ..tiers.source import MOVED_ON
 
 if TYPE_CHECKING:  # fs.py opens these files: a type only, no import at run time
     from .fs import CacheFileSystem
@@ -52,7 +52,7 @@ class CachedFile(AbstractBufferedFile):
         start, end = clip(start, end, self.meta.size)
         try:
             return self.fs.reader.read(self.meta, start, end)
-        except (ChangedSourceError, FileNotFoundError):
+        except MOVED_ON:
             # this file keeps its version and fails; what the node knows of the path is
             # dropped, so that a reopen reads the new version under every validate mode
             # (under immutable the metadata would otherwise be trusted for good)

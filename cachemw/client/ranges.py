@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .openfile import clip
-from ..tiers.source import ChangedSourceError
+from ..tiers.source import MOVED_ON
 
 if TYPE_CHECKING:
     from .fs import CacheFileSystem
@@ -37,13 +37,13 @@ def read_ranges(fs: CacheFileSystem, paths, starts, ends, on_error: str = "retur
             out[i] = exc
     failed, batch = _read_ranges(fs, by_path, starts, ends, out, on_error)
     if failed is not None:  # each path again, alone (fresh metadata if a version moved)
-        stale = isinstance(failed, (ChangedSourceError, FileNotFoundError))
+        stale = isinstance(failed, MOVED_ON)
         for path in batch:
             if stale:
                 fs.meta.forget(path)
             exc, _ = _read_ranges(fs, {path: by_path[path]}, starts, ends, out, on_error)
             if exc is not None:
-                if isinstance(exc, (ChangedSourceError, FileNotFoundError)):
+                if isinstance(exc, MOVED_ON):
                     fs.meta.forget(path)
                 if on_error == "raise":
                     raise exc

@@ -69,6 +69,11 @@ class ChangedSourceError(OSError):
     and unpickles as one (a DataLoader worker's error crosses a process boundary)."""
 
 
+# The failures of a read after which what the node knows of the path is dropped: the file
+# moved on to another version, or is gone. A reopen (or a retry) then reads what is there now.
+MOVED_ON = (ChangedSourceError, FileNotFoundError)
+
+
 def _changed(path: str, expected: str, found: str | None = None,
              detail: str = "") -> ChangedSourceError:
     what = f"it is now {found}" if found else detail or "it was changed or replaced"
