@@ -34,7 +34,7 @@ class Metric(NamedTuple):
 
 # fallback reasons: the stats counter behind each ``reason`` label value
 FALLBACKS = {"unavailable": "fallbacks", "not_admitted": "bypassed", "peer": "peer_fallbacks",
-             "direct_transfer": "direct_failures"}
+             "direct_transfer": "direct_failures", "tier_read": "tier_read_errors"}
 # how the blocks not in this node's tiers were read
 MISSES = {"fill": "misses", "remote_hit": "remote_hits", "remote_read": "remote_reads",
           "fallback": "fallbacks", "bypassed": "bypassed"}
@@ -74,7 +74,8 @@ METRICS = (
     Metric("cachemw_prefetched_blocks", "counter", (), "Blocks fetched ahead of the reader."),
     Metric("cachemw_fallbacks", "counter", ("reason",),
            "Reads that fell back: unavailable (daemon or owner node could not serve), "
-           "not_admitted, peer (an owner node failed this daemon), direct_transfer."),
+           "not_admitted, peer (an owner node failed this daemon), direct_transfer, "
+           "tier_read (a cached block's file could not be read: EIO, EACCES)."),
     Metric("cachemw_corrupt_blocks_repaired", "counter", (),
            "Cached blocks that failed their checksum, dropped and refetched."),
     Metric("cachemw_fill_errors", "counter", (), "Fills that could not be written."),

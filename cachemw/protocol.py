@@ -32,6 +32,7 @@ from .readtime import MISS_COUNTERS, READ_TIME_COUNTERS
 CLIENT_COUNTERS = (
     "hits", "hit_bytes", "misses", "fills", "bytes_from_source", "fallbacks",
     "bypassed", "corrupt_repaired", "fill_errors",
+    "tier_read_errors",  # a tier's block file that could not be read (EIO, EACCES): read as a miss
     "remote_hits",   # cached at their owner node, sent straight from there
     "remote_reads",  # owned elsewhere and not cached there yet: fetched by the owner
     "direct_failures",  # an owner's block server failed or timed out: read the usual way

@@ -25,7 +25,8 @@ def format_stats(stats: dict) -> str:
         f"{c.get('direct_failures', 0)} owner transfers failed",
         f"  from source: {format_size(c['bytes_from_source'])}; fallbacks (daemon unreachable): "
         f"{c['fallbacks']}; bypassed (not admitted): {c['bypassed']}",
-        f"  corrupt blocks repaired: {c['corrupt_repaired']}; fill errors: {c['fill_errors']}; "
+        f"  corrupt blocks repaired: {c['corrupt_repaired']}; unreadable blocks read from the source: "
+        f"{c.get('tier_read_errors', 0)}; fill errors: {c['fill_errors']}; "
         f"blocks re-indexed at start: {c['reindexed']}",
         f"  readers' time: hits {c.get('hit_seconds', 0):.2f} s, from other nodes "
         f"{c.get('remote_hit_seconds', 0):.2f} s, waiting on the daemon "

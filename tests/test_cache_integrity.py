@@ -99,6 +99,45 @@ def _read(fs, path, data, how):
 
 
 @pytest.mark.parametrize("how", ["cat_file", "range", "open"])
+def test_a_block_file_that_cannot_be_read_is_read_from_the_source_and_forgotten(make_cache_fs, runtime_dir,
+                                                                                tmp_path, how, caplog):
+    """Not a corrupt block: the file cannot be opened at all (ENOTDIR here: its directory in
+    the tier was made a file; EIO and EACCES take the same path). The read is served from the
+    source, counted, logged once, and the daemon no longer lists the block."""
+    fs = make_cache_fs(block_size=BS)
+    dram = DirectoryTier("dram", daemon_stats(runtime_dir)["tiers"]["dram"]["path"])
+    datas = {}
+    for i in range(3):
+        path = str(tmp_path / f"f{i}.bin")
+        datas[path] = random.Random(i).randbytes(3 * BS + 99 if i == 0 else 5000)
+        with open(path, "wb") as f:
+            f.write(datas[path])
+        assert fs.cat_file(path) == datas[path]
+    published(fs)
+    blocks = daemon_stats(runtime_dir)["tiers"]["dram"]["blocks"]
+    broken = set()
+    for path, data in datas.items():  # the directory of the block each read touches made a file
+        meta = fs.meta.file(path)
+        index = 1 if how == "range" and len(data) > BS else 0  # see _read
+        sub = os.path.dirname(dram.block_path(block_key(meta.url, meta.version, index, BS)))
+        if sub not in broken:
+            os.rename(sub, sub + ".aside")
+            with open(sub, "wb") as f:
+                f.write(b"not a directory")
+            broken.add(sub)
+    with caplog.at_level("WARNING", logger="cachemw"):
+        for _ in range(2):
+            for path, data in datas.items():
+                got, want = _read(fs, path, data, how)
+                assert got == want
+    assert fs.stats()["tier_read_errors"] >= len(datas)
+    assert len([r for r in caplog.records if "cannot read a cached block" in r.getMessage()]) == 1
+    fs.client.flush()
+    wait_for(lambda: daemon_stats(runtime_dir)["tiers"]["dram"]["blocks"] <= blocks - len(datas), 5,
+             what="the daemon to forget the unreadable blocks")
+
+
+@pytest.mark.parametrize("how", ["cat_file", "range", "open"])
 def test_damaged_block_detected_dropped_refetched(make_cache_fs, runtime_dir, tmp_path, how):
     fs = make_cache_fs(block_size=BS)
     dram = DirectoryTier("dram", daemon_stats(runtime_dir)["tiers"]["dram"]["path"])

@@ -80,6 +80,8 @@ class BlockReader:
         self._warned_unsized = False
         self._warned_unversioned = False
         self._warned_claims = False
+        self._warned_unreadable: set = set()
+        self._warned_corrupt = False
 
     def _pieces(self, meta: FileMeta, start: int, end: int) -> list[Piece]:
         bs = self.block_size
@@ -149,8 +151,11 @@ class BlockReader:
                 data = (tier.view(piece.key, piece.length) if view and piece.length >= VIEW_MIN
                         else tier.get(piece.key, piece.length, piece.lo, piece.hi))
             except CorruptBlock as exc:
-                log.warning("corrupt cached block of %s (block %d): %s; refetching",
-                            piece.meta.url, piece.index, exc)
+                if not self._warned_corrupt:  # a failing disk would log every block
+                    self._warned_corrupt = True
+                    log.warning("corrupt cached block of %s (block %d): %s; refetched (further "
+                                "ones counted as corrupt_repaired; logged once)",
+                                piece.meta.url, piece.index, exc)
                 client.count("corrupt_repaired")
                 tier.delete(piece.key)
                 client.drop(piece.key, "corrupt")
@@ -158,10 +163,26 @@ class BlockReader:
                 # (the fill writer's: see _fetch_claimed), so it is never granted "present"
                 client.ping()
                 continue
+            except OSError as exc:
+                self._unreadable(piece, tier, exc)
+                continue
             if data is not None:
                 self._hit_done(piece, tier.name, data, started)
                 return data
         return None
+
+    def _unreadable(self, piece: Piece, tier, exc: OSError) -> None:
+        """A tier's file that cannot be read (EIO, EACCES, a tier directory made a file):
+        the read goes on as a miss, from the source, and the daemon forgets the block, so
+        that it does not send the next reader here again. Counted; logged once per tier
+        and error."""
+        self.client.count("tier_read_errors")
+        if (tier.name, exc.errno) not in self._warned_unreadable:
+            self._warned_unreadable.add((tier.name, exc.errno))
+            log.warning("cannot read a cached block of %s from the %s tier (%s): read from "
+                        "the source (counted as tier_read_errors; logged once)",
+                        piece.meta.url, tier.name, exc)
+        self.client.drop(piece.key, "unreadable")
 
     def item(self, p: Piece) -> tuple:
         """What the daemon needs to fetch a block itself: key, length, url, source ref
@@ -315,6 +336,9 @@ class BlockReader:
                 data = tier.get(piece.key, piece.length, piece.lo, piece.hi) if tier else None
             except CorruptBlock:
                 client.count("corrupt_repaired")
+                data = None
+            except OSError as exc:
+                self._unreadable(piece, tier, exc)
                 data = None
             if data is not None:
                 self._hit_done(piece, arg, data, started)

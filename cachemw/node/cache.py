@@ -68,6 +68,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         self.metrics_url: str | None = None  # the daemon's Prometheus endpoint, if any
         self._pending: list = []  # moves for the maintenance thread (promotions)
         self._deferred: dict[str, float] = {}  # key -> since when its move waits for its fill
+        self._dropped_bad, self._bad_logged_at = 0, -60.0  # blocks readers found corrupt or unreadable
         self._sources: dict[str, tuple] = {}  # announced key -> (length, url, source)
         self._moves_lock = threading.Lock()  # moves run one at a time, in order
         self._wake = threading.Event()
@@ -367,13 +368,18 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
             if fill is not None:
                 fill.cancelled = True
         self.placer.drop(key)
-        if entry is not None:
-            self._tiers[entry.tier].tier.delete(key)
-        else:  # not indexed (e.g. a stray file): delete wherever it is
-            for ts in self._tiers.values():
+        for ts in [self._tiers[entry.tier]] if entry is not None else self._tiers.values():
+            try:  # not indexed (e.g. a stray file): delete wherever it is
                 ts.tier.delete(key)
-        if reason == "corrupt":
-            log.warning("dropped corrupt block %s", key)
+            except OSError as exc:  # an unreadable tier (EACCES, EIO): forgotten all the same
+                log.debug("could not delete block %s from %s: %s", key, ts.tier.name, exc)
+        if reason in ("corrupt", "unreadable"):
+            self._dropped_bad += 1
+            now = time.monotonic()
+            if now >= self._bad_logged_at + 60:  # a failing disk would log every block
+                log.warning("dropped %d block(s) found %s by readers (the last: %s; logged at "
+                            "most once a minute)", self._dropped_bad, reason, key)
+                self._dropped_bad, self._bad_logged_at = 0, now
 
     def invalidate(self, url: str) -> int:
         """Drop every block of ``url`` (the file was written through the cache)."""

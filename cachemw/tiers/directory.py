@@ -111,7 +111,7 @@ class DirectoryTier:
                 shutil.rmtree(path)  # (reads count it corrupt), gone with what it holds
             else:
                 os.unlink(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # not there (its directory is no directory)
             return 0
         return st.st_size
 
