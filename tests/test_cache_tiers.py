@@ -220,3 +220,22 @@ def test_nvme_tier_demotion_and_restart(runtime_dir, spawn_daemon, blocks_datase
         assert fresh.cat_file(path) == data
     assert fresh.stats()["bytes_from_source"] == 0
     assert fresh.stats()["hits"] == NFILES
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o775])
+def test_a_shared_directory_is_refused_as_a_tier_not_made_private(tmp_path, mode):
+    """A tier directory is made 0700. One that other users can write to (as /tmp or
+    /dev/shm) is refused, naming a directory of its own to use, and left as it was: made
+    0700, it would lock its other users out."""
+    from cachemw.tiers.directory import DirectoryTier
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, mode)
+    (shared / "someone-elses").write_bytes(b"x")
+    with pytest.raises(PermissionError, match=r"nvme_dir .* other users can write to it.*cachemw-"):
+        DirectoryTier("nvme", str(shared), create=True)
+    assert os.stat(shared).st_mode & 0o7777 == mode and os.listdir(shared) == ["someone-elses"]
+    own = shared / f"cachemw-{os.getuid()}"
+    DirectoryTier("nvme", str(own), create=True)
+    assert os.stat(own).st_mode & 0o777 == 0o700

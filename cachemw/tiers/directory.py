@@ -42,6 +42,10 @@ class DirectoryTier:
             st = os.stat(self.path)
             if st.st_uid != os.getuid():
                 raise PermissionError(errno.EPERM, f"owned by uid {st.st_uid}, not by us")
+            if st.st_mode & 0o022:  # made 0700 below, it would lock the others out of it
+                raise PermissionError(errno.EPERM, "other users can write to it (a shared "
+                                      "directory, as /tmp or /dev/shm are): give a directory of "
+                                      f"its own, e.g. {os.path.join(self.path, f'cachemw-{os.getuid()}')}")
             os.chmod(self.path, 0o700)
             for sub in _FANOUT:
                 os.makedirs(os.path.join(self.path, sub), mode=0o700, exist_ok=True)
