@@ -50,7 +50,19 @@ def cmd_stop(args) -> int:
     print(f"stopped {n} daemon(s)")
     for line in notes:
         print(line)
+    holder = _ray_managed(_runtime_dir(args))
+    if holder:  # Ray restarts its actors: only through its cluster can it be stopped
+        print(f"the daemon of {_runtime_dir(args)} (pid {holder['pid']}) is a Ray actor of a cluster "
+              "this command did not reach, and still runs: `cachemw stop --address ADDRESS` (or "
+              "with RAY_ADDRESS set) stops it", file=sys.stderr)
+        return 1
     return 0
+
+
+def _ray_managed(runtime_dir: str) -> dict | None:
+    """The lock holder of ``runtime_dir`` if it is a Ray-managed daemon, else None."""
+    holder = lock_holder(runtime_dir)
+    return holder if holder and holder.get("kind") == "ray" and holder.get("pid") else None
 
 
 def _tiers(stats: dict) -> str:
@@ -79,7 +91,9 @@ def cmd_status(args) -> int:
             silent = _silent_daemon(_runtime_dir(args))
             print(silent or "no cachemw daemon runs (start one with `cachemw start`)")
             return 1
-        print(f"node {local['node_id']}: daemon pid {local['pid']} (not Ray-managed), "
+        managed = ("Ray-managed: `cachemw status --address ADDRESS` lists every node"
+                   if _ray_managed(_runtime_dir(args)) else "not Ray-managed")
+        print(f"node {local['node_id']}: daemon pid {local['pid']} ({managed}), "
               f"{_tiers(local)}{_metrics(local)}")
     return 0
 

@@ -129,6 +129,14 @@ def flush() -> None:
         _flush_locked()
 
 
+def open_now() -> None:
+    """Make this process's trace file now, not at its first event (a daemon: its file is
+    there from its start, however few its events)."""
+    with _lock:
+        if ENABLED and _fd is None:
+            _open_locked()
+
+
 def event(name: str, cat: str, start: float, end: float | None = None,
           args: dict | None = None) -> None:
     """A complete event of this thread from ``start`` to ``end`` (``time.perf_counter()``

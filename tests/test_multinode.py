@@ -4,6 +4,8 @@ and a node that leaves or joins costs speed, never a read."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,12 +15,12 @@ pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.slow]
 BLOCK = 64 * 1024
 
 
-def _start(tmp_path, cluster_address, capacity="64MiB"):
+def _start(tmp_path, cluster_address, capacity="64MiB", **options):
     from cachemw.cluster import actor as daemon
 
     template = str(tmp_path / "{node_id:.16}")  # short: a Unix socket path has 107 bytes
     daemon.start(cluster_address, runtime_dir=template, dram_capacity=capacity,
-                 peer_timeout=3.0, refresh_interval=0.5, timeout=120)
+                 peer_timeout=3.0, refresh_interval=0.5, timeout=120, **options)
     return template
 
 
@@ -52,7 +54,7 @@ def test_reads_owned_elsewhere_and_aggregate_capacity(cluster, tmp_path, make_tr
 
     c, _ = cluster
     # 3 nodes x 3 MiB of DRAM; the dataset (6 MiB) is larger than one node, smaller than all
-    template = _start(tmp_path, c.address, capacity="3MiB")
+    template = _start(tmp_path, c.address, capacity="3MiB", trace_dir=str(tmp_path / "trace"))
     head = ray.get_runtime_context().get_node_id()
     stats = _node_stats()
     assert len(stats) == 3 and all("error" not in s for s in stats.values())
@@ -83,6 +85,24 @@ def test_reads_owned_elsewhere_and_aggregate_capacity(cluster, tmp_path, make_tr
     source_after = sum(s["counters"]["bytes_from_source"] for s in stats.values())
     assert source_after == source_before
     assert fs.stats()["bytes_from_source"] == c1["bytes_from_source"]
+
+    # the CLI on a node, without the cluster's address: it names the Ray-managed daemon it
+    # cannot stop from there, and says how (not "stopped 0 daemon(s)" and exit 0)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["CACHEMW_RUNTIME_DIR"] = template.format(node_id=head)
+    cli = [sys.executable, "-m", "cachemw.cli"]
+    r = subprocess.run(cli + ["stop"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Ray actor" in r.stderr and "--address" in r.stderr, r.stdout + r.stderr
+    r = subprocess.run(cli + ["status"], env=env, capture_output=True, text=True, timeout=120)
+    assert "Ray-managed" in r.stdout and "not Ray-managed" not in r.stdout, r.stdout + r.stderr
+    # stopped through Ray, each daemon closes its trace file ("]") before Ray kills it
+    from cachemw.cluster import actor as daemon
+
+    assert daemon.stop(c.address, runtime_dir=str(tmp_path / "unused"), timeout=30) == 3
+    traces = sorted((tmp_path / "trace").glob("*.pfw"))
+    assert len(traces) == 3, traces
+    for path in traces:
+        assert path.read_text().endswith("]\n"), path
 
 
 @pytest.mark.timeout(600)

@@ -232,3 +232,25 @@ def test_checkpoint_notes_reach_the_daemon_and_a_dead_trainers_save_leaves(metri
     assert _value(fams, "cachemw_checkpoints_in_flight") == 0
     # no daemon: a note is not sent, and says so without raising
     assert not note_checkpoint(dict(me, event="begin", step=9), runtime_dir + "-none")
+
+
+@pytest.mark.timeout(60)
+def test_what_a_process_counted_reaches_the_daemon_while_it_is_idle(make_cache_fs, runtime_dir, make_tree):
+    """Counts are reported twice a second, not only when the process reads again or exits:
+    a trainer between epochs, or a reader that only missed, shows in stats and metrics."""
+    from conftest import daemon_stats
+
+    files = make_tree([20_000] * 6, seed=7)
+    fs = make_cache_fs()
+    for path, data in files.items():
+        assert fs.cat_file(path) == data  # misses only: no hit to report them with
+    path, data = next(iter(files.items()))
+    with fs.open(path) as f:  # hits an open file counts on its own (mapped blocks)
+        for at in (0, 4096, 8192):
+            f.seek(at)
+            assert f.read(100) == data[at:at + 100]
+    # this thread now idles: nothing here flushes
+    stats = wait_for(lambda: (s := daemon_stats(runtime_dir, drain=False)["counters"])["misses"]
+                     == len(files) and s["hits"] >= 1 and s, 5,
+                     what="the idle process's counts to be reported")
+    assert stats["bytes_from_source"] == sum(len(d) for d in files.values())

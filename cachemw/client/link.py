@@ -482,14 +482,17 @@ class DaemonClient(reporting.Reporter):
 
     # -- reports (reporting.Reporter gathers them) ------------------------------------
 
-    def _deliver(self, counters: dict, accesses: dict[str, list[str]]) -> bool:
+    def _deliver(self, counters: dict, accesses: dict[str, list[str]], connect: bool = True) -> bool:
         """One report: on this thread's connection if it has one (one-way), else left in
         the runtime dir for the daemon (cachemw.reports), so a process that only hits never
-        connects to report them. False if the daemon is unreachable either way."""
+        connects to report them. False if the daemon is unreachable either way, or if
+        this would need a new connection and ``connect`` is False."""
         if getattr(self._local, "conn", None) is None and self._address is not None \
                 and lock_holder(self.runtime_dir) is not None \
                 and reports.write(self.runtime_dir, counters, accesses):
             return True
+        if not connect and getattr(self._local, "conn", None) is None:
+            return False
         return self._send(ops.REPORT, counters,
                           [(key, tier) for tier, keys in accesses.items() for key in keys])
 

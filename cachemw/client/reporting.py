@@ -1,7 +1,11 @@
 """What a process tells its node daemon without waiting for an answer: its counters (reads,
 hits, bytes, the readers' seconds: cachemw.protocol.CLIENT_COUNTERS) and the keys of the
 blocks it hit, per tier (recency for the placement engine), gathered here and reported
-every ``report_interval`` seconds or 4,096 hits, and when the process exits.
+every ``report_interval`` seconds or 4,096 hits, and when the process exits. A reading
+thread reports when it reads; what a process counted before it went idle (a trainer between
+epochs, a worker waiting on its queue) is reported by one thread per process that wakes
+every ``report_interval`` (``_tick``), so ``cachemw stats`` and the metrics are never more
+than that behind.
 
 ``Reporter`` is the gathering half of ``link.DaemonClient``, which delivers each report
 (``_deliver``: on the socket, or left in the runtime dir) and provides ``_lock``,
@@ -13,6 +17,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing.util
 import os
+import threading
 import time
 import weakref
 
@@ -47,7 +52,21 @@ def first_use_in_process() -> int:
         atexit.register(_flush_all)
         multiprocessing.util.Finalize(None, _flush_all, exitpriority=10)
         heap.keep_in_worker()
+        threading.Thread(target=_tick, args=(_exit_hook_pid,), name="cachemw-reports", daemon=True).start()
     return _exit_hook_pid
+
+
+def _tick(pid: int) -> None:
+    """Report what idle reporters counted (see the module's docstring); ends with exit or
+    in a forked child (this thread is not in it: the child starts its own)."""
+    while not exiting and os.getpid() == pid:
+        time.sleep(min((r.report_interval for r in list(_reporters)), default=0.5))
+        for reporter in list(_reporters):
+            if time.monotonic() - reporter._last_flush > reporter.report_interval:
+                try:
+                    reporter.flush(connect=False)
+                except Exception:  # noqa: BLE001 - a report is retried with the next; reads go on
+                    pass
 
 
 class HitTally:
@@ -81,7 +100,7 @@ class Reporter:
         self._last_flush = time.monotonic()
         _reporters.add(self)
 
-    def _deliver(self, counters: dict, accesses: dict[str, list[str]]) -> bool:
+    def _deliver(self, counters: dict, accesses: dict[str, list[str]], connect: bool = True) -> bool:
         raise NotImplementedError
 
     def count(self, name: str, n: int = 1) -> None:
@@ -146,9 +165,11 @@ class Reporter:
         for tally in tallies:
             self.fold(tally)
 
-    def flush(self) -> None:
+    def flush(self, connect: bool = True) -> None:
         """Report the counters and recency gathered since the last report (``_deliver``);
-        if the daemon is unreachable, keep the counters for the next one."""
+        if the daemon is unreachable, keep the counters for the next one. ``connect=False``
+        (the idle reporter's thread): only if it can be done without connecting or starting
+        a daemon, else left for the reading threads' next report."""
         if os.getpid() != self._pid:
             return
         self.fold_tallies()
@@ -162,7 +183,7 @@ class Reporter:
             self._tier_hit_bytes, self._accesses, self._naccesses = {}, {}, 0
         counters = {k: v for k, v in unsent.items() if v}
         counters["tier_hit_bytes"] = tier_bytes
-        if self._deliver(counters, accesses):
+        if self._deliver(counters, accesses, connect):
             return
         with self._lock:  # daemon unreachable: keep the counters for later, drop old recency
             for k, v in unsent.items():

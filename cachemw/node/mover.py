@@ -38,6 +38,8 @@ class MoveRunner:
                 self.run_moves(moves)
                 if self.placer.announced:
                     self._prefetch()
+                if trace.ENABLED:  # a daemon's events are few: written within a second, not at exit
+                    trace.flush()
             except Exception:  # never let the maintenance thread die silently
                 log.exception("placement pass failed")
 
@@ -61,24 +63,32 @@ class MoveRunner:
                 ts.tier.repair()
             except OSError as exc:
                 if ts.broken is None:
+                    lost = self._forget_lost(name)  # not listed, nor sent readers' way
                     log.warning("%s tier directory %s is gone and cannot be made again (%s): "
-                                "not admitting into it", name, ts.tier.path, exc)
+                                "not admitting into it; %d cached blocks went with it",
+                                name, ts.tier.path, exc, len(lost))
                 ts.broken = str(exc)
                 continue
-            with self._lock:
-                keys = [k for k, e in self._index.items() if e.tier == name]
-            lost = [k for k in keys if not os.path.exists(ts.tier.block_path(k))]
-            with self._lock:
-                for key in lost:
-                    entry = self._index.get(key)
-                    if entry is not None and entry.tier == name:
-                        self._remove_locked(key)
-                ts.broken = None
-            for key in lost:
-                self.placer.drop(key)
+            lost = self._forget_lost(name)
+            ts.broken = None
             log.warning("%s tier directory %s was removed or changed under the daemon: made "
                         "again (0700); %d cached blocks went with it", name, ts.tier.path,
                         len(lost))
+
+    def _forget_lost(self, name: str) -> list[str]:
+        """Forget the blocks indexed in tier ``name`` whose files are gone; return their keys."""
+        ts = self._tiers[name]
+        with self._lock:
+            keys = [k for k, e in self._index.items() if e.tier == name]
+        lost = [k for k in keys if not os.path.exists(ts.tier.block_path(k))]
+        with self._lock:
+            for key in lost:
+                entry = self._index.get(key)
+                if entry is not None and entry.tier == name:
+                    self._remove_locked(key)
+        for key in lost:
+            self.placer.drop(key)
+        return lost
 
     def run_moves(self, moves: list) -> None:
         """Carry out the engine's moves in order; a move that cannot be done is reported

@@ -47,6 +47,7 @@ class NodeService:
         self.metrics = None
         if config.trace_dir:
             trace.start(config.trace_dir)
+            trace.open_now()
         ensure_private_dir(config.runtime_dir)
         self._lock = lock if lock is not None else DaemonLock(config.runtime_dir)
         if self._lock.fd is None and not self._lock.acquire(wait=3.0):
@@ -120,7 +121,7 @@ class NodeService:
                     freed = free_dram(tier.path)
                     log.info("freed %d bytes of the DRAM tier %s", freed, tier.path)
         self._lock.release()
-        trace.flush()
+        trace.stop()  # closed with "]" here: a Ray-managed daemon is killed after this, no atexit
         log.info("cachemw daemon for node %s stopped", self.config.node_id)
 
 
