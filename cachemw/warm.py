@@ -89,7 +89,8 @@ class Report:
             return f"{self.node}: nothing to do ({self.skipped})"
         c = self.counters
         share = "" if self.nodes == 1 else f" (its share, {self.nodes} nodes)"
-        line = (f"{self.node}: warmed {format_size(self.bytes)} in {self.blocks} blocks of "
+        verb = "warmed" if self.ok else "read (not all of it cached: see below)"
+        line = (f"{self.node}: {verb} {format_size(self.bytes)} in {self.blocks} blocks of "
                 f"{self.files} files{share} in {self.seconds:.1f} s: "
                 f"{c.get('misses', 0)} fetched from the source, "
                 f"{c.get('hits', 0) + c.get('remote_hits', 0)} cached already")
@@ -204,6 +205,19 @@ def _read_batch(fs, batch, errors: dict) -> int:
     return done
 
 
+def _missing(target, path: str) -> bool:
+    """Is ``path`` known missing, asked of the store itself (not through the cache, which
+    would start a daemon that ends with this process, before ensure_daemon starts one that
+    outlives it)? Another error is the listing's to say."""
+    try:
+        target.info(path)
+    except FileNotFoundError:
+        return True
+    except Exception:  # noqa: BLE001 - e.g. no credentials: _listed names it
+        return False
+    return False
+
+
 def _listed(url: str, fs, path: str, errors: dict) -> list[FileMeta]:
     """The files under ``url`` (or the file itself), with their metadata; a file whose
     metadata cannot be had is recorded in ``errors``. A store that refuses the listing with
@@ -234,6 +248,9 @@ def run(urls: list[str], config: WarmConfig, *, progress=None) -> Report:
     if config.local_task > 0:  # one task per node does the node's work
         return Report(socket.gethostname(), config.nodes, skipped=(
             f"task {config.local_task} of its node: the node's first task warms it"))
+    missing = [url for url, fs, path in opened if _missing(fs.target, fs._strip_protocol(path))]
+    if len(missing) == len(opened):  # a bad argument: no daemon started for nothing
+        raise WarmError(f"nothing to warm: no such file or directory: {', '.join(missing)}")
     ensure_daemon(fs0)
     share = node_share(fs0.client, config)
     report = Report(share.node, config.nodes)

@@ -125,7 +125,7 @@ def test_cli_start_status_read_stop(tmp_path, dataset):
         r = _cli("stop", env=env)
     assert r.returncode == 0, r.stderr
     assert "stopped 1 daemon" in r.stdout
-    assert not (rt / "daemon.json").exists()
+    assert not (rt / "daemon.json").exists() and not (rt / "ray-token").exists()
     assert _ray_procs(state["temp_dir"]) == []
     assert _gcs_clients(port) == []
 
@@ -140,7 +140,7 @@ def test_a_start_that_fails_leaves_no_ray_behind(tmp_path):
     said = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(said) == 1 and "cannot start" in said[0] and "dram_dir" in said[0], r.stderr
     assert _local_ray_pids() <= before
-    assert not (tmp_path / "rt" / "ray.json").exists()
+    assert not (tmp_path / "rt" / "ray.json").exists() and not (tmp_path / "rt" / "ray-token").exists()
 
 
 @pytest.mark.timeout(60)

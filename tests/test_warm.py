@@ -98,6 +98,9 @@ def test_warm_caches_everything_and_a_missing_path_is_an_error(runtime_dir, make
     assert f"not warmed: {tmp_path / 'nope'}: FileNotFoundError" in r.stderr
     stats = daemon_stats(runtime_dir)
     assert stats["tiers"]["dram"]["blocks"] == 36
+    # nothing that exists among the arguments: a bad argument (2), nothing read
+    r = _cli("warm", str(tmp_path / "nope"), str(tmp_path / "nor-this"), env=env)
+    assert r.returncode == 2 and "nothing to warm" in r.stderr and "nor-this" in r.stderr, r.stderr
     again = _cli("warm", data, env=env)  # all cached already
     assert again.returncode == 0, again.stderr
     assert "0 fetched from the source, 36 cached already" in again.stdout
@@ -158,6 +161,7 @@ def test_a_warm_that_does_not_fit_says_so(runtime_dir, make_tree, tmp_path, stop
     r = _cli("warm", str(tmp_path / "data"), env=env)
     assert r.returncode == 1
     assert "read but not cached:" in r.stderr and "bypassed" in r.stderr, r.stderr
+    assert "read (not all of it cached" in r.stdout and "warmed" not in r.stdout, r.stdout
     fs = fsspec.filesystem("cachemw", block_size=BS, skip_instance_cache=True)
     assert all(fs.cat_file(p) == d for p, d in files.items())
 

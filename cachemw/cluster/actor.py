@@ -182,6 +182,7 @@ def _start_local_ray(runtime_dir: str) -> dict:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
         _stop_local_ray(temp_dir)
+        _forget_ray_state(runtime_dir)
         raise RuntimeError(f"`ray start` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     os.chmod(temp_dir, 0o700)
     state = {"address": f"127.0.0.1:{port}", "token_path": token_path, "temp_dir": temp_dir,
@@ -420,10 +421,12 @@ def _differences(asked: dict, have: dict) -> list[str]:
 
 
 def _forget_ray_state(runtime_dir: str) -> None:
-    try:
-        os.unlink(_ray_state_path(runtime_dir))
-    except FileNotFoundError:
-        pass
+    """The local cluster is gone: its state and its token (the next one makes a fresh one)."""
+    for path in (_ray_state_path(runtime_dir), os.path.join(runtime_dir, "ray-token")):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _daemon_handles():
