@@ -73,7 +73,8 @@ BUSY = "busy"  # sent by the daemon, never by a client (see above)
 #: What a daemon can do beyond the first release's protocol, named in its HELLO reply (a
 #: daemon of that release names nothing, and a client then sends what it understands).
 ANNOUNCE_STREAMS = "announce-streams"  # ANNOUNCE's (group, rank, ranks, first, replace, owner)
-FEATURES = (ANNOUNCE_STREAMS,)
+DROP_IN_TIER = "drop-in-tier"  # DROP's third argument: the tier whose copy failed
+FEATURES = (ANNOUNCE_STREAMS, DROP_IN_TIER)
 
 OPS: dict[str, Op] = {
     HELLO: Op(True, "client pid[, keepalive seconds: how often to say BUSY]",
@@ -91,7 +92,8 @@ OPS: dict[str, Op] = {
                         "ranks, first, replace, owner): one rank's order among the node's, "
                         "and whether it replaces the unread rest its owner announced; sent "
                         "to a daemon naming ANNOUNCE_STREAMS]", "-"),
-    DROP: Op(False, "key, reason ('corrupt', 'missing')", "-"),
+    DROP: Op(False, "key, reason ('corrupt', 'missing', 'unreadable')[, tier: dropped only "
+                    "if that tier holds it; sent to a daemon naming DROP_IN_TIER]", "-"),
     INVALIDATE: Op(True, "source url (written through the cache)",
                    "('ok', blocks dropped): answered once no block of it can be read"),
     RING: Op(True, "-", "('ok', {self, members, vnodes, blocks, secret, timeout, alive} "

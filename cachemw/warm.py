@@ -250,7 +250,7 @@ def run(urls: list[str], config: WarmConfig, *, progress=None) -> Report:
             f"task {config.local_task} of its node: the node's first task warms it"))
     missing = [url for url, fs, path in opened if _missing(fs.target, fs._strip_protocol(path))]
     if len(missing) == len(opened):  # a bad argument: no daemon started for nothing
-        raise WarmError(f"nothing to warm: no such file or directory: {', '.join(missing)}")
+        raise WarmError(f"nothing to warm: not found at the store: {', '.join(missing)}")
     ensure_daemon(fs0)
     share = node_share(fs0.client, config)
     report = Report(share.node, config.nodes)

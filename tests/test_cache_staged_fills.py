@@ -436,8 +436,11 @@ def test_moves_into_a_full_tier_stop_it_admitting_and_say_so_once(tmp_path, monk
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(node.tier("nvme"), "stage", full)
-    for key in keys:
-        assert node._move_tier(key, "nvme") is False
+    from cachemw.node.mover import DESTINATION_FAILED
+
+    for key in keys:  # the copies in DRAM stay sound: the destination failed, not they
+        assert node._move_tier(key, "nvme") is DESTINATION_FAILED
+        assert node.tier("dram").contains(key)
     assert len(tries) == len(keys)  # each tried: room may have come back meanwhile
     assert node.stats()["tiers"]["nvme"]["admitting"] is False
     assert len([r for r in caplog.records if "out of space" in r.getMessage()]) == 1

@@ -222,11 +222,11 @@ def test_nvme_tier_demotion_and_restart(runtime_dir, spawn_daemon, blocks_datase
     assert fresh.stats()["hits"] == NFILES
 
 
-@pytest.mark.parametrize("mode", [0o1777, 0o775])
+@pytest.mark.parametrize("mode", [0o1777, 0o777, 0o1770])
 def test_a_shared_directory_is_refused_as_a_tier_not_made_private(tmp_path, mode):
     """A tier directory is made 0700. One that other users can write to (as /tmp or
-    /dev/shm) is refused, naming a directory of its own to use, and left as it was: made
-    0700, it would lock its other users out."""
+    /dev/shm), or a sticky one, is refused, naming a directory of its own to use, and left
+    as it was: made 0700, it would lock its other users out."""
     from cachemw.tiers.directory import DirectoryTier
 
     shared = tmp_path / "shared"
@@ -239,3 +239,47 @@ def test_a_shared_directory_is_refused_as_a_tier_not_made_private(tmp_path, mode
     own = shared / f"cachemw-{os.getuid()}"
     DirectoryTier("nvme", str(own), create=True)
     assert os.stat(own).st_mode & 0o777 == 0o700
+
+
+def test_a_group_writable_directory_of_ones_own_is_made_private(tmp_path):
+    """What a umask of 002 gives (0775): a directory of one's own, made 0700, as is a tier
+    directory a reader's makedirs made again under a running daemon (its repair)."""
+    from cachemw.tiers.directory import DirectoryTier
+
+    own = tmp_path / "own"
+    own.mkdir()
+    os.chmod(own, 0o775)
+    DirectoryTier("dram", str(own), create=True)
+    assert os.stat(own).st_mode & 0o777 == 0o700
+
+
+@pytest.mark.timeout(120)
+def test_a_broken_dram_tier_costs_its_own_blocks_not_nvmes(runtime_dir, spawn_daemon, blocks_dataset,
+                                                           tmp_path):
+    """DRAM's directory made a file under the daemon: every read probes DRAM first and fails
+    there (ENOTDIR). The blocks on NVMe are still read from NVMe and stay there (a drop of
+    the failing DRAM copy must not take NVMe's); DRAM's are read from the source."""
+    nvme = str(tmp_path / "nvme")
+    spawn_daemon(runtime_dir, dram_capacity=6 * STORED, nvme_dir=nvme, nvme_capacity="64MiB")
+    fs = new_fs(runtime_dir)
+    for path, data in blocks_dataset.items():
+        assert fs.cat_file(path) == data
+    stats = wait_for(lambda: (s := fs.client.daemon_stats())["tiers"]["nvme"]["blocks"] > 0
+                     and s["tiers"]["dram"]["blocks"] + s["tiers"]["nvme"]["blocks"] == NFILES and s,
+                     10, what="demotions to NVMe")
+    on_nvme = stats["tiers"]["nvme"]["blocks"]
+    dram = stats["tiers"]["dram"]["path"]
+    os.rename(dram, dram + ".aside")
+    with open(dram, "wb") as f:
+        f.write(b"not a directory")
+    reader = new_fs(runtime_dir)  # a process that has not read these files yet
+    for _ in range(2):
+        before = dict(reader.stats())
+        for path, data in blocks_dataset.items():
+            assert reader.cat_file(path) == data
+        from_source = reader.stats()["bytes_from_source"] - before["bytes_from_source"]
+        assert from_source <= (NFILES - on_nvme) * BS, (from_source, on_nvme)
+    reader.client.flush()
+    stats = fs.client.daemon_stats()
+    assert stats["tiers"]["nvme"]["blocks"] == on_nvme  # none dropped for DRAM's failure
+    assert reader.stats()["tier_read_errors"] <= NFILES - on_nvme

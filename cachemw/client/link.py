@@ -467,8 +467,15 @@ class DaemonClient(reporting.Reporter):
     def abort(self, key: str, reason: str) -> None:
         self._send(ops.ABORT, key, reason)
 
-    def drop(self, key: str, reason: str) -> None:
-        self._send(ops.DROP, key, reason)
+    def drop(self, key: str, reason: str, tier: str | None = None) -> bool:
+        """Have the daemon forget and delete a block; with ``tier``, only if that tier holds
+        it (a failing copy there, not a sound one elsewhere): not sent to a daemon that
+        cannot tell (an earlier release), which would drop any copy. True if sent."""
+        if tier is None:
+            return self._send(ops.DROP, key, reason)
+        if self._connect() is None or ops.DROP_IN_TIER not in self._features:
+            return False
+        return self._send(ops.DROP, key, reason, tier)
 
     def invalidate(self, url: str) -> bool:
         """Drop every cached block of ``url`` node-wide; False if the daemon is unreachable."""

@@ -27,6 +27,7 @@ both return that version's bytes, one fill is kept.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from typing import TYPE_CHECKING, NamedTuple
@@ -48,6 +49,11 @@ if TYPE_CHECKING:  # the filesystem passes its metadata cache: a type only
     from .metadata import MetadataCache
 
 log = logging.getLogger(__name__)
+
+# What a tier's block file may fail with that is the tier's fault (the disk, its permissions,
+# its directories), not this process's (EMFILE, ENOMEM) nor a block that is not there.
+TIER_FAULTS = frozenset({errno.EIO, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.ELOOP,
+                         errno.ENXIO, errno.ESTALE, errno.EROFS})
 
 VIEW_MIN = 1 << 20  # blocks from this size are joined from their mappings (see _hit)
 
@@ -81,6 +87,7 @@ class BlockReader:
         self._warned_unversioned = False
         self._warned_claims = False
         self._warned_unreadable: set = set()
+        self._unreadable_keys: set = set()  # blocks already counted and dropped as unreadable
         self._warned_corrupt = False
 
     def _pieces(self, meta: FileMeta, start: int, end: int) -> list[Piece]:
@@ -146,6 +153,7 @@ class BlockReader:
             self.fills.wait_landed(piece.key)
             return None
         started = time.perf_counter()
+        failed = None  # the first tier whose file of the block could not be read, and why
         for tier in client.tiers():
             try:
                 data = (tier.view(piece.key, piece.length) if view and piece.length >= VIEW_MIN
@@ -164,25 +172,43 @@ class BlockReader:
                 client.ping()
                 continue
             except OSError as exc:
-                self._unreadable(piece, tier, exc)
+                if exc.errno not in TIER_FAULTS:  # this process's (EMFILE, ENOMEM): raised
+                    raise
+                failed = failed or (tier, exc)
                 continue
             if data is not None:
+                if failed is not None:  # a slower tier's copy served it
+                    self._unreadable(piece, *failed, served=True)
                 self._hit_done(piece, tier.name, data, started)
                 return data
+        if failed is not None:
+            self._unreadable(piece, *failed)
         return None
 
-    def _unreadable(self, piece: Piece, tier, exc: OSError) -> None:
-        """A tier's file that cannot be read (EIO, EACCES, a tier directory made a file):
-        the read goes on as a miss, from the source, and the daemon forgets the block, so
-        that it does not send the next reader here again. Counted; logged once per tier
-        and error."""
-        self.client.count("tier_read_errors")
+    def _unreadable(self, piece: Piece, tier, exc: OSError, served: bool = False) -> None:
+        """A tier's file of the block that cannot be read (EIO, EACCES, a tier directory
+        made a file): the daemon forgets the block if that tier holds it (not a copy
+        elsewhere), so that it sends no reader there again. Unless a slower tier's copy
+        ``served`` the read, it goes on as a miss, from the source: counted (once per
+        block: a miss probes the tiers twice) and logged once per tier and error. Errors
+        of this process, not of the tier (EMFILE: too many open files; ENOMEM: no room
+        for a mapping), are raised, not blamed on the block."""
+        if exc.errno not in TIER_FAULTS:
+            raise exc
+        if piece.key in self._unreadable_keys:
+            return
+        if len(self._unreadable_keys) >= 4096:
+            self._unreadable_keys.clear()
+        self._unreadable_keys.add(piece.key)
+        if not served:
+            self.client.count("tier_read_errors")
         if (tier.name, exc.errno) not in self._warned_unreadable:
             self._warned_unreadable.add((tier.name, exc.errno))
-            log.warning("cannot read a cached block of %s from the %s tier (%s): read from "
-                        "the source (counted as tier_read_errors; logged once)",
-                        piece.meta.url, tier.name, exc)
-        self.client.drop(piece.key, "unreadable")
+            log.warning("cannot read cached blocks from the %s tier (%s, a block of %s): read "
+                        "from another tier or the source (counted as tier_read_errors; "
+                        "logged once)", tier.name, exc, piece.meta.url)
+        if self.client.drop(piece.key, "unreadable", tier.name) and not served:
+            self.client.ping()  # before the refetch's lease (see the corrupt case in _hit)
 
     def item(self, p: Piece) -> tuple:
         """What the daemon needs to fetch a block itself: key, length, url, source ref
@@ -339,7 +365,7 @@ class BlockReader:
                 data = None
             except OSError as exc:
                 self._unreadable(piece, tier, exc)
-                data = None
+                return self._direct(piece)
             if data is not None:
                 self._hit_done(piece, arg, data, started)
                 return data

@@ -28,14 +28,26 @@ from .fills import drain_all
 _reporters: "weakref.WeakSet[Reporter]" = weakref.WeakSet()
 _exit_hook_pid = 0
 exiting = False  # in the exit flush: a daemon stopped before this process is no news
+# held by the idle reporter's thread while it reports, and by the exit flush, which so never
+# ends (and the process with it) while that thread holds counters it took out
+_ticking = threading.Lock()
+
+
+def _reset_in_child() -> None:
+    global _ticking
+    _ticking = threading.Lock()  # a fork while the parent's thread held it: free here
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
 
 
 def _flush_all() -> None:
     global exiting
     exiting = True
     drain_all(timeout=30.0)  # fills written behind end their leases before the last report
-    for reporter in list(_reporters):
-        reporter.flush()
+    with _ticking:
+        for reporter in list(_reporters):
+            reporter.flush()
 
 
 def first_use_in_process() -> int:
@@ -59,14 +71,26 @@ def first_use_in_process() -> int:
 def _tick(pid: int) -> None:
     """Report what idle reporters counted (see the module's docstring); ends with exit or
     in a forked child (this thread is not in it: the child starts its own)."""
+    interval = 0.5
     while not exiting and os.getpid() == pid:
-        time.sleep(min((r.report_interval for r in list(_reporters)), default=0.5))
-        for reporter in list(_reporters):
+        time.sleep(interval)
+        try:
+            interval = _report_idle()
+        except Exception:  # noqa: BLE001 - reported with the next pass; reads go on
+            pass
+
+
+def _report_idle() -> float:
+    """One pass of ``_tick``: flush each reporter idle past its interval; return the next
+    pause (no reporter is kept alive between passes)."""
+    with _ticking:
+        if exiting:
+            return 0.5
+        reporters = list(_reporters)  # taken as a whole: no iteration while one is added
+        for reporter in reporters:
             if time.monotonic() - reporter._last_flush > reporter.report_interval:
-                try:
-                    reporter.flush(connect=False)
-                except Exception:  # noqa: BLE001 - a report is retried with the next; reads go on
-                    pass
+                reporter.flush(connect=False)
+        return max(0.05, min((r.report_interval for r in reporters), default=0.5))
 
 
 class HitTally:

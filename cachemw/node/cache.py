@@ -68,6 +68,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         self.metrics_url: str | None = None  # the daemon's Prometheus endpoint, if any
         self._pending: list = []  # moves for the maintenance thread (promotions)
         self._deferred: dict[str, float] = {}  # key -> since when its move waits for its fill
+        self._move_warned: dict[str, float] = {}  # tier -> when a failed move into it was last logged
         self._dropped_bad, self._bad_logged_at = 0, -60.0  # blocks readers found corrupt or unreadable
         self._sources: dict[str, tuple] = {}  # announced key -> (length, url, source)
         self._moves_lock = threading.Lock()  # moves run one at a time, in order
@@ -358,15 +359,28 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
                     del self._by_tag[entry.tag]
         return entry
 
-    def drop(self, key: str, reason: str) -> None:
+    def drop(self, key: str, reason: str, tier: str | None = None) -> None:
         """Forget and delete a block (a client found it corrupt, it was invalidated, a move
         of it failed); a fill of it in flight is not indexed when it lands (the placement
-        engine has forgotten it too: indexed, it would hold room the engine does not see)."""
+        engine has forgotten it too: indexed, it would hold room the engine does not see).
+        With ``tier`` (a client could not read the copy there): only if that tier holds it;
+        else at most that tier's stray file goes."""
         with self._lock:
-            entry = self._remove_locked(key)
-            fill = self._inflight.get(key)
-            if fill is not None:
-                fill.cancelled = True
+            entry = self._index.get(key)
+            if tier is not None and (entry is None or entry.tier != tier):
+                entry = None  # held elsewhere (or nowhere): that copy and any fill stay
+            else:
+                entry = self._remove_locked(key)
+                fill = self._inflight.get(key)
+                if fill is not None:
+                    fill.cancelled = True
+        if tier is not None and entry is None:
+            if tier in self._tiers:
+                try:
+                    self._tiers[tier].tier.delete(key)  # a stray file there, if any
+                except OSError:
+                    pass
+            return
         self.placer.drop(key)
         for ts in [self._tiers[entry.tier]] if entry is not None else self._tiers.values():
             try:  # not indexed (e.g. a stray file): delete wherever it is

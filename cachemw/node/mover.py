@@ -19,6 +19,7 @@ from .prefetch import run_prefetch
 
 log = logging.getLogger(__name__)
 
+DESTINATION_FAILED = "destination failed"  # _move_tier: the tier moved to could not take it
 MOVE_DEFER = 30.0  # seconds a move of a block whose fill is in flight is tried again
 KEEP_ON_STOP = 10.0  # seconds a clean stop may spend copying DRAM's blocks down to NVMe
 
@@ -119,6 +120,8 @@ class MoveRunner:
             if entry is not None:
                 self._tiers[entry.tier].tier.delete(move.key)
         elif isinstance(move, (Demote, Promote)):
+            if isinstance(move, Promote) and not self._admitting(move.dst):
+                return  # kept where it is (a broken or full faster tier); see _move_tier
             moved = self._move_tier(move.key, move.dst)
             with self._lock:
                 first = self._deferred.pop(move.key, None) or time.monotonic()
@@ -126,7 +129,10 @@ class MoveRunner:
                     self._deferred[move.key] = first  # its fill in flight: again next pass
                     self._pending.append(move)
                     return
-            if not moved:
+            if moved is DESTINATION_FAILED and isinstance(move, Promote):
+                return  # its copy in the slower tier stays, and serves (the engine counts it
+                # in the faster one meanwhile: cache kept over exact accounting)
+            if moved is not True:  # a demotion must make room all the same: the block goes
                 self.placer.drop(move.key)
                 self.drop(move.key, "move failed")
         elif isinstance(move, Admit):  # re-admitted by a late hit report: not cached here
@@ -135,9 +141,14 @@ class MoveRunner:
             if not present:
                 self.placer.drop(move.key)
 
-    def _move_tier(self, key: str, dst: str) -> bool | None:
+    def _admitting(self, name: str) -> bool:
+        ts = self._tiers[name]
+        return ts.broken is None and ts.full_until <= time.monotonic()
+
+    def _move_tier(self, key: str, dst: str) -> bool | str | None:
         """Move ``key``'s block to tier ``dst``: True once it is there, False if it cannot
-        be, None if its fill is still in flight (planned while a fill written behind the
+        be (gone, or its copy fails), DESTINATION_FAILED if ``dst`` could not take it (the
+        copy stays where it is, sound), None if its fill is still in flight (planned while a fill written behind the
         read had not landed): the move waits for no fill, as it runs under the moves'
         lock, which the lease of that very fill may need to make its room (a wait here
         held every reader of the node for its length); it is tried again later."""
@@ -159,19 +170,25 @@ class MoveRunner:
         lease = next(self._lease_numbers)  # staged, published below (see NodeCache.land)
         try:
             data = _read_whole(src.tier.block_path(key))
-            if data is None:
-                return False
+        except OSError as exc:  # the copy itself fails (corrupt, unreadable): it goes
+            log.warning("moving %s from %s to %s failed: %s", key, entry.tier, dst, exc)
+            return False
+        if data is None:
+            return False
+        try:
             stored = lower.tier.stage(key, data, lease, tag=entry.tag or b"")
-        except OSError as exc:
+        except OSError as exc:  # the destination fails: the copy where it is is sound
             lower.tier.unstage(key, lease)
             if exc.errno == errno.ENOSPC:  # as a fill meeting it: said once while it lasts
                 if lower.full_until <= time.monotonic():
                     log.warning("%s tier %s is out of space; not admitting for 5 s",
                                 lower.config.name, lower.tier.path)
                 lower.full_until = time.monotonic() + 5.0
-            else:
-                log.warning("moving %s from %s to %s failed: %s", key, entry.tier, dst, exc)
-            return False
+            elif time.monotonic() >= self._move_warned.get(dst, -60.0) + 60:
+                self._move_warned[dst] = time.monotonic()
+                log.warning("moving %s from %s to %s failed: %s (moves into %s logged at most "
+                            "once a minute)", key, entry.tier, dst, exc, dst)
+            return DESTINATION_FAILED
         with self._lock:  # dropped or invalidated meanwhile: the copy must not appear
             moved = self._index.get(key) is entry and lower.tier.publish(key, lease)
             if moved:

@@ -201,7 +201,7 @@ class SocketServer:
             ops.ABORT: lambda conn, link, key, reason: node.abort(key, reason, conn),
             ops.REPORT: lambda conn, link, counters, accesses: node.report(counters, accesses),
             ops.ANNOUNCE: lambda conn, link, items, stream=None: node.announce(items, stream),
-            ops.DROP: lambda conn, link, key, reason: node.drop(key, reason),
+            ops.DROP: lambda conn, link, key, reason, tier=None: node.drop(key, reason, tier),
             ops.INVALIDATE: lambda conn, link, url: ("ok", node.invalidate(url)),
             ops.RING: lambda conn, link: (
                 "ok", node.remote.directory() if node.remote is not None else None),

@@ -47,7 +47,6 @@ class NodeService:
         self.metrics = None
         if config.trace_dir:
             trace.start(config.trace_dir)
-            trace.open_now()
         ensure_private_dir(config.runtime_dir)
         self._lock = lock if lock is not None else DaemonLock(config.runtime_dir)
         if self._lock.fd is None and not self._lock.acquire(wait=3.0):
@@ -90,6 +89,7 @@ class NodeService:
                 self.metrics.close()
             self._lock.release()
             raise
+        trace.open_now()  # started: its trace file is there from now (none for a failed start)
         log.info("cachemw %s daemon for node %s serving %s", kind, config.node_id, sock)
 
     def orphaned(self) -> bool:

@@ -42,7 +42,10 @@ class DirectoryTier:
             st = os.stat(self.path)
             if st.st_uid != os.getuid():
                 raise PermissionError(errno.EPERM, f"owned by uid {st.st_uid}, not by us")
-            if st.st_mode & 0o022:  # made 0700 below, it would lock the others out of it
+            # a shared directory (others may write, or sticky, as /tmp and /dev/shm are): made
+            # 0700 below, it would lock its other users out. Group-writable alone is what a
+            # umask of 002 gives a directory of one's own: made private as any other.
+            if st.st_mode & (stat.S_ISVTX | 0o002):
                 raise PermissionError(errno.EPERM, "other users can write to it (a shared "
                                       "directory, as /tmp or /dev/shm are): give a directory of "
                                       f"its own, e.g. {os.path.join(self.path, f'cachemw-{os.getuid()}')}")
