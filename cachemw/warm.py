@@ -79,10 +79,13 @@ class Report:
         return not self.errors and not self.notes
 
     def as_dict(self) -> dict:
+        """The report as ``--json`` prints it: one line, the counters that moved only (kept
+        short: srun may cut a long line of one task into another's)."""
         return {"node": self.node, "host": self.host, "nodes": self.nodes, "files": self.files,
                 "blocks": self.blocks, "bytes": self.bytes, "seconds": self.seconds,
-                "counters": self.counters, "errors": self.errors, "notes": self.notes,
-                "skipped": self.skipped, "ok": self.ok}
+                "counters": {k: v for k, v in self.counters.items() if v},
+                "errors": self.errors, "notes": self.notes, "skipped": self.skipped,
+                "ok": self.ok}
 
     def summary(self) -> str:
         if self.skipped:

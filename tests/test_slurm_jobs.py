@@ -362,7 +362,8 @@ def test_warm_on_every_node_reads_each_block_once_and_the_next_job_starts_warm(s
             2> {tmp_path}/refused.err
         echo "refused: $?" > {tmp_path}/refused.rc
         srun --overlap -N "$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \\
-            cachemw warm --json {url} > {tmp_path}/warm.json
+            --output={tmp_path}/warm-%t.json --error={tmp_path}/warm-%t.err \\
+            cachemw warm --json {url}
         """))
     done = slurm.sbatch(f"-N{NODES}", f"--output={tmp_path}/job1.out", JOB_SCRIPT, "bash",
                         str(job), env=env)
@@ -370,7 +371,7 @@ def test_warm_on_every_node_reads_each_block_once_and_the_next_job_starts_warm(s
     assert done.returncode == 0, f"{done.stderr}\n{out[-6000:]}\n{slurm.logs()[-3000:]}"
     assert (tmp_path / "refused.rc").read_text().split() == ["refused:", "2"]
     assert "the nodes warming must be the cluster's nodes" in (tmp_path / "refused.err").read_text()
-    reports = [json.loads(line) for line in (tmp_path / "warm.json").read_text().splitlines()]
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("warm-*.json"))]
     assert sorted(r["host"] for r in reports) == slurm.names, out[-4000:]
     assert all(r["ok"] and r["nodes"] == NODES and r["blocks"] > 0 for r in reports), reports
     assert sum(r["blocks"] for r in reports) == len(blocks)
