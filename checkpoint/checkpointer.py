@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from cachemw import trace
+from cachemw.files import make_private_dirs
 from cachemw.node_daemon import node_daemon
 
 from . import watch as watch_channel
@@ -121,7 +122,11 @@ def daemon_fast_root(root: str) -> str | None:
     bounds them.
     """
     daemon = node_daemon()
-    return None if daemon is None else daemon.checkpoints_dir(root)
+    if daemon is None:
+        return None
+    path = daemon.checkpoints_dir(root)
+    make_private_dirs(path)  # in the runtime dir, private as all of it (0700)
+    return path
 
 
 class Checkpointer:

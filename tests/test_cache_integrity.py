@@ -135,6 +135,16 @@ def test_a_block_file_that_cannot_be_read_is_read_from_the_source_and_forgotten(
     fs.client.flush()
     wait_for(lambda: daemon_stats(runtime_dir)["tiers"]["dram"]["blocks"] <= blocks - len(datas), 5,
              what="the daemon to forget the unreadable blocks")
+    # the daemon's check of its tiers makes the sub-directories again: cached again, and hit
+    wait_for(lambda: all(os.path.isdir(sub) for sub in broken), 5, what="the tier's repair")
+    for path, data in datas.items():
+        assert _read(fs, path, data, how)[0] == _read(fs, path, data, how)[1]
+    published(fs)
+    before = fs.stats()["hits"]
+    for path, data in datas.items():
+        got, want = _read(fs, path, data, how)
+        assert got == want
+    assert fs.stats()["hits"] > before
 
 
 @pytest.mark.parametrize("how", ["cat_file", "range", "open"])

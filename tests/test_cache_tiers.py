@@ -283,3 +283,27 @@ def test_a_broken_dram_tier_costs_its_own_blocks_not_nvmes(runtime_dir, spawn_da
     stats = fs.client.daemon_stats()
     assert stats["tiers"]["nvme"]["blocks"] == on_nvme  # none dropped for DRAM's failure
     assert reader.stats()["tier_read_errors"] <= NFILES - on_nvme
+
+
+def test_a_file_in_a_sub_directorys_place_is_passed_over_and_replaced(tmp_path):
+    """A tier's 2-hex sub-directory made a file (a stray copy, a broken clean-up): listing
+    the tier passes over it (a daemon's stop died there, leaving its DRAM tier in place), the
+    tier is not intact, and repair (as a daemon's start or its check each second does)
+    makes it a directory again, 0700."""
+    from cachemw.keys import block_key
+    from cachemw.tiers.directory import DirectoryTier
+
+    tier = DirectoryTier("dram", str(tmp_path / "dram"), create=True)
+    keys = [block_key("file:///x", "v", i, BS) for i in range(40)]
+    for key in keys:
+        tier.put(key, os.urandom(1000))
+    broken = os.path.dirname(tier.block_path(keys[0]))
+    shutil.rmtree(broken)
+    with open(broken, "wb") as f:
+        f.write(b"debris")
+    listed = {e.key for e in tier.scan()}
+    assert listed == {k for k in keys if not tier.block_path(k).startswith(broken + "/")}
+    assert not tier.intact()
+    tier.repair()
+    assert tier.intact() and os.path.isdir(broken) and os.stat(broken).st_mode & 0o777 == 0o700
+    assert tier.clear() > 0

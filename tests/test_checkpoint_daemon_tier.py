@@ -34,6 +34,8 @@ def test_default_fast_root_is_the_daemons_dram(runtime_dir, spawn_daemon, tmp_pa
     from pathlib import Path
 
     assert _committed(root) == _committed(Path(fast_dir)) != []
+    for d in (Path(fast_dir), Path(fast_dir).parent):  # in the runtime dir: private as all of it
+        assert d.stat().st_mode & 0o777 == 0o700, d
 
 
 @pytest.mark.timeout(60)

@@ -50,8 +50,16 @@ class DirectoryTier:
                                       "directory, as /tmp or /dev/shm are): give a directory of "
                                       f"its own, e.g. {os.path.join(self.path, f'cachemw-{os.getuid()}')}")
             os.chmod(self.path, 0o700)
+            present = self._fanout_present()
             for sub in _FANOUT:
-                os.makedirs(os.path.join(self.path, sub), mode=0o700, exist_ok=True)
+                if sub in present:
+                    continue
+                path = os.path.join(self.path, sub)
+                try:
+                    os.mkdir(path, 0o700)
+                except FileExistsError:  # a file or link under a sub-directory's name, in a
+                    os.unlink(path)      # directory only we can write to: debris, replaced
+                    os.mkdir(path, 0o700)
         except OSError as exc:
             raise type(exc)(exc.errno, f"{self.name}_dir {self.path} is unusable: "
                                        f"{exc.strerror or exc}") from None
@@ -66,7 +74,15 @@ class DirectoryTier:
             return False
         if (st.st_dev, st.st_ino) != getattr(self, "_identity", None) or st.st_mode & 0o077:
             return False
-        return all(os.path.isdir(f"{self.path}/{sub}") for sub in (_FANOUT[0], _FANOUT[-1]))
+        try:
+            return len(self._fanout_present()) == len(_FANOUT)
+        except OSError:
+            return False
+
+    def _fanout_present(self) -> set[str]:
+        """The sub-directories there are (a file in one's place is none): one listing."""
+        with os.scandir(self.path) as it:
+            return {e.name for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)}
 
     def repair(self) -> None:
         """Make the directory whole and private again (raises OSError if it cannot be)."""
@@ -138,7 +154,7 @@ class DirectoryTier:
             d = os.path.join(self.path, sub)
             try:
                 it = os.scandir(d)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # gone, or a file in its place
                 continue
             with it:
                 for entry in it:
