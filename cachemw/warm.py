@@ -95,7 +95,8 @@ class Report:
         verb = "warmed" if self.ok else "read (not all of it cached: see below)"
         line = (f"{self.node}: {verb} {format_size(self.bytes)} in {self.blocks} blocks of "
                 f"{self.files} files{share} in {self.seconds:.1f} s: "
-                f"{c.get('misses', 0) + c.get('bypassed', 0) + c.get('fallbacks', 0)} fetched from the source, "
+                f"{c.get('misses', 0) + c.get('bypassed', 0) + c.get('fallbacks', 0)} "
+                f"fetched from the source, "
                 f"{c.get('hits', 0) + c.get('remote_hits', 0)} cached already")
         if c.get("remote_reads"):
             line += f", {c['remote_reads']} fetched by their owner nodes"

@@ -148,8 +148,8 @@ class MoveRunner:
     def _move_tier(self, key: str, dst: str) -> bool | str | None:
         """Move ``key``'s block to tier ``dst``: True once it is there, False if it cannot
         be (gone, or its copy fails), DESTINATION_FAILED if ``dst`` could not take it (the
-        copy stays where it is, sound), None if its fill is still in flight (planned while a fill written behind the
-        read had not landed): the move waits for no fill, as it runs under the moves'
+        copy stays where it is, sound), None if its fill is still in flight (planned while
+        a fill written behind the read had not landed): the move waits for no fill, as it runs under the moves'
         lock, which the lease of that very fill may need to make its room (a wait here
         held every reader of the node for its length); it is tried again later."""
         with self._lock:
