@@ -32,7 +32,7 @@ from cachemw.node_daemon import node_daemon
 from . import watch as watch_channel
 from .background import niceness, run_at
 from .chunk_plan import DEFAULT_CHUNK_BYTES
-from .coordination import Coordinator, check_same_step, report, same_type
+from .coordination import Coordinator, check_same_step, failed_on, report
 from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
 from .errors import CheckpointBusyError, CheckpointNotFoundError
@@ -109,8 +109,7 @@ def unwrap(exc: CheckpointException, world_size: int) -> Exception:
     first = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
     if world_size == 1 and isinstance(first, Exception):
         return first
-    text = f"checkpoint failed on rank(s) {sorted(failures)}; rank {rank}: {type(first).__name__}: {first}"
-    return same_type(report(first), text) if isinstance(first, Exception) else RuntimeError(text)
+    return failed_on(sorted(failures), rank, report(first))  # RuntimeError for a BaseException
 
 
 def daemon_fast_root(root: str) -> str | None:

@@ -65,6 +65,12 @@ def same_type(reported: tuple, message: str) -> Exception:
     return RuntimeError(message)
 
 
+def failed_on(ranks: list[int], rank: int, reported: tuple) -> Exception:
+    """The one error every rank raises for a failure on ``ranks``, the first of which,
+    ``rank``, ``report``-ed ``reported``: its type (``same_type``), naming them all."""
+    return same_type(reported, f"checkpoint failed on rank(s) {ranks}; rank {rank}: {reported[3]}")
+
+
 def _private_groups(ranks: list[int], process_group: Any, timeout_s: float) -> tuple[Any, Any]:
     """This rank's private gloo group and front group over ``ranks``, made in the calling thread.
 
@@ -195,7 +201,7 @@ class Coordinator:
         if self.no_dist and error is not None:
             raise error
         rank, first = failed[0]
-        raise same_type(first, f"checkpoint failed on rank(s) {[r for r, _ in failed]}; rank {rank}: {first[3]}") from error
+        raise failed_on([r for r, _ in failed], rank, first) from error
 
     def run_everywhere(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on every rank, then fail every rank if it failed on any."""

@@ -88,8 +88,7 @@ def _report_idle() -> float:
             return 0.5
         reporters = list(_reporters)  # taken as a whole: no iteration while one is added
         for reporter in reporters:
-            if time.monotonic() - reporter._last_flush > reporter.report_interval:
-                reporter.flush(connect=False)
+            reporter.maybe_flush(connect=False)
         return max(0.05, min((r.report_interval for r in reporters), default=0.5))
 
 
@@ -179,9 +178,9 @@ class Reporter:
             self._accesses.setdefault(tier, []).append(key)
             self._naccesses += 1
 
-    def maybe_flush(self) -> None:
+    def maybe_flush(self, connect: bool = True) -> None:
         if time.monotonic() - self._last_flush > self.report_interval:
-            self.flush()
+            self.flush(connect)
 
     def fold_tallies(self) -> None:
         with self._lock:

@@ -367,27 +367,24 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         else at most that tier's stray file goes."""
         with self._lock:
             entry = self._index.get(key)
-            if tier is not None and (entry is None or entry.tier != tier):
-                entry = None  # held elsewhere (or nowhere): that copy and any fill stay
-            else:
+            # held in another tier (or nowhere): that copy and any fill stay
+            elsewhere = tier is not None and (entry is None or entry.tier != tier)
+            if not elsewhere:
                 entry = self._remove_locked(key)
                 fill = self._inflight.get(key)
                 if fill is not None:
                     fill.cancelled = True
-        if tier is not None and entry is None:
-            if tier in self._tiers:
-                try:
-                    self._tiers[tier].tier.delete(key)  # a stray file there, if any
-                except OSError:
-                    pass
-            return
-        self.placer.drop(key)
-        for ts in [self._tiers[entry.tier]] if entry is not None else self._tiers.values():
-            try:  # not indexed (e.g. a stray file): delete wherever it is
+        if elsewhere:  # at most a stray file in that tier goes
+            where = [self._tiers[tier]] if tier in self._tiers else []
+        else:  # not indexed (e.g. a stray file): deleted wherever it is
+            self.placer.drop(key)
+            where = [self._tiers[entry.tier]] if entry is not None else list(self._tiers.values())
+        for ts in where:
+            try:
                 ts.tier.delete(key)
             except OSError as exc:  # an unreadable tier (EACCES, EIO): forgotten all the same
                 log.debug("could not delete block %s from %s: %s", key, ts.tier.name, exc)
-        if reason in ("corrupt", "unreadable"):
+        if not elsewhere and reason in ("corrupt", "unreadable"):
             self._dropped_bad += 1
             now = time.monotonic()
             if now >= self._bad_logged_at + 60:  # a failing disk would log every block
