@@ -148,3 +148,14 @@ def test_a_daemon_stopped_before_the_process_exits_is_not_reported_at_exit(
             proc.wait()
     assert proc.returncode == 0, err
     assert "unreachable" not in err, err
+
+
+def test_the_warning_says_why_no_daemon_was_found(runtime_dir):
+    """No daemon's address: with autostart one was just started and is gone, so the warning
+    points at its log, not at `cachemw start` (which a user of autostart never ran)."""
+    from cachemw.client.link import DaemonClient
+    started = DaemonClient(runtime_dir, autostart=True)
+    assert "exited at once" in started._why_none()
+    assert f"{runtime_dir}/daemon.log" in started._why_none()
+    manual = DaemonClient(runtime_dir, autostart=False)
+    assert "start one with `cachemw start`" in manual._why_none()

@@ -35,7 +35,7 @@ from ..processes import process_state
 from ..protocol import (DaemonAddress, UnsafeDirectory, check_private_dir,
                         lock_holder, lookup)
 from ..tiers.directory import DirectoryTier
-from ..launch import (FAILURE_MEMORY, START_WAIT, DaemonStartError, await_address,
+from ..launch import (FAILURE_MEMORY, LOG, START_WAIT, DaemonStartError, await_address,
                      spawn_detached)
 
 log = logging.getLogger(__name__)
@@ -187,9 +187,7 @@ class DaemonClient(reporting.Reporter):
                     self._cannot_start(exc)
                     return None
                 if address is None:
-                    self._unreachable(
-                        "the daemon is still starting" if lock_holder(self.runtime_dir)
-                        is not None else "no daemon runs (start one with `cachemw start`)")
+                    self._unreachable(self._why_none())
                     return None
                 self._set_tiers(address)
             state = process_state(address.pid)
@@ -237,6 +235,15 @@ class DaemonClient(reporting.Reporter):
         if address is not None and address.pid == holder.get("pid"):
             return address
         return await_address(self.runtime_dir, min(START_WAIT, self.timeout)) or address
+
+    def _why_none(self) -> str:
+        """Why no daemon's address was found, for the one warning."""
+        if lock_holder(self.runtime_dir) is not None:
+            return "the daemon is still starting"
+        if self._may_start():  # one was started and is gone already
+            return (f"the daemon started for {self.runtime_dir} exited at once: see "
+                    f"{os.path.join(self.runtime_dir, LOG)}")
+        return "no daemon runs (start one with `cachemw start`)"
 
     def _may_start(self) -> bool:
         """Whether a dead daemon may be replaced now: not by the last report of a closing
