@@ -195,3 +195,31 @@ def test_an_autostarted_daemon_frees_the_dram_tier_when_its_process_ends(tmp_pat
     # what is there once the lock is free is the end state (not between the two)
     wait_for(lambda: lock_holder(str(rt)) is None, 20, what="the daemon to let go of its lock")
     assert os.listdir(dram) == ["not-ours.txt"]
+
+
+def test_blocks_dropped_as_bad_are_all_logged_within_a_minute_or_at_stop(tmp_path, caplog):
+    """The daemon logs blocks readers found corrupt or unreadable at most once a minute; the
+    drops after a logged one are said once that minute has passed, or when it stops, not
+    only if yet another block is dropped later."""
+    import logging
+    caplog.set_level(logging.WARNING, logger="cachemw.node.cache")
+    nc, conn = _node(tmp_path, blocks=6), object()
+    for k in KEYS[:4]:
+        _fill(nc, k, conn)
+
+    def said():
+        return [r.getMessage() for r in caplog.records if "found by readers" in r.getMessage()]
+
+    nc.drop(KEYS[0], "corrupt")
+    assert len(said()) == 1 and "1 corrupt" in said()[0]
+    nc.drop(KEYS[1], "corrupt")
+    nc.drop(KEYS[2], "unreadable")
+    nc.say_dropped()
+    assert len(said()) == 1  # within the minute: held
+    nc._bad_logged_at -= 61  # the minute passes: the next maintenance pass says them
+    nc.say_dropped()
+    assert len(said()) == 2 and "1 corrupt, 1 unreadable" in said()[1] and KEYS[2] in said()[1]
+    nc.drop(KEYS[3], "corrupt")  # held again: within the minute of the last
+    assert len(said()) == 2
+    nc.close()
+    assert len(said()) == 3 and "1 corrupt" in said()[2]

@@ -69,7 +69,9 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         self._pending: list = []  # moves for the maintenance thread (promotions)
         self._deferred: dict[str, float] = {}  # key -> since when its move waits for its fill
         self._move_warned: dict[str, float] = {}  # tier -> when a failed move into it was last logged
-        self._dropped_bad, self._bad_logged_at = 0, -60.0  # blocks readers found corrupt or unreadable
+        # blocks readers found corrupt or unreadable, by reason, since they were last logged
+        self._dropped_bad: dict[str, int] = {}
+        self._dropped_last, self._bad_logged_at = "", -60.0
         self._sources: dict[str, tuple] = {}  # announced key -> (length, url, source)
         self._moves_lock = threading.Lock()  # moves run one at a time, in order
         self._wake = threading.Event()
@@ -116,6 +118,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         self._wake.set()
         if self._maintainer is not None:
             self._maintainer.join(timeout=5)
+        self.say_dropped(now=True)
 
     def tier_dirs(self) -> list[dict]:
         return [{"name": n, "path": self._tiers[n].tier.path,
@@ -385,12 +388,23 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
             except OSError as exc:  # an unreadable tier (EACCES, EIO): forgotten all the same
                 log.debug("could not delete block %s from %s: %s", key, ts.tier.name, exc)
         if not elsewhere and reason in ("corrupt", "unreadable"):
-            self._dropped_bad += 1
-            now = time.monotonic()
-            if now >= self._bad_logged_at + 60:  # a failing disk would log every block
-                log.warning("dropped %d block(s) found %s by readers (the last: %s; logged at "
-                            "most once a minute)", self._dropped_bad, reason, key)
-                self._dropped_bad, self._bad_logged_at = 0, now
+            with self._lock:
+                self._dropped_bad[reason] = self._dropped_bad.get(reason, 0) + 1
+                self._dropped_last = key
+            self.say_dropped()
+
+    def say_dropped(self, now: bool = False) -> None:
+        """Log the blocks readers found corrupt or unreadable, at most once a minute (a
+        failing disk would log every block); those of the last minute are said by the next
+        maintenance pass after it, or ``now`` (the daemon's stop), never left untold."""
+        with self._lock:
+            if not self._dropped_bad or not now and time.monotonic() < self._bad_logged_at + 60:
+                return
+            counts, last = self._dropped_bad, self._dropped_last
+            self._dropped_bad, self._bad_logged_at = {}, time.monotonic()
+        log.warning("dropped %s block(s) found by readers (the last: %s; logged at most once "
+                    "a minute)", ", ".join(f"{n} {why}" for why, n in sorted(counts.items())),
+                    last)
 
     def invalidate(self, url: str) -> int:
         """Drop every block of ``url`` (the file was written through the cache)."""

@@ -33,6 +33,7 @@ class MoveRunner:
                 return
             try:
                 self.check_tiers()
+                self.say_dropped()
                 self.take_reports()
                 with self._lock:
                     moves, self._pending = self._pending, []
