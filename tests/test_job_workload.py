@@ -210,6 +210,14 @@ def test_targets_and_verdict_from_a_run():
     assert ("per sample over the DataLoader's own floor (500 us, samples in memory): "
             "cachemw adds 125 us, simplecache 333 us") in text
     assert [t["value"] for t in results.targets(run)] == [t["value"] for t in checked.values()]
+    # on the user's own store (--source) direct reads being fast is no failure of the cache
+    own = {t["key"]: t for t in results.targets({**run, "job": {"profile": None}})}
+    assert own["direct_au"]["met"] is None and "--source" in own["direct_au"]["note"]
+    assert own["direct_au"]["value"] == checked["direct_au"]["value"]
+    assert "(--source)" in results.table({**run, "targets": list(own.values())})
+    assert results.verdict(list(own.values())).startswith("targets met: 5 of 6 measured")
+    emulated = {t["key"]: t for t in results.targets({**run, "job": {"profile": {"x": 1}}})}
+    assert emulated["direct_au"]["met"] is True
     # nothing measured: said so, not "all met"
     empty = results.targets({"systems": {}})
     assert all(t["met"] is None for t in empty)
