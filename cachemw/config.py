@@ -280,7 +280,7 @@ class DaemonConfig:
             tiers=tuple(tiers),
             runtime_dir=runtime_dir,
             node_id=node_id or env.get("CACHEMW_NODE_ID") or "local",
-            log_level=env.get("CACHEMW_LOG_LEVEL", "INFO"),
+            log_level=env.get("CACHEMW_LOG_LEVEL") or "INFO",
             placement=placement,
             metrics_port=metrics_port,
             metrics_host=metrics_host or "0.0.0.0",
@@ -373,12 +373,12 @@ class CacheOptions:
         if unknown:
             raise ValueError(f"unknown cachemw option(s): {', '.join(sorted(unknown))}")
         from_env = {
-            "validate": env.get("CACHEMW_VALIDATE"),
+            "validate": env.get("CACHEMW_VALIDATE") or None,
             "ttl": _float_or_none(env.get("CACHEMW_TTL"), "CACHEMW_TTL"),
-            "block_size": env.get("CACHEMW_BLOCK_SIZE"),
+            "block_size": env.get("CACHEMW_BLOCK_SIZE") or None,
             "runtime_dir": env.get("CACHEMW_RUNTIME_DIR") or None,
             "autostart": _bool_or_none(env.get("CACHEMW_AUTOSTART"), "CACHEMW_AUTOSTART"),
-            "write_behind": env.get("CACHEMW_WRITE_BEHIND"),
+            "write_behind": env.get("CACHEMW_WRITE_BEHIND") or None,
             "daemon_timeout": _float_or_none(env.get("CACHEMW_DAEMON_TIMEOUT"),
                                              "CACHEMW_DAEMON_TIMEOUT"),
             "trace": env.get("CACHEMW_TRACE") or None,

@@ -90,6 +90,26 @@ def test_bad_environment_option_is_a_value_error(monkeypatch, name, value):
         fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True)
 
 
+ENV_OPTIONS = ("CACHEMW_VALIDATE", "CACHEMW_TTL", "CACHEMW_BLOCK_SIZE", "CACHEMW_AUTOSTART",
+               "CACHEMW_RUNTIME_DIR", "CACHEMW_WRITE_BEHIND", "CACHEMW_DAEMON_TIMEOUT",
+               "CACHEMW_DRAM_DIR", "CACHEMW_DRAM_CAPACITY", "CACHEMW_NVME_DIR",
+               "CACHEMW_NVME_CAPACITY", "CACHEMW_PLACEMENT", "CACHEMW_GC_FREEZE",
+               "CACHEMW_WORKER_HEAP", "CACHEMW_METRICS_PORT", "CACHEMW_METRICS_HOST",
+               "CACHEMW_TRACE", "CACHEMW_LOG_LEVEL")
+
+
+def test_every_empty_environment_variable_counts_as_unset(monkeypatch, tmp_path):
+    """README: an empty variable counts as unset (a job script's `export X=` of nothing)."""
+    for name in ENV_OPTIONS:
+        monkeypatch.setenv(name, "")
+    from cachemw.config import DaemonConfig
+    fs = fsspec.filesystem("cachemw", target_protocol="file", autostart=True,
+                           runtime_dir=str(tmp_path / "rt"), skip_instance_cache=True)
+    assert fs.options.validate == "ttl" and fs.options.block_size == 8 << 20
+    assert fs.options.write_behind == 32 << 20
+    assert DaemonConfig.build(runtime_dir=str(tmp_path / "rt")).log_level == "INFO"
+
+
 @pytest.mark.parametrize("options,name", [
     ({"dram_capacity": "lots"}, "dram_capacity"),
     ({"bogus": 1}, "bogus"),
