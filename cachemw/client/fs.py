@@ -276,7 +276,7 @@ class CacheFileSystem(_Base):
                 for key in keys:
                     tier.delete(key)
         self.meta.forget_tree(path)
-        self.client.invalidate(self.target.unstrip_protocol(path))
+        self.client.invalidate(self.meta.url(path))
 
     def _written_tree(self, path: str) -> None:
         prefix = path.rstrip("/") + "/"

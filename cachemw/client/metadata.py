@@ -350,6 +350,11 @@ class MetadataCache:
     def known_paths(self) -> list[str]:
         return list(set(self._infos) | set(self._files))
 
+    def url(self, path: str) -> str:
+        """The URL naming ``path``'s file in the cache (urls.target_url): its blocks are
+        tagged with it, and the daemon drops them by it."""
+        return self._url(path)
+
     def known(self, path: str) -> FileMeta | None:
         """What this node last knew of a file, fresh or not, without asking the source."""
         hit = self._files.get(path)

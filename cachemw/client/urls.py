@@ -13,6 +13,7 @@ import os
 from typing import Callable
 
 import fsspec
+from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
@@ -113,7 +114,60 @@ def plain_local(fs: AbstractFileSystem) -> bool:
             and cls.unstrip_protocol is LocalFileSystem.unstrip_protocol)
 
 
+# Options that say which store a filesystem reads where its URLs do not: an S3-compatible
+# store's endpoint, an account, a host. Two stores whose paths look the same
+# (``s3://bucket/key`` of two endpoints) must not share cached blocks or metadata.
+_STORE_OPTIONS = ("endpoint_url", "endpoint", "account_name", "host", "port")
+# botocore's own variables for the endpoint, when no option names one
+_S3_ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def store_of(fs: AbstractFileSystem) -> str:
+    """What names the store ``fs`` reads beyond its URLs ('' where the URLs say it all: a
+    local filesystem, HTTP, AWS's own S3), for this filesystem and each it wraps."""
+    found, seen = [], set()
+    while isinstance(fs, AbstractFileSystem) and id(fs) not in seen:
+        seen.add(id(fs))
+        options = getattr(fs, "storage_options", None) or {}
+        client = options.get("client_kwargs") or {}
+        for name in _STORE_OPTIONS:
+            value = options.get(name)
+            if value is None and isinstance(client, dict):
+                value = client.get(name)
+            if value not in (None, ""):
+                found.append(f"{name}={value}")
+        if "s3" in _protocols(fs) and not any(f.startswith("endpoint") for f in found):
+            endpoint = next((os.environ[v] for v in _S3_ENDPOINT_ENV if os.environ.get(v)), None)
+            if endpoint:
+                found.append(f"endpoint_url={endpoint}")
+        fs = getattr(fs, "fs", None)
+    return ",".join(found)
+
+
 def target_url(fs: AbstractFileSystem) -> Callable[[str], str]:
+    """The URL that names a path's file in the cache: its blocks' keys and its metadata.
+
+    ``fs.unstrip_protocol``, except that a directory filesystem (fsspec's ``dir``) names
+    the file of the filesystem under it (``dir://x`` of two roots are two files), and a
+    store that its URLs do not name (``store_of``) is written into the scheme
+    (``s3[endpoint_url=http://host:9000]://bucket/key``: no URL has ``[`` before its
+    ``://``), so that two stores with the same paths never share what is cached."""
+    if isinstance(fs, DirFileSystem) and isinstance(fs.fs, AbstractFileSystem):
+        inner = target_url(fs.fs)
+        return lambda path: inner(fs._join(path))
+    base = _unstrip(fs)
+    store = store_of(fs)
+    if not store:
+        return base
+
+    def url(path: str) -> str:
+        scheme, sep, rest = base(path).partition("://")
+        return f"{scheme}[{store}]://{rest}" if sep else f"[{store}]{scheme}"
+
+    return url
+
+
+def _unstrip(fs: AbstractFileSystem) -> Callable[[str], str]:
     """``fs.unstrip_protocol``, made without its calls for the paths of plain_local: its
     answer for one such path gives the prefix (fsspec before 2026.4 wrote ``file://`` for
     every local filesystem, later ones the filesystem's own protocol)."""
