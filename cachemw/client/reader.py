@@ -73,7 +73,7 @@ class BlockReader:
         self.source = source
         self.client = client
         self.block_size = block_size
-        self._source_json = source.fs.to_json()
+        self._source_json: str | None = None  # source_json(), made at its first use
         self.direct = DirectReads(client)
         self.fills = FillWriter(client, write_behind)
         self.claims = Claims(claims_dir(client.runtime_dir))
@@ -212,10 +212,28 @@ class BlockReader:
 
     def item(self, p: Piece) -> tuple:
         """What the daemon needs to fetch a block itself: key, length, url, source ref
-        (with the version token, so an owner node never caches another version's bytes)."""
+        (with the version token, so an owner node never caches another version's bytes);
+        no source ref for a target that cannot be described to another process."""
+        described = self.source_json()
         return (p.key, p.length, p.meta.url,
-                (self._source_json, p.meta.path, p.index, self.block_size, p.meta.size,
+                None if described is None else
+                (described, p.meta.path, p.index, self.block_size, p.meta.size,
                  p.meta.version))
+
+    def source_json(self) -> str | None:
+        """The target in fsspec's JSON form, from which a daemon (this node's prefetch, a
+        block's owner node) makes its own; None, said once, if an option of the target has
+        no JSON form (an aiohttp ``ClientTimeout``, a botocore ``Config``): this process
+        then reads those blocks itself, as it would with no daemon at all."""
+        if self._source_json is None:
+            try:
+                self._source_json = self.source.fs.to_json()
+            except (TypeError, ValueError) as exc:
+                self._source_json = ""
+                log.info("the target's options have no JSON form (%s): its blocks are not "
+                         "prefetched by the daemon nor fetched by other nodes for this "
+                         "process; it reads them itself", exc)
+        return self._source_json or None
 
     def announce_items(self, meta: FileMeta, start: int, end: int) -> list[tuple]:
         return [self.item(p) for p in self._pieces(meta, start, end)] if end > start else []

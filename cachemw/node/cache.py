@@ -456,7 +456,8 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         order = []
         with self._lock:
             for key, length, url, source in items:
-                self._sources[key] = (length, url, source)
+                if source is not None:  # else its reader fetches it (nothing to prefetch by)
+                    self._sources[key] = (length, url, source)
                 order.append((key, blockfile.stored_size(length)))
         self.placer.announce(order, stream)
         self._wake.set()
