@@ -206,6 +206,27 @@ def test_write_through_invalidates_under_long_ttl(make_cache_fs, src, tmp_path, 
     assert make_cache_fs(validate="ttl", ttl=3600, block_size=BS).cat_file(path) == new
 
 
+@pytest.mark.parametrize("validate", ["ttl", "immutable"])
+def test_a_file_another_process_wrote_through_the_cache_opens_at_its_new_version(
+        make_cache_fs, src, validate):
+    """Reader A knew the file; writer B (another process of the node: its own instance)
+    wrote it through the cache, which dropped its blocks node-wide. A's next open reads the
+    new version, under every mode, where its first read failed on the old one."""
+    reader = make_cache_fs(validate=validate, ttl=3600, block_size=BS)
+    writer = make_cache_fs(validate=validate, ttl=3600, block_size=BS)
+    path = str(src / "f.bin")
+    old, new = b"o" * (2 * BS + 7), b"N" * (BS + 3)
+    write(path, old)
+    assert reader.cat_file(path) == old
+    writer.pipe_file(path, new)
+    with reader.open(path) as f:
+        assert f.size == len(new)
+        assert f.read() == new
+    assert reader.cat_file(path) == new
+    with reader.open(path) as f:  # known afresh now: no second look needed
+        assert f.read(5) == new[:5]
+
+
 def test_write_of_a_longer_file_then_rm_under_long_ttl(make_cache_fs, src):
     fs = make_cache_fs(validate="ttl", ttl=3600, block_size=BS)
     path = str(src / "f.bin")

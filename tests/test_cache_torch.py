@@ -126,3 +126,30 @@ def test_url_only_dataset_is_cached_without_touching_cachemw_in_the_main_process
                 os.kill(address.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_forked_workers_read_through_an_fs_over_an_async_store(make_cache_fs, s3_server):
+    """A Dataset holding a cachemw filesystem over S3 (s3fs: an async filesystem, whose
+    event loop stays in the process that made it), with fork workers: each worker reads
+    through a target of its own, the exact bytes, after the main process read through it."""
+    bucket = s3_server["bucket"]
+    paths = [f"{bucket}/forked/f{i:02d}" for i in range(12)]
+    for i, p in enumerate(paths):
+        s3_server["boto3"]().put_object(Bucket=bucket, Key=p.split("/", 1)[1],
+                                        Body=bytes([i]) * (1000 + i))
+    fs = make_cache_fs(target_protocol="s3", target_options=s3_server["target_options"],
+                       block_size=BS)
+    assert fs.cat_file(paths[0]) == bytes([0]) * 1000  # the parent's loop is running
+    for epoch, got in enumerate(_epochs(FsDataset(fs, paths), "fork")):
+        assert {i: data for i, data in got.items()} == {
+            i: bytes([i]) * (1000 + i) for i in range(len(paths))}, epoch
+    assert fs.cat_file(paths[1]) == bytes([1]) * 1001  # and the parent's own still works
+    # the same store under a directory filesystem: the filesystem it wraps is the child's own
+    from fsspec.implementations.dirfs import DirFileSystem
+    under = make_cache_fs(fs=DirFileSystem(path=f"{bucket}/forked", fs=fs.target),
+                          block_size=BS)
+    names = [p.rsplit("/", 1)[1] for p in paths]
+    for got in _epochs(FsDataset(under, names), "fork", n=1):
+        assert got == {i: bytes([i]) * (1000 + i) for i in range(len(paths))}

@@ -36,7 +36,7 @@ from .metadata import MetadataCache
 from .openfile import BytesFile, CachedFile, clip
 from .ranges import read_ranges
 from .reader import BlockReader
-from ..tiers.source import ChangedSourceError, SourceTier
+from ..tiers.source import ChangedSourceError, ForkSafe, SourceTier
 from .urls import TargetPaths, own_options
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class CacheFileSystem(_Base):
     # left in the instance token it would make one filesystem, with its own daemon
     # connection, per URL opened (a dataset of a million ``cachemw::`` URLs: a million)
     _strip_tokenize_options = ("fo",)
+    target = ForkSafe()  # the store: a forked child's own where the parent's cannot serve it
 
     def __init__(self, target_protocol: str | None = None, target_options: dict | None = None,
                  fs: AbstractFileSystem | None = None, *, validate: str | None = None,
@@ -232,7 +233,7 @@ class CacheFileSystem(_Base):
               **kwargs):
         path = self._strip_protocol(path)
         if "r" in mode and "+" not in mode:
-            meta = self.meta.file(path)
+            meta = self.meta.file_to_open(path)
             if meta.size == 0:  # read now, to its end (see _read): the file is its bytes
                 return BytesFile(self, path, self.cat_file(path))
             return CachedFile(self, path, meta, block_size=block_size,

@@ -34,6 +34,7 @@ from typing import Callable, NamedTuple
 
 from ..files import atomic_write, make_private_dirs
 from ..keys import path_key, version_token
+from ..tiers.source import ForkSafe
 from .metatable import MetaTable
 from .urls import target_url
 
@@ -55,6 +56,8 @@ _DROPPED = "cachemw-dropped"  # a tombstone record (see _drop_shared); loads ign
 
 
 class MetadataCache:
+    target = ForkSafe()  # the store asked for info and listings (a forked child's own)
+
     def __init__(self, target, validate: str, ttl: float, meta_dir: Callable[[], str | None],
                  defer: Callable | None = None) -> None:
         """``defer(fn, arg)``: run ``fn(arg)`` later, off the reader's path (the fill
@@ -256,6 +259,18 @@ class MetadataCache:
         from is kept only if this process asked the source for it (or called info())."""
         meta, _ = self.known_file(path)
         return meta if meta is not None else self.ask_file(path)
+
+    def file_to_open(self, path: str) -> FileMeta:
+        """``file()`` for an open, which starts a reader on one version: where another
+        process of the node wrote the file through the cache after this one learnt it, its
+        blocks are gone and the source has another version, so it is learnt again (else
+        the open file's first read would fail on the version it was opened at)."""
+        meta = self.file(path)
+        if not self.dropped_since(path, meta.fetched):
+            return meta
+        self._files.pop(path, None)
+        self._infos.pop(path, None)
+        return self.file(path)
 
     def ask_file(self, path: str) -> FileMeta:
         """``file()`` for a caller whose ``known_file()`` has just said None: the source's
