@@ -380,6 +380,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     root = ""
     if_match = True  # False: a server that ignores If-Match (its ETags still tell)
+    etags = True  # False: a server that sends no ETag at all (versions by size alone)
 
     def log_message(self, *args):
         pass
@@ -411,6 +412,9 @@ class _Handler(BaseHTTPRequestHandler):
         if rng and rng.startswith("bytes="):
             first, _, last = rng[len("bytes="):].partition("-")
             start = int(first)
+            if start >= len(data):  # past the end: not satisfiable, as servers answer
+                self.send_error(416)
+                return
             end = min(int(last) + 1 if last else len(data), len(data))
             self._headers(206, end - start, etag, f"bytes {start}-{end - 1}/{len(data)}")
             self.wfile.write(data[start:end])
@@ -422,7 +426,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Length", str(length))
         self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", etag)
+        if self.etags:
+            self.send_header("ETag", etag)
         if content_range:
             self.send_header("Content-Range", content_range)
         self.end_headers()
@@ -462,3 +467,39 @@ def test_http_an_open_file_replaced_reads_one_version_or_raises(make_cache_fs, h
             f.read()
     assert fs.cat_file(url) == new
     assert fs.cat_file(url, BS - 5, BS + 5) == new[BS - 5:BS + 5]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("server", ["ignores-if-match", "no-etag"])
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_http_a_file_that_shrank_is_a_changed_file_not_an_error(make_cache_fs, tmp_path,
+                                                                 server, mode):
+    """Behind a server that ignores If-Match, or sends no ETag, a file replaced by a shorter
+    one answers the old version's later blocks with 416: that is the file changing
+    (ChangedSourceError for the open file, the new version for the next read, under
+    immutable too), not an EIO for as long as the old metadata is trusted."""
+    root = tmp_path / "www"
+    root.mkdir()
+    handler = type("Handler", (_Handler,), {"root": str(root), "if_match": False,
+                                            "etags": server != "no-etag"})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/f.bin"
+        fs = make_cache_fs(target_protocol="http", block_size=BS, **mode)
+        old, new = os.urandom(3 * BS + 9), os.urandom(BS // 2)
+        write(str(root / "f.bin"), old)
+        with fs.open(url, "rb") as f:
+            assert f.read(100) == old[:100]
+            write(str(root / "f.bin"), new)
+            f.seek(2 * BS)
+            with pytest.raises(ChangedSourceError):
+                f.read(10)
+        assert fs.cat_file(url) == new
+        with fs.open(url, "rb") as f:
+            assert f.read() == new
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(10)

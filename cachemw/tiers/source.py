@@ -387,6 +387,9 @@ def _read_http(fs, path: str, start: int, end: int | None, version: str) -> byte
     if status == 412 or (status < 300 and got is not None and got != etag):
         raise _changed(path, version,
                        detail=f"the server has ETag {got}" if got else "its ETag moved")
+    if status == 416:  # a range within the version's size: the file is shorter now (a
+        # server that ignores If-Match, or a weak ETag, which If-Match cannot name)
+        raise _changed(path, version, detail="it is shorter now (HTTP 416)")
     if status == 200 and "Range" in headers:  # the server ignored Range: all of it came
         data = data[start:end]
     elif status not in (200, 206):
@@ -436,10 +439,17 @@ def _first_http(fs, path: str, start: int, end: int):
 
 
 def _read_checked(fs, path: str, start: int, end: int | None, version: str) -> bytes:
-    if end is None and start == 0:
-        data = fs.cat_file(path)
-    else:
-        data = fs.cat_file(path, start=start, end=end)
+    try:
+        if end is None and start == 0:
+            data = fs.cat_file(path)
+        else:
+            data = fs.cat_file(path, start=start, end=end)
+    except OSError:
+        raise
+    except Exception as exc:  # a client's own error (aiohttp's HTTP 416 of a file that
+        # shrank): a changed file is said so; anything else is an OSError at this boundary
+        _check_after(fs, path, version)
+        raise OSError(errno.EIO, f"{path}: {type(exc).__name__}: {exc}") from exc
     _check_after(fs, path, version)
     return data
 
