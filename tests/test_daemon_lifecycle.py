@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import shutil
 import signal
 import subprocess
@@ -473,3 +474,37 @@ def test_a_daemon_killed_while_it_starts_is_said_so_and_not_remembered(runtime_d
     r = cli("stop", runtime_dir=runtime_dir)
     assert r.returncode == 0, r.stderr
     wait_for(lambda: gone(address.pid), 20, what="the daemon to exit")
+
+
+@pytest.mark.timeout(90)
+def test_a_hung_daemon_does_not_hold_a_large_announcement(runtime_dir, spawn_daemon, tmp_path):
+    """An order too large for the socket's buffer, sent to a stopped daemon, fails after
+    daemon_timeout with nothing taken (it was blocked for as long as the daemon was), and
+    the AnnouncingSampler built on it yields its first index as soon."""
+    src = tmp_path / "many"
+    src.mkdir()
+    paths = []
+    for i in range(3000):
+        p = src / f"f{i:04d}"
+        p.write_bytes(b"x")
+        paths.append(str(p))
+    daemon = spawn_daemon(runtime_dir)
+    fs = new_fs(runtime_dir, autostart=False, daemon_timeout=1)
+    assert fs.cat_file(paths[0]) == b"x"
+    assert fs.client.connected()
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: process_state(daemon.pid) == "T", 10, what="the daemon to stop")
+        started = time.monotonic()
+        fs.announce(paths)
+        assert time.monotonic() - started < 8  # the send's timeout, not the stop's length
+        from cachemw.torch import AnnouncingSampler
+        started = time.monotonic()
+        sampler = AnnouncingSampler(list(range(len(paths))), paths, fs=fs)
+        assert next(iter(sampler)) == 0
+        assert time.monotonic() - started < 8
+        assert fs.cat_file(paths[1]) == b"x"  # read from the source meanwhile
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    wait_for(fs.client.connected, 30, interval=0.2, what="the client to reconnect")
+    assert fs.cat_file(paths[2]) == b"x"

@@ -153,7 +153,7 @@ class DaemonClient(reporting.Reporter):
             return False
         try:
             with self._local.send_lock:
-                conn.send((ops.PING,))
+                wire.send(conn, (ops.PING,), self.timeout)
             return wire.receive(conn, self.timeout) == ("pong",)
         except (OSError, EOFError, ValueError, DaemonUnavailable):
             self._drop_connection()
@@ -400,7 +400,7 @@ class DaemonClient(reporting.Reporter):
             sent = False
             try:
                 with self._local.send_lock:
-                    conn.send(msg)
+                    wire.send(conn, msg, self.timeout)
                 sent = True
                 reply = wire.receive(conn, self.timeout) if answered else True
                 if answered and self._next_try:  # it answers: no thread need back off now
@@ -432,6 +432,9 @@ class DaemonClient(reporting.Reporter):
             with send_lock:
                 conn.send(msg)
             return True
+        except BlockingIOError:  # the daemon took nothing for its timeout (wire.send): part
+            conn.close()         # of the message may have left, so the connection is done
+            return False
         except (OSError, ValueError, TypeError):  # closed by its thread meanwhile
             return False
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 from multiprocessing.connection import Connection, answer_challenge
 
@@ -29,6 +30,10 @@ def dial(address: DaemonAddress, timeout: float) -> tuple[Connection, frozenset]
         sock.settimeout(5.0)
         sock.connect(address.socket)
         sock.setblocking(True)
+        # a daemon that takes no bytes for ``timeout`` s (stopped, hung, its buffer full)
+        # fails the send (see send) instead of holding the sender for as long as it lasts
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
     except OSError:
         sock.close()
         raise
@@ -37,13 +42,23 @@ def dial(address: DaemonAddress, timeout: float) -> tuple[Connection, frozenset]
         if not conn.poll(timeout):
             raise DaemonUnavailable(f"daemon did not answer the handshake within {timeout} s")
         answer_challenge(conn, address.authkey)
-        conn.send((ops.HELLO, os.getpid(), timeout / 3))
+        send(conn, (ops.HELLO, os.getpid(), timeout / 3), timeout)
         reply = receive(conn, timeout)
     except BaseException:  # no half-open connection left, whatever failed; re-raised
         conn.close()
         raise
     features = reply[3] if len(reply) > 3 and isinstance(reply[3], (list, tuple)) else ()
     return conn, frozenset(features)
+
+
+def send(conn: Connection, msg: tuple, timeout: float) -> None:
+    """Send ``msg``; DaemonUnavailable if the daemon took none of its bytes for ``timeout``
+    seconds (the socket's send timeout, set by dial). Part of it may have left: the
+    connection is then of no further use (the caller drops it)."""
+    try:
+        conn.send(msg)
+    except BlockingIOError as exc:  # EAGAIN after SO_SNDTIMEO
+        raise DaemonUnavailable(f"daemon took no bytes for {timeout} s") from exc
 
 
 def receive(conn: Connection, timeout: float):
