@@ -26,7 +26,7 @@ from .chunk_codec import StoredItem, byte_view, checksum, decode
 from .errors import ChecksumError, CheckpointNotFoundError
 from .planner import item_key
 from .storage_io import Location, as_location
-from .writer import METADATA_NAME, read_manifest
+from .writer import METADATA_NAME, metadata_sum, read_manifest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +80,21 @@ class CachemwStorageReader(StorageReader):
         self.manifest = read_manifest(self.location)
         if self.manifest is None and self.config.require_manifest:
             raise CheckpointNotFoundError(f"{self.location.url} has no manifest: not a committed checkpoint")
+        where = f"{self.location.url}/{METADATA_NAME}"
         try:
-            metadata = pickle.loads(self.location.read_bytes(METADATA_NAME))
+            data = self.location.read_bytes(METADATA_NAME)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.location.url} has no {METADATA_NAME}") from exc
+        recorded = (self.manifest or {}).get("metadata")  # absent in earlier checkpoints
+        if isinstance(recorded, dict) and (len(data) != recorded.get("size")
+                                           or metadata_sum(data) != recorded.get("checksum")):
+            raise ChecksumError(f"{where}: damaged (checksum mismatch with the manifest)")
+        try:
+            metadata = pickle.loads(data)
+        except Exception as exc:  # unchecked (an earlier checkpoint) and not whole
+            raise ChecksumError(f"{where}: damaged ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(metadata, Metadata):
+            raise ChecksumError(f"{where}: damaged (not DCP metadata)")
         metadata.storage_meta = None
         return metadata
 

@@ -178,6 +178,7 @@ def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int
         raise FileNotFoundError(errno.ENOENT, "not a committed checkpoint (no manifest)",
                                 location.url)
     reader = CachemwStorageReader(location, thread_count=thread_count)
+    reader.read_metadata()  # a damaged .metadata: ChecksumError here, not DCP's AssertionError
     try:
         with single_process_dcp():
             state = _load_state_dict_from_keys(storage_reader=reader)

@@ -159,7 +159,8 @@ class CachemwStorageWriter(StorageWriter):
             for wr in flat
         }
         metadata.storage_meta = self.storage_meta()
-        self.location.write_atomic(METADATA_NAME, pickle.dumps(metadata))
+        pickled = pickle.dumps(metadata)
+        self.location.write_atomic(METADATA_NAME, pickled)
         files: dict[str, int] = {}
         for item in stored.values():
             files[item.relative_path] = max(files.get(item.relative_path, 0), item.offset + item.length,
@@ -171,6 +172,8 @@ class CachemwStorageWriter(StorageWriter):
             "compression": self.config.compression,
             "files": files,
             "items": {k: v.to_json() for k, v in sorted(stored.items())},
+            # DCP's .metadata (every tensor's shape, dtype and chunk offsets) is checked too
+            "metadata": {"size": len(pickled), "checksum": metadata_sum(pickled)},
             "extra": self.manifest_extra,
         }
         self.location.write_atomic(MANIFEST_NAME, seal_manifest(manifest))
@@ -260,6 +263,11 @@ class CachemwStorageWriter(StorageWriter):
         if self.on_file_durable is not None:
             self.on_file_durable(rel)
         return results
+
+
+def metadata_sum(data: bytes) -> str:
+    """The checksum of a checkpoint's ``.metadata`` that its manifest records."""
+    return xxhash.xxh3_64_hexdigest(data)
 
 
 def _manifest_sum(manifest: dict) -> str:

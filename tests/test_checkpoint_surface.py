@@ -373,3 +373,36 @@ def test_where_directories_cannot_be_swapped_the_old_one_is_set_aside_and_put_ba
     os.rename(path, tmp_path / f"final.cachemw-old-{host}-{proc.pid}-0123abcd")
     assert load(str(path))["v"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["final"]
+
+
+def test_a_damaged_metadata_file_is_a_checksum_error_never_a_wrong_tensor(tmp_path):
+    """DCP's .metadata holds every tensor's shape: the manifest records its checksum, so a
+    flipped bit there (which once loaded a tensor of another shape, padded with whatever
+    memory held) is a ChecksumError; in a checkpoint of an earlier release, whose
+    manifest has no such record, a .metadata that does not load is one too."""
+    import json
+
+    from cachemw.checkpoint import ChecksumError, load, save
+    from cachemw.checkpoint.writer import MANIFEST_NAME, parse_manifest, seal_manifest
+
+    path = tmp_path / "ck"
+    w = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
+    save({"w": w}, str(path))
+    good = (path / ".metadata").read_bytes()
+    size_at = good.find(bytes([10, 75, 100]))  # the pickled torch.Size([10, 100])
+    assert size_at >= 0
+    damaged = bytearray(good)
+    damaged[size_at] ^= 1  # (11, 100): unpickles fine
+    (path / ".metadata").write_bytes(bytes(damaged))
+    with pytest.raises(ChecksumError, match=r"\.metadata"):
+        load(str(path))
+    # an earlier checkpoint: no record of the .metadata in its manifest
+    manifest = parse_manifest((path / MANIFEST_NAME).read_bytes(), "m")
+    del manifest["metadata"]
+    (path / MANIFEST_NAME).write_bytes(seal_manifest(manifest))
+    (path / ".metadata").write_bytes(good[:len(good) // 2])
+    with pytest.raises(ChecksumError, match=r"\.metadata"):
+        load(str(path))
+    (path / ".metadata").write_bytes(good)
+    assert torch.equal(load(str(path))["w"], w)
+    assert json.loads((path / MANIFEST_NAME).read_bytes())["format"]
