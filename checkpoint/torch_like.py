@@ -3,13 +3,14 @@
 For single-process users and for plug-ins such as Lightning's CheckpointIO, which hand over
 one arbitrary nested object and expect it back whole, with no template to load into. Tensors
 go through the same planner, writer and reader as the Checkpointer (chunked, checksummed,
-optionally lz4, manifest last); the rest of the object, with tensors replaced by
-placeholders, is stored as one pickled item, so dict keys, lists and tuples come back exactly
-(DCP's own flattening turns int-keyed dicts into lists).
+optionally lz4, manifest last); the rest of the object is pickled as ``torch.save`` pickles
+it, each tensor a reference to one of those, and stored as one item, so every type comes
+back as it went (DCP's own flattening turns int-keyed dicts into lists).
 """
 from __future__ import annotations
 
 import errno
+import io
 import os
 import pickle
 import re
@@ -32,29 +33,54 @@ from .reader import CachemwStorageReader
 from .storage_io import as_location
 from .writer import MANIFEST_NAME, CachemwStorageWriter, read_manifest
 
-SKELETON_KEY = "__cachemw_skeleton__"
+SKELETON_KEY = "__cachemw_skeleton__"  # earlier releases: tensors as placeholder strings
+PICKLED_KEY = "__cachemw_pickled__"  # the object pickled with its tensors by reference
 PLACEHOLDER = "\x00cachemw-tensor:"
 
 
-def _split(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        key = f"t{len(tensors)}"
-        tensors[key] = obj.detach()
-        return PLACEHOLDER + key
-    if isinstance(obj, dict):
-        items = [(k, _split(v, tensors)) for k, v in obj.items()]
-        try:
-            return type(obj)(items)
-        except TypeError:  # e.g. defaultdict
-            return dict(items)
-    if isinstance(obj, list):
-        return [_split(v, tensors) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_split(v, tensors) for v in obj)
-    return obj
+class _TensorPickler(pickle.Pickler):
+    """Pickles the object as ``torch.save`` does (every type as pickle rebuilds it: a
+    ``Counter``, a ``defaultdict`` with its factory, ``torch.Size``, objects holding
+    tensors in attributes), each tensor replaced by a reference into ``tensors``, which
+    go through DCP chunked and checksummed. A tensor met twice is one tensor."""
+
+    def __init__(self, file, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+        self._keys: dict[int, str] = {}
+
+    def persistent_id(self, obj):
+        if not isinstance(obj, torch.Tensor):
+            return None
+        key = self._keys.get(id(obj))
+        if key is None:
+            key = self._keys[id(obj)] = f"t{len(self.tensors)}"
+            self.tensors[key] = obj.detach()
+        kind = "parameter" if isinstance(obj, torch.nn.Parameter) else "tensor"
+        return (kind, key, bool(obj.requires_grad))
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(file)
+        self.tensors = tensors
+        self._made: dict[tuple, torch.Tensor] = {}
+
+    def persistent_load(self, pid):
+        kind, key, grad = pid
+        made = self._made.get((kind, key))
+        if made is None:
+            tensor = self.tensors[key]
+            if kind == "parameter":
+                made = torch.nn.Parameter(tensor, requires_grad=grad)
+            else:
+                made = tensor.requires_grad_(True) if grad else tensor
+            self._made[(kind, key)] = made
+        return made
 
 
 def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """An earlier release's skeleton, its placeholders replaced by the tensors."""
     if isinstance(obj, str) and obj.startswith(PLACEHOLDER):
         return tensors[obj[len(PLACEHOLDER):]]
     if isinstance(obj, dict):
@@ -153,9 +179,10 @@ def _write(obj: Any, location, compression: str | None, thread_count: int) -> No
     location.makedirs()
     location.remove_file(MANIFEST_NAME)  # an overwritten checkpoint is uncommitted while it is rewritten
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = _split(obj, tensors)
+    pickled = io.BytesIO()
+    _TensorPickler(pickled, tensors).dump(obj)
     # Pickled to bytes so that DCP stores it as one opaque item instead of flattening it.
-    state = {"tensors": tensors, SKELETON_KEY: pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)}
+    state = {"tensors": tensors, PICKLED_KEY: pickled.getvalue()}
     writer = CachemwStorageWriter(location, compression=compression, thread_count=thread_count)
     try:
         with single_process_dcp():
@@ -184,7 +211,25 @@ def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int
             state = _load_state_dict_from_keys(storage_reader=reader)
     except CheckpointException as exc:
         raise unwrap(exc, 1) from None
-    tensors = state.get("tensors", {})
-    if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
-        tensors = {k: v.to(map_location) for k, v in tensors.items()}
+    tensors = {k: _mapped(v, map_location) for k, v in state.get("tensors", {}).items()}
+    if PICKLED_KEY in state:
+        return _TensorUnpickler(io.BytesIO(state[PICKLED_KEY]), tensors).load()
     return _join(pickle.loads(state[SKELETON_KEY]), tensors)
+
+
+def _mapped(tensor: torch.Tensor, map_location: Any) -> torch.Tensor:
+    """``tensor`` where ``map_location`` puts it, as ``torch.load`` reads it: a device (or
+    its name), a dict of device names, or a callable ``(storage, location)``."""
+    if map_location is None:
+        return tensor
+    if isinstance(map_location, dict):
+        to = map_location.get(str(tensor.device))
+        return tensor if to is None else tensor.to(to)
+    if callable(map_location):
+        storage = tensor.untyped_storage()
+        moved = map_location(storage, str(tensor.device))
+        if moved is None or moved is storage:
+            return tensor
+        out = torch.empty(0, dtype=tensor.dtype, device=moved.device)
+        return out.set_(moved, tensor.storage_offset(), tensor.size(), tensor.stride())
+    return tensor.to(map_location)

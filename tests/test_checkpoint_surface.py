@@ -406,3 +406,64 @@ def test_a_damaged_metadata_file_is_a_checksum_error_never_a_wrong_tensor(tmp_pa
     (path / ".metadata").write_bytes(good)
     assert torch.equal(load(str(path))["w"], w)
     assert json.loads((path / MANIFEST_NAME).read_bytes())["format"]
+
+
+class Holder:
+    """An object holding a tensor in an attribute (pickled by reference to this module)."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+def test_torch_style_save_keeps_every_type_as_torch_save_does(tmp_path):
+    """A Counter came back as a Counter of (key, count) pairs, a defaultdict lost its
+    factory, torch.Size became a tuple and a Parameter a plain tensor; one tensor under two
+    keys became two. Now the object is pickled as torch.save pickles it."""
+    import collections
+
+    from cachemw.checkpoint import load, save
+
+    shared = torch.randn(4)
+    param = torch.nn.Parameter(torch.ones(2, 3))
+    obj = {"counts": collections.Counter({"cat": 3, "dog": 5}),
+           "dd": collections.defaultdict(list, a=[1]), "shape": torch.Size([3, 4]),
+           "p": param, "a": shared, "b": shared, "holder": Holder(torch.arange(5)),
+           "grad": torch.zeros(2, requires_grad=True), 7: (1, [torch.ones(1)])}
+    save(obj, str(tmp_path / "ck"))
+    got = load(str(tmp_path / "ck"))
+    assert type(got["counts"]) is collections.Counter and got["counts"] == obj["counts"]
+    assert type(got["dd"]) is collections.defaultdict and got["dd"].default_factory is list
+    assert type(got["shape"]) is torch.Size and got["shape"] == obj["shape"]
+    assert isinstance(got["p"], torch.nn.Parameter) and got["p"].requires_grad
+    assert torch.equal(got["p"], param)
+    assert got["a"] is got["b"] and torch.equal(got["a"], shared)
+    assert torch.equal(got["holder"].t, torch.arange(5))
+    assert got["grad"].requires_grad and not obj["a"].requires_grad
+    assert torch.equal(got[7][1][0], torch.ones(1))
+    # map_location as torch.load takes it: a device, a dict of device names, a callable
+    assert load(str(tmp_path / "ck"), map_location={"cpu": "meta"})["a"].device.type == "meta"
+    assert load(str(tmp_path / "ck"), map_location=lambda storage, loc: storage)["a"].device.type == "cpu"
+    copied = load(str(tmp_path / "ck"), map_location=lambda storage, loc: storage.clone())
+    assert torch.equal(copied["a"], shared) and torch.equal(copied[7][1][0], torch.ones(1))
+
+
+def test_torch_style_load_reads_an_earlier_release_s_checkpoint(tmp_path):
+    """Checkpoints whose object was kept as a skeleton of placeholder strings still load."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from cachemw.checkpoint import load
+    from cachemw.checkpoint.planner import SpreadSavePlanner
+    from cachemw.checkpoint.quiet import single_process_dcp
+    from cachemw.checkpoint.torch_like import PLACEHOLDER, SKELETON_KEY
+    from cachemw.checkpoint.writer import CachemwStorageWriter
+
+    t = torch.randn(3, 2)
+    skeleton = {"w": PLACEHOLDER + "t0", "step": 3, "nested": [PLACEHOLDER + "t0"]}
+    state = {"tensors": {"t0": t}, SKELETON_KEY: pickle.dumps(skeleton)}
+    with single_process_dcp():
+        dcp.save(state, storage_writer=CachemwStorageWriter(str(tmp_path / "old")),
+                 planner=SpreadSavePlanner(), no_dist=True)
+    got = load(str(tmp_path / "old"))
+    assert got["step"] == 3 and torch.equal(got["w"], t) and torch.equal(got["nested"][0], t)
