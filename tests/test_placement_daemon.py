@@ -151,6 +151,33 @@ def test_an_announced_order_is_prefetched_ahead_of_the_reader(make_tree, runtime
 
 
 @pytest.mark.timeout(60)
+def test_files_missing_from_an_order_take_no_place_and_the_rest_is_prefetched(
+        make_tree, runtime_dir, spawn_daemon, caplog):
+    """One file of the order gone from the store (its reads will fail) cost the whole
+    order: fs.announce raised, and AnnouncingSampler went without an order every epoch."""
+    import logging
+    import os
+    import pathlib
+    caplog.set_level(logging.WARNING, logger="cachemw")
+    spawn_daemon(runtime_dir, dram_capacity="16MiB")
+    paths = sorted(make_tree([FILE] * 30))
+    for gone in paths[3:5]:
+        os.unlink(gone)
+    fs = cache_fs(runtime_dir)
+    order = [pathlib.Path(p) for p in paths[:10]] + paths[10:]  # os.PathLike too
+    assert fs.announce(order) == 28
+    wait_for(lambda: daemon_stats(runtime_dir)["counters"].get("prefetched", 0) == 28, 20,
+             what="the 28 files still at the store to be prefetched")
+    said = [r.getMessage() for r in caplog.records if "not at the store" in r.getMessage()]
+    assert len(said) == 1 and "2 of the 30" in said[0] and paths[3] in said[0]
+    fs.announce(paths)
+    assert len([r for r in caplog.records if "not at the store" in r.getMessage()]) == 1
+    for bad in (paths[0], [b"/x"], [("a", 1)], [3]):  # one path for the list, odd entries
+        with pytest.raises(ValueError, match="announce"):
+            fs.announce(bad)
+
+
+@pytest.mark.timeout(60)
 def test_an_order_announced_after_a_read_is_prefetched(make_tree, runtime_dir, spawn_daemon):
     """A read before the first announcement (the daemon then switches to clairvoyant with
     that block in place) must not shift the announced order: all of it is prefetched."""

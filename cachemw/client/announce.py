@@ -50,6 +50,25 @@ def stream_owner(*, rank: int, ranks: int, group: Optional[str], first: int, rep
     return owner
 
 
+def announce_entries(paths) -> List[Tuple[str, Optional[int], Optional[int]]]:
+    """(path, start, end) of each entry of an order: a path (str or os.PathLike) or a
+    (path, start, end) range; a ValueError naming an entry of another kind (a single
+    path given for the list would be read as one path per character)."""
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        raise ValueError(f"announce: paths must be a list of paths, got one path: {paths!r}")
+    out = []
+    for entry in paths:
+        if isinstance(entry, (str, os.PathLike)):
+            out.append((os.fspath(entry), None, None))
+        elif isinstance(entry, (tuple, list)) and len(entry) == 3 \
+                and isinstance(entry[0], (str, os.PathLike)):
+            out.append((os.fspath(entry[0]), entry[1], entry[2]))
+        else:
+            raise ValueError(f"announce: an entry must be a path or (path, start, end), "
+                             f"got {entry!r}")
+    return out
+
+
 def messages(items: Sequence, chunk: int, *, rank: int, ranks: int, group: Optional[str],
              first: int, replace: bool, owner: str) -> List[Tuple[List, Stream]]:
     """The order's blocks in messages of at most ``chunk``, each with its stream."""

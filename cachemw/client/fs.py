@@ -26,7 +26,7 @@ try:  # fsspec >= 2025.x marks filesystems layered over another one (fills in th
 except ImportError:  # pragma: no cover - older fsspec
     _Base = AbstractFileSystem
 
-from .announce import messages, stream_owner
+from .announce import announce_entries, messages, stream_owner
 from .fills import drain_all
 from .link import DaemonClient
 from .. import trace as tracing
@@ -89,6 +89,7 @@ class CacheFileSystem(_Base):
         self.meta = MetadataCache(fs, self.options.validate, self.options.ttl, self.client.meta_dir,
                                   defer=self.reader.fills.defer)
         self.reader.dropped_since = self.meta.dropped_since
+        self._warned_gone = False  # announced files not at the store, said once
 
         stripped: dict[str, str] = {}  # fsspec's path normalisation costs ~5 us a call
         path_of = TargetPaths(fs)
@@ -360,7 +361,8 @@ class CacheFileSystem(_Base):
                  owner: str | None = None) -> int:
         """Tell this node's daemon the files (or (path, start, end) ranges) about to be
         read, in order: placement turns clairvoyant and prefetches ahead of the reader.
-        Returns the number of blocks announced; 0 if no daemon is reachable.
+        Returns the number of blocks announced; 0 if no daemon is reachable. A file not at
+        the store takes no place in the order (its read will fail; said once).
 
         Several ranks of the node reading at once (DDP, a process per device, each its
         own shard) each announce their own order with ``rank`` and ``ranks`` (the node's
@@ -388,12 +390,21 @@ class CacheFileSystem(_Base):
         if not drain_all(timeout=self.client.timeout):
             log.debug("announce: fills of earlier reads still queued after %s s; announcing",
                       self.client.timeout)
-        entries = [(entry, None, None) if isinstance(entry, str) else entry for entry in paths]
-        metas = self.meta.files([self._strip_protocol(path) for path, _, _ in entries])
+        entries = announce_entries(paths)
+        stripped = [self._strip_protocol(path) for path, _, _ in entries]
+        metas = self.meta.files(stripped, missing_ok=True)
         items = []
+        gone = []
         for (path, start, end), meta in zip(entries, metas):
+            if meta is None:  # not at the store: its read will fail, it takes no place
+                gone.append(path)
+                continue
             start, end = clip(start, end, meta.size)
             items.extend(self.reader.announce_items(meta, start, end))
+        if gone and not self._warned_gone:
+            self._warned_gone = True
+            log.warning("announce: %d of the %d files are not at the store (the first: %s); "
+                        "the others are announced (said once)", len(gone), len(entries), gone[0])
         sent = 0
         for part, stream in messages(items, chunk, rank=rank, ranks=ranks, group=group,
                                      first=first, replace=replace, owner=owner):

@@ -340,11 +340,13 @@ class MetadataCache:
         self._files[path] = _pack(meta)
         return meta
 
-    def files(self, paths: list[str], concurrency: int = 16) -> list[FileMeta]:
+    def files(self, paths: list[str], concurrency: int = 16,
+              missing_ok: bool = False) -> list[FileMeta | None]:
         """``file()`` of each path, in order; those not fresh here are asked of the source
         ``concurrency`` at a time. Why: an announced epoch names every file of the dataset,
         and where a listing gives no versions (HTTP) each costs a request; one at a time,
-        an epoch's start waited files x latency."""
+        an epoch's start waited files x latency. ``missing_ok``: None for a path not at the
+        source, where FileNotFoundError would end the whole call."""
         found: dict[str, FileMeta] = {}
         missing = []
         for path in dict.fromkeys(paths):
@@ -354,12 +356,19 @@ class MetadataCache:
                 found[path] = meta
             else:
                 missing.append(path)
+        ask = self.file
+        if missing_ok:
+            def ask(path: str) -> FileMeta | None:
+                try:
+                    return self.file(path)
+                except FileNotFoundError:
+                    return None
         if len(missing) > 1 and concurrency > 1:
             with ThreadPoolExecutor(min(concurrency, len(missing)),
                                     thread_name_prefix="cachemw-meta") as pool:
-                found.update(zip(missing, pool.map(self.file, missing)))
+                found.update(zip(missing, pool.map(ask, missing)))
         else:
-            found.update((path, self.file(path)) for path in missing)
+            found.update((path, ask(path)) for path in missing)
         return [found[path] for path in paths]
 
     def known_paths(self) -> list[str]:
