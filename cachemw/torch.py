@@ -106,9 +106,12 @@ class AnnouncingSampler(torch.utils.data.Sampler):
     length, so that all ranks agree on it; one that only some ranks make takes
     ``ranks=1``) and each iterating its sampler once an epoch (the
     group is named by the iteration, not by ``set_epoch``); until all have, the daemon
-    holds its prefetch back, at most 5 s per epoch. The layout counts blocks: ranks whose
-    samples span different numbers of blocks, or whose shards differ in length, read a
-    little out of the laid order (tolerated, as several workers' reads are).
+    holds its prefetch back, at most 5 s per epoch. The ranks' samplers must have the same
+    length (DistributedSampler's shards do: it pads them); shards of different lengths
+    name different samplers, so each rank's order waits the 5 s alone and is laid apart
+    from the others (a sampler padded to the longest shard's length groups). The layout
+    counts blocks: ranks whose samples span different numbers of blocks read a little out
+    of the laid order (tolerated, as several workers' reads are).
     """
 
     def __init__(self, sampler, paths: Union[Sequence[Entry], Callable[[int], Entry]],

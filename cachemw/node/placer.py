@@ -137,8 +137,10 @@ class Placer:
                 else:
                     self._holds[group] = None
                     log.warning("prefetch waited %s s for the ranks of %r: only ranks %s "
-                                "announced (every rank of the node must, with the same "
-                                "samplers in the same order)", self.HOLD, group,
+                                "announced in it (every rank of the node must, with the same "
+                                "samplers in the same order; an AnnouncingSampler is named "
+                                "by its length, so ranks whose shards differ in length "
+                                "announce in groups of their own)", self.HOLD, group,
                                 sorted(self._engine.ranks_begun(group)))
         return held
 
