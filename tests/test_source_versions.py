@@ -503,3 +503,52 @@ def test_http_a_file_that_shrank_is_a_changed_file_not_an_error(make_cache_fs, t
         httpd.shutdown()
         httpd.server_close()
         thread.join(10)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["dev-shm", "tmp_path"])
+def test_a_local_file_rewritten_in_place_during_a_read_is_never_cached_torn(
+        make_cache_fs, tmp_path, where):
+    """Another process's in-place rewrite (one pwrite of the whole file) sets the file's
+    times when it begins: a block read while it runs saw the new times before and after,
+    half the old bytes, and was cached under the new version for good. Reads during the
+    writes return one version or raise; once each write is done, the file reads whole."""
+    from cachemw.tiers.source import _fs_type, _SEEK_WAITS_FOR_WRITES
+
+    if where == "dev-shm":
+        root = f"/dev/shm/cachemw-torn-{os.getpid()}-{os.urandom(4).hex()}"
+        os.makedirs(root)
+    else:
+        root = str(tmp_path)
+    if _fs_type(os.stat(root).st_dev) not in _SEEK_WAITS_FOR_WRITES:
+        pytest.skip(f"{root} is on a filesystem where the check is a limit (README)")
+    bs, blocks = 4 << 20, 8
+    path = os.path.join(root, "r.bin")
+    try:
+        with open(path, "wb") as f:
+            f.write(b"\1" * (bs * blocks))
+        fs = make_cache_fs(validate="always", block_size=bs)
+
+        def rewrite(version):
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, bytes([version]) * (bs * blocks), 0)
+            finally:
+                os.close(fd)
+
+        for version in range(2, 14):
+            writer = threading.Thread(target=rewrite, args=(version,))
+            writer.start()
+            while writer.is_alive():
+                try:
+                    got = fs.cat_file(path, (blocks - 1) * bs, blocks * bs)
+                except ChangedSourceError:
+                    continue
+                assert len(set(got)) == 1, version  # one version's bytes
+            writer.join()
+            whole = fs.cat_file(path)
+            assert set(whole[::bs]) == {version}, (version, list(whole[::bs]))
+    finally:
+        if where == "dev-shm":
+            import shutil
+            shutil.rmtree(root, ignore_errors=True)

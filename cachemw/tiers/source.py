@@ -235,10 +235,48 @@ def _firsts_for(fs):
     return None
 
 
+# Filesystems whose SEEK_DATA takes the inode lock that a write() holds while it copies
+# its bytes in: an lseek there returns only once a write in progress has ended.
+_SEEK_WAITS_FOR_WRITES = frozenset({"tmpfs", "ext4", "ext3", "ext2", "btrfs"})
+_seek_waits: dict[int, bool] = {}  # st_dev -> whether its filesystem is one of those
+
+
+def _waits_for_writes(dev: int) -> bool:
+    known = _seek_waits.get(dev)
+    if known is None:
+        known = _seek_waits[dev] = _fs_type(dev) in _SEEK_WAITS_FOR_WRITES
+    return known
+
+
+def _fs_type(dev: int) -> str:
+    """The type of the filesystem mounted from device ``dev`` ('' if not found)."""
+    wanted = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == wanted and "-" in fields:
+                    return fields[fields.index("-") + 1]
+    except OSError:
+        pass
+    return ""
+
+
 def _read_local(fs, path: str, start: int, end: int | None, version: str) -> bytes:
+    """The bytes of ``path`` at ``version``, by ``fstat`` of the descriptor before and
+    after the read. A write() already under way when the read begins (another process
+    rewriting the file in place) set the file's times when it began, so both stats would
+    show the new version while the read saw part of the old bytes: on filesystems whose
+    SEEK_DATA waits for it (tmpfs, ext4, btrfs), an lseek first lets it end. A write that
+    begins during the read changes the times the second stat sees (the README's limits)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         before = os.fstat(fd)
+        if stat.S_ISREG(before.st_mode) and _waits_for_writes(before.st_dev):
+            try:
+                os.lseek(fd, 0, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data (empty); anything else: it did not wait
+                pass
         if stat_token(before) != version:
             raise _changed(path, version, stat_token(before))
         if end is None:
