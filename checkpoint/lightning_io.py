@@ -23,7 +23,10 @@ works on its own (``object`` as base).
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
+
+from cachemw.files import exchange
 
 from . import torch_file, torch_like
 from .storage_io import Location, split_file
@@ -50,6 +53,10 @@ class CachemwCheckpointIO(_BASES[0] if _BASES else object):  # type: ignore[misc
         if storage_options is not None:
             raise TypeError("CachemwCheckpointIO.save_checkpoint takes no storage_options, got "
                             f"{storage_options!r}")
+        legacy = Location(path)
+        if legacy.exists(MANIFEST_NAME):  # an earlier version's directory under this name
+            _replace_directory(checkpoint, path, legacy)
+            return
         torch_file.save_file(checkpoint, path)
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = "cpu",
@@ -72,6 +79,40 @@ class CachemwCheckpointIO(_BASES[0] if _BASES else object):  # type: ignore[misc
 
     def teardown(self) -> None:
         pass
+
+
+def _replace_directory(checkpoint: dict[str, Any], path, legacy: Location) -> None:
+    """Save ``checkpoint`` as the file ``path`` where an earlier version of the plug-in left
+    a checkpoint directory of that name: the old one or the new one is there at any time.
+    Locally the new file is written beside it and the two swapped in one step (or, where
+    the filesystem cannot, the directory uncommitted and removed, then the file renamed in);
+    on an object store (where a move onto the directory's name lands inside it) the file
+    is written beside it, the directory removed, its manifest (the commit) first, and the
+    file moved to the name."""
+    parent, _, name = legacy.path.rstrip("/").rpartition("/")
+    staged = f"{parent}/.{name}.cachemw-new-{os.getpid()}-{os.urandom(4).hex()}"
+    if legacy.local:
+        torch_file.save_file(checkpoint, staged)
+        try:
+            if not exchange(staged, legacy.path):
+                legacy.remove_file(MANIFEST_NAME)
+                shutil.rmtree(legacy.path)
+                os.replace(staged, legacy.path)
+                return
+        except BaseException:  # the staged file goes whatever failed; re-raised
+            if os.path.isfile(staged):
+                os.unlink(staged)
+            raise
+        shutil.rmtree(staged)  # the old directory, swapped out
+        return
+    url = os.fspath(path).rstrip("/")
+    torch_file.save_file(checkpoint, f"{url.rpartition('/')[0]}/{staged.rpartition('/')[2]}")
+    inside = legacy.path.rstrip("/") + "/"
+    legacy.remove_file(MANIFEST_NAME)
+    keys = [k for k in legacy.fs.find(inside) if k.startswith(inside)]
+    if keys:
+        legacy.fs.rm(keys)
+    legacy.fs.mv(staged, legacy.path)
 
 
 for _other in _BASES[1:]:

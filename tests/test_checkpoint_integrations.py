@@ -145,6 +145,27 @@ def test_checkpoint_io_plugin_reads_and_removes_directories_of_earlier_versions(
     assert not (tmp_path / "epoch=1.ckpt").exists()
 
 
+@pytest.mark.parametrize("swap", [True, False], ids=["exchange", "no-exchange"])
+def test_checkpoint_io_plugin_saves_over_a_directory_of_an_earlier_version(tmp_path,
+                                                                           monkeypatch, swap):
+    """A save onto the name of an earlier version's checkpoint directory (a resumed run's
+    last.ckpt) replaces it with the file, leaving nothing beside it; it failed with
+    IsADirectoryError and left its full-size temp file."""
+    import cachemw.checkpoint.lightning_io as lightning_io
+
+    if not swap:  # a filesystem that cannot swap a file and a directory (NFS)
+        monkeypatch.setattr(lightning_io, "exchange", lambda a, b: False)
+    old, new = lightning_like_checkpoint(), lightning_like_checkpoint()
+    new["epoch"] = 7
+    torch_like.save(old, tmp_path / "last.ckpt")
+    io = CachemwCheckpointIO()
+    io.save_checkpoint(new, tmp_path / "last.ckpt")
+    assert (tmp_path / "last.ckpt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert_same_checkpoint(new, io.load_checkpoint(tmp_path / "last.ckpt"))
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["epoch"] == 7
+
+
 if LIGHTNING_AVAILABLE:
     try:
         import lightning.pytorch as pl

@@ -285,6 +285,22 @@ def test_lightning_plugin_checkpoint_on_s3_reads_with_the_usual_calls(aws_env):
     assert "Contents" not in aws_env.list_objects_v2(Bucket="bucket", Prefix="run-2/checkpoints/epoch")
 
 
+def test_lightning_plugin_saves_over_an_earlier_version_s_directory_on_s3(aws_env):
+    """On an object store the new .ckpt object is written, then the old directory's keys
+    (its manifest first) are removed: the object itself stays."""
+    from cachemw.checkpoint import CachemwCheckpointIO, save
+
+    url = "s3://bucket/run-3/last.ckpt"
+    save({"epoch": 1, "w": torch.ones(3)}, url)  # what the plug-in used to write
+    io = CachemwCheckpointIO()
+    assert io.load_checkpoint(url)["epoch"] == 1
+    io.save_checkpoint({"epoch": 2, "w": torch.zeros(3)}, url)
+    keys = [o["Key"] for o in aws_env.list_objects_v2(Bucket="bucket", Prefix="run-3/")["Contents"]]
+    assert keys == ["run-3/last.ckpt"]
+    got = io.load_checkpoint(url)
+    assert got["epoch"] == 2 and torch.equal(got["w"], torch.zeros(3))
+
+
 _OVERWRITE = textwrap.dedent("""
     import sys, torch
     from cachemw.checkpoint import save
