@@ -16,6 +16,7 @@ read it. What cachemw adds around it:
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
@@ -29,6 +30,7 @@ from .storage_io import split_file
 
 log = logging.getLogger(__name__)
 ZIP_MAGIC = b"PK\x03\x04"
+PICKLE_PROTO = b"\x80"  # torch's pre-1.6 format: a pickle (protocol 2) from its first byte
 READ_BYTES = 4 << 20
 
 _crc_lock = threading.Lock()
@@ -72,13 +74,17 @@ def verify(f: IO[bytes], url: str) -> bool:
     with CRC32s turned off cannot be checked: False, and a warning.
     """
     f.seek(0)
-    if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+    head = f.read(len(ZIP_MAGIC))
+    if head != ZIP_MAGIC:
+        if head[:1] != PICKLE_PROTO:  # neither format: empty, cut short, its magic damaged
+            raise ChecksumError(f"{url} is not a whole torch checkpoint file (empty, truncated "
+                                f"or damaged: it starts with {head!r})")
         log.warning("%s is not in torch's zip format: loaded without checking it", url)
         return False
     f.seek(0)
     try:
         archive = zipfile.ZipFile(f)
-    except zipfile.BadZipFile as exc:
+    except (zipfile.BadZipFile, NotImplementedError, ValueError, OSError, EOFError) as exc:
         raise ChecksumError(f"{url} is not a whole torch checkpoint file (truncated or damaged): {exc}") from None
     with archive:
         records = archive.infolist()
@@ -91,7 +97,11 @@ def verify(f: IO[bytes], url: str) -> bool:
                 with archive.open(record) as data:
                     while data.read(READ_BYTES):
                         pass
-            except (zipfile.BadZipFile, EOFError) as exc:
+            except (zipfile.BadZipFile, EOFError, NotImplementedError, ValueError,
+                    UnicodeDecodeError, RuntimeError, OSError) as exc:  # a damaged record or
+                # its header (an "encrypted" flag, a negative offset: EINVAL from a seek)
+                if isinstance(exc, OSError) and exc.errno != errno.EINVAL:
+                    raise  # the store failing, not the file's bytes
                 raise ChecksumError(
                     f"checksum mismatch in record {record.filename!r} ({record.file_size} bytes from offset "
                     f"{record.header_offset}) of checkpoint {url}: {exc}") from None
@@ -105,4 +115,10 @@ def load_file(path: str | os.PathLike, map_location: Any = None, weights_only: b
     with location.open(name, "rb") as f:
         verify(f, url)
         f.seek(0)
-        return torch.load(f, map_location=map_location, weights_only=weights_only)
+        try:
+            return torch.load(f, map_location=map_location, weights_only=weights_only)
+        except RuntimeError as exc:  # the archive's structure, which zipfile does not check
+            if "PytorchStreamReader" not in str(exc):
+                raise
+            raise ChecksumError(f"{url} is not a whole torch checkpoint file (damaged): "
+                                f"{str(exc).splitlines()[0][:200]}") from None

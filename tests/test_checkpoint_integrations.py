@@ -120,6 +120,32 @@ def test_checkpoint_io_plugin_load_refuses_a_damaged_file_that_torch_load_takes(
         io.load_checkpoint(truncated)
 
 
+def test_checkpoint_io_plugin_load_says_checksum_error_for_any_damage(tmp_path):
+    """Empty, cut to a few bytes, a flipped bit anywhere (the zip magic, a header, the
+    central directory): a ChecksumError or the very checkpoint, never another error type
+    (EOFError, a misleading weights_only UnpicklingError, NotImplementedError) nor other
+    data."""
+    io = CachemwCheckpointIO()
+    good = tmp_path / "good.ckpt"
+    state = {"state_dict": {"w": torch.randn(8)}, "epoch": 1}
+    io.save_checkpoint(state, good)
+    data = good.read_bytes()
+    bad = tmp_path / "bad.ckpt"
+    for damaged in (b"", data[:3]):
+        bad.write_bytes(damaged)
+        with pytest.raises(ChecksumError, match="not a whole"):
+            io.load_checkpoint(bad)
+    for at in range(0, len(data), 3):
+        flipped = bytearray(data)
+        flipped[at] ^= 1
+        bad.write_bytes(bytes(flipped))
+        try:
+            got = io.load_checkpoint(bad)
+        except ChecksumError:
+            continue
+        assert got["epoch"] == 1 and torch.equal(got["state_dict"]["w"], state["state_dict"]["w"]), at
+
+
 def test_checkpoint_io_plugin_records_crc32s_even_when_torch_is_told_not_to(tmp_path):
     io = CachemwCheckpointIO()
     previous = torch.serialization.get_crc32_options()
