@@ -173,7 +173,11 @@ class CachemwStorageReader(StorageReader):
         head = f.read(info.data_offset)
         body = byte_view(target) if info.data_nbytes else b""
         if info.data_nbytes:
-            _read_exact(f, body)
+            try:
+                _read_exact(f, body)
+            except EOFError:
+                raise ChecksumError(f"chunk {item_key(req.storage_index)!r} truncated in "
+                                    f"{info.relative_path}") from None
         tail = f.read(info.length - info.data_offset - info.data_nbytes)
         self._verify(req, info, head, body, tail)
         planner.commit_tensor(req, target)

@@ -483,3 +483,14 @@ def test_torch_style_load_reads_an_earlier_release_s_checkpoint(tmp_path):
                  planner=SpreadSavePlanner(), no_dist=True)
     got = load(str(tmp_path / "old"))
     assert got["step"] == 3 and torch.equal(got["w"], t) and torch.equal(got["nested"][0], t)
+
+
+def test_a_truncated_chunk_file_is_a_checksum_error(tmp_path):
+    from cachemw.checkpoint import ChecksumError, load, save
+
+    path = tmp_path / "ck"
+    save({"w": torch.randn(100_000), "b": torch.randn(1000)}, str(path))
+    chunk = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    chunk.write_bytes(chunk.read_bytes()[:chunk.stat().st_size // 2])
+    with pytest.raises(ChecksumError, match="truncated"):
+        load(str(path))
