@@ -50,8 +50,9 @@ class _TensorPickler(pickle.Pickler):
         self._keys: dict[int, str] = {}
 
     def persistent_id(self, obj):
-        if not isinstance(obj, torch.Tensor):
-            return None
+        if not isinstance(obj, torch.Tensor) or obj.layout is not torch.strided \
+                or obj.device.type == "meta":
+            return None  # sparse, meta: pickled inline, as torch.save does (DCP has no such)
         key = self._keys.get(id(obj))
         if key is None:
             key = self._keys[id(obj)] = f"t{len(self.tensors)}"
@@ -132,15 +133,20 @@ _OURS = re.compile(r"(__\d+_\d+\.distcp|\.metadata|" + re.escape(MANIFEST_NAME) 
 
 def _swappable(final: str) -> bool:
     """Can a new checkpoint be written beside ``final`` and swapped in? Only over nothing,
-    or over a checkpoint directory holding only its own files, on the same filesystem as
-    its parent (not a mount point), in a parent we may write."""
+    over a file (a ``torch.save`` file: replaced, as ``torch.save`` replaces it) or over a
+    checkpoint directory holding only its own files, on the same filesystem as its parent
+    (not a mount point), in a parent we may write."""
     parent = os.path.dirname(final) or "."
     if not os.access(parent, os.W_OK | os.X_OK):
         return False
     if not os.path.lexists(final):
         return True
     try:
-        if not os.path.isdir(final) or os.stat(final).st_dev != os.stat(parent).st_dev:
+        if os.stat(final).st_dev != os.stat(parent).st_dev:
+            return False
+        if os.path.isfile(final):
+            return True
+        if not os.path.isdir(final):
             return False
         names = os.listdir(final)
     except OSError:
@@ -201,6 +207,10 @@ def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int
         _sweep_beside(os.path.realpath(location.path))  # left the old one beside it
     # checked here, so that a missing or damaged manifest is its own clear error (DCP's
     # loader turns any failure to read metadata into an AssertionError)
+    if location.local and os.path.isfile(location.path):
+        raise NotADirectoryError(errno.ENOTDIR, "a file, not a checkpoint directory written by "
+                                 "cachemw.checkpoint.save (a torch.save file: torch.load "
+                                 "reads it)", location.url)
     if read_manifest(location) is None:
         raise FileNotFoundError(errno.ENOENT, "not a committed checkpoint (no manifest)",
                                 location.url)

@@ -494,3 +494,22 @@ def test_a_truncated_chunk_file_is_a_checksum_error(tmp_path):
     chunk.write_bytes(chunk.read_bytes()[:chunk.stat().st_size // 2])
     with pytest.raises(ChecksumError, match="truncated"):
         load(str(path))
+
+
+def test_torch_style_save_over_a_torch_save_file_and_tensors_dcp_cannot_hold(tmp_path):
+    """save onto a torch.save file replaces it (as torch.save does; it was FileExistsError);
+    sparse and meta tensors are pickled inline (DCP cannot hold them: a RuntimeError);
+    load of a plain file says what it is."""
+    from cachemw.checkpoint import load, save
+
+    path = tmp_path / "model.pt"
+    torch.save({"old": 1}, path)
+    with pytest.raises(NotADirectoryError, match="torch.load"):
+        load(str(path))
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
+    save({"sparse": sparse, "meta": torch.empty(3, device="meta"), "w": torch.ones(2)}, str(path))
+    assert path.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
+    got = load(str(path))
+    assert torch.equal(got["sparse"].to_dense(), sparse.to_dense())
+    assert got["meta"].device.type == "meta" and got["meta"].shape == (3,)
+    assert torch.equal(got["w"], torch.ones(2))
