@@ -36,7 +36,8 @@ from .metadata import MetadataCache
 from .openfile import BytesFile, CachedFile, clip
 from .ranges import read_ranges
 from .reader import BlockReader
-from ..tiers.source import ChangedSourceError, ForkSafe, SourceTier
+from ..tiers.fork_safe import ForkSafe
+from ..tiers.source import ChangedSourceError, SourceTier
 from .urls import TargetPaths, own_options
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 
 from ..files import atomic_write, make_private_dirs
 from ..keys import path_key, version_token
-from ..tiers.source import ForkSafe
+from ..tiers.fork_safe import ForkSafe
 from .metatable import MetaTable
 from .urls import target_url
 

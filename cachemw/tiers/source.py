@@ -40,15 +40,14 @@ import logging
 import os
 import re
 import stat
-import sys
 import threading
 from typing import NamedTuple
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from fsspec.spec import make_instance
 
 from ..keys import block_length, stat_token, version_fields, version_token
+from .fork_safe import ForkSafe
 
 log = logging.getLogger(__name__)
 
@@ -82,49 +81,6 @@ def _changed(path: str, expected: str, found: str | None = None,
     return ChangedSourceError(errno.ESTALE, f"{path}: the source no longer has the version "
                               f"being read ({expected}): {what}; reopen the file (or read "
                               f"it again) to get the new version")
-
-
-def for_this_process(fs):
-    """``fs``, or where it (or a filesystem it wraps) is an async one made by another
-    process, a new instance of it for this one. An async filesystem (s3fs, fsspec's HTTP)
-    runs on an event loop of the process that made it; a forked child (a DataLoader
-    worker given a ``Dataset`` holding the filesystem) inherits the object but not the
-    loop, and fsspec refuses it ("not fork-safe"). A wrapper is the child's own copy, so
-    the filesystem it wraps is replaced in it."""
-    asyn = sys.modules.get("fsspec.asyn")  # not imported: no async filesystem exists
-    if asyn is None:
-        return fs
-    inner = getattr(fs, "fs", None)
-    if isinstance(inner, fsspec.AbstractFileSystem) and inner is not fs:
-        fresh = for_this_process(inner)
-        if fresh is not inner:
-            fs.fs = fresh
-        return fs  # a wrapper (dir, simplecache) reads through the filesystem it wraps
-    if isinstance(fs, asyn.AsyncFileSystem) and getattr(fs, "_pid", os.getpid()) != os.getpid():
-        return make_instance(type(fs), fs.storage_args, fs.storage_options)
-    return fs
-
-
-class ForkSafe:
-    """An attribute holding a filesystem that a forked child reads through an instance of
-    its own where the one made by its parent cannot serve it (``for_this_process``),
-    found at its first use in the child: not at the fork, when fsspec may not have
-    reset its own event loop for the child yet."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.slot = f"_{name}_of_process"
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            return self
-        fs, pid = obj.__dict__[self.slot]
-        if pid != os.getpid():
-            fs = for_this_process(fs)
-            obj.__dict__[self.slot] = (fs, os.getpid())
-        return fs
-
-    def __set__(self, obj, fs) -> None:
-        obj.__dict__[self.slot] = (fs, os.getpid())
 
 
 class SourceTier:
