@@ -62,6 +62,18 @@ def test_a_drop_wins_over_older_metadata_and_is_seen_at_once(tmp_path):
     assert got(b, "/f") == ({"size": 4}, 102.0, False)
 
 
+def test_drops_are_counted_node_wide_and_stores_are_not(tmp_path):
+    d = str(tmp_path / "info")
+    a, b = MetaTable(d), MetaTable(d)
+    assert b.drops() == 0  # before any write: the count is made, at 0
+    assert a.store("/f", {"size": 3}, 100.0)
+    assert b.drops() == 0
+    assert a.drop("/f", 101.0) and a.drop("/g", 101.0)
+    assert b.drops() == 2 and a.drops() == 2  # b reads it from the mapping it holds
+    assert a.drop("/f", 99.0)  # an older one (the later kept): counted too, which costs a lookup
+    assert b.forked().drops() == 3
+
+
 def test_damaged_shards_read_as_absent_and_are_rebuilt(tmp_path):
     d = str(tmp_path / "info")
     table = MetaTable(d)

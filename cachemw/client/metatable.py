@@ -25,7 +25,9 @@ the index entry. A shard that fills up is rebuilt, live entries only, into a new
 replaces it; the old one is then marked superseded, and a reader seeing the mark maps the
 new one. A drop is an entry too (a tombstone with its time): a store of metadata fetched
 before the drop is refused (metadata learned before a write through the cache must not
-come back after it), and readers see the drop at once.
+come back after it), and readers see the drop at once. ``<dir>/drops`` counts the drops
+written, node-wide: a process tells from one mapped word whether any path was written
+through the cache since it last looked (``drops``).
 
 The files are in the daemon's 0700 metadata directory, as the records were: anyone able
 to write them already controls the daemon.
@@ -57,6 +59,8 @@ _SUPERSEDED = 32  # offset of the superseded word in the header
 STORE_WAIT = 0.5  # seconds a store waits for another process's write; then not shared
 DROP_WAIT = 5.0
 _hash = xxhash.xxh3_64_intdigest
+_COUNT = struct.Struct("<Q")
+DROPS = "drops"  # the file counting the drops written, node-wide
 
 
 def path_hash(path: str) -> int:
@@ -98,6 +102,7 @@ class MetaTable:
     def __init__(self, directory: str) -> None:
         self.dir = directory
         self._maps: list[_Mapped | None] = [None] * SHARDS
+        self._drops: mmap.mmap | None = None  # the drop count, mapped at its first reading
         self._write_lock = threading.Lock()  # the file lock is per process, not per thread
 
     def forked(self) -> "MetaTable":
@@ -105,7 +110,39 @@ class MetaTable:
         parent's writer thread, which did not come along, may have held it)."""
         child = MetaTable(self.dir)
         child._maps = list(self._maps)
+        child._drops = self._drops
         return child
+
+    def drops(self) -> int:
+        """How many drops were written to the table, by every process of the node (0 if
+        the count cannot be read: then no process can have written one either)."""
+        m = self._drops
+        if m is None:
+            try:
+                fd = os.open(f"{self.dir}/{DROPS}",
+                             os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError:
+                return 0
+            try:
+                if os.fstat(fd).st_size < _COUNT.size:
+                    os.ftruncate(fd, _COUNT.size)
+                m = self._drops = mmap.mmap(fd, _COUNT.size, mmap.MAP_SHARED, mmap.PROT_READ)
+            except (OSError, ValueError):
+                return 0
+            finally:
+                os.close(fd)
+        return _COUNT.unpack_from(m, 0)[0]
+
+    def _count_drop(self) -> None:
+        """One more drop (under the writers' lock)."""
+        fd = os.open(f"{self.dir}/{DROPS}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            head = os.pread(fd, _COUNT.size, 0)
+            count = _COUNT.unpack(head)[0] if len(head) == _COUNT.size else 0
+            os.pwrite(fd, _COUNT.pack(count + 1), 0)
+        finally:
+            os.close(fd)
 
     def _path(self, shard: int) -> str:
         return f"{self.dir}/t{shard:02d}"
@@ -186,6 +223,8 @@ class MetaTable:
                         if layout is not None:
                             done = _put_in(fd, layout, h, path, record, when, dropped)
                             if done is not None:
+                                if done and dropped:
+                                    self._count_drop()
                                 return done
                         self._rebuild(shard, fd, layout, len(record))
                     finally:
