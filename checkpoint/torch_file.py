@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import zipfile
+import zlib
 from typing import IO, Any, Iterator
 
 import torch
@@ -93,12 +94,16 @@ def verify(f: IO[bytes], url: str) -> bool:
                         "loaded without checking it", url)
             return False
         for record in records:
+            odd = _odd_header(record)
+            if odd:  # fields torch's reader trusts and a CRC does not cover
+                raise ChecksumError(f"record {record.filename!r} of checkpoint {url} has a "
+                                    f"damaged header ({odd})")
             try:
                 with archive.open(record) as data:
                     while data.read(READ_BYTES):
                         pass
             except (zipfile.BadZipFile, EOFError, NotImplementedError, ValueError,
-                    UnicodeDecodeError, RuntimeError, OSError) as exc:  # a damaged record or
+                    UnicodeDecodeError, RuntimeError, OSError, zlib.error) as exc:  # a damaged record or
                 # its header (an "encrypted" flag, a negative offset: EINVAL from a seek)
                 if isinstance(exc, OSError) and exc.errno != errno.EINVAL:
                     raise  # the store failing, not the file's bytes
@@ -106,6 +111,20 @@ def verify(f: IO[bytes], url: str) -> bool:
                     f"checksum mismatch in record {record.filename!r} ({record.file_size} bytes from offset "
                     f"{record.header_offset}) of checkpoint {url}: {exc}") from None
     return True
+
+
+def _odd_header(record: zipfile.ZipInfo) -> str:
+    """What in a record's central-directory entry torch never writes ('' if nothing): its
+    records are stored (not compressed), unencrypted files, not directories."""
+    if record.compress_type != zipfile.ZIP_STORED:
+        return f"compression method {record.compress_type}"
+    if record.flag_bits & 0x1:
+        return "marked encrypted"
+    if record.is_dir() or record.external_attr & 0x10:  # the MS-DOS directory attribute
+        return "marked a directory"
+    if record.compress_size != record.file_size:
+        return f"stored size {record.compress_size} != size {record.file_size}"
+    return ""
 
 
 def load_file(path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None) -> Any:

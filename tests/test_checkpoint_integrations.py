@@ -120,6 +120,28 @@ def test_checkpoint_io_plugin_load_refuses_a_damaged_file_that_torch_load_takes(
         io.load_checkpoint(truncated)
 
 
+def test_checkpoint_io_plugin_load_refuses_central_directory_fields_crcs_do_not_cover(tmp_path):
+    """A record's central-directory entry marked a directory (its MS-DOS attribute bit) made
+    torch read uninitialised memory for the tensor, without an error; a compression method
+    other than stored raised zlib.error."""
+    io = CachemwCheckpointIO()
+    path = tmp_path / "x.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.arange(6.0)}}, path)
+    good = path.read_bytes()
+    entries = [i for i in range(len(good)) if good.startswith(b"PK\x01\x02", i)]
+    assert entries
+    for entry in entries:
+        for offset, bit in ((38, 0x10), (10, 0x01), (10, 0x08), (8, 0x01)):  # attr, method, flags
+            damaged = bytearray(good)
+            damaged[entry + offset] ^= bit
+            path.write_bytes(bytes(damaged))
+            try:
+                got = io.load_checkpoint(path)
+            except ChecksumError:
+                continue
+            assert torch.equal(got["state_dict"]["w"], torch.arange(6.0)), (entry, offset, bit)
+
+
 def test_checkpoint_io_plugin_load_says_checksum_error_for_any_damage(tmp_path):
     """Empty, cut to a few bytes, a flipped bit anywhere (the zip magic, a header, the
     central directory): a ChecksumError or the very checkpoint, never another error type
