@@ -86,9 +86,9 @@ def _replace_directory(checkpoint: dict[str, Any], path, legacy: Location) -> No
     a checkpoint directory of that name: the old one or the new one is there at any time.
     Locally the new file is written beside it and the two swapped in one step (or, where
     the filesystem cannot, the directory uncommitted and removed, then the file renamed in);
-    on an object store (where a move onto the directory's name lands inside it) the file
-    is written beside it, the directory removed, its manifest (the commit) first, and the
-    file moved to the name."""
+    elsewhere (an object store, ``cachemw::``, where a move onto the directory's name would
+    land inside it) the file is written beside it, the directory removed, its manifest
+    (the commit) first, and the file moved to the name."""
     parent, _, name = legacy.path.rstrip("/").rpartition("/")
     staged = f"{parent}/.{name}.cachemw-new-{os.getpid()}-{os.urandom(4).hex()}"
     if legacy.local:
@@ -107,11 +107,10 @@ def _replace_directory(checkpoint: dict[str, Any], path, legacy: Location) -> No
         return
     url = os.fspath(path).rstrip("/")
     torch_file.save_file(checkpoint, f"{url.rpartition('/')[0]}/{staged.rpartition('/')[2]}")
-    inside = legacy.path.rstrip("/") + "/"
     legacy.remove_file(MANIFEST_NAME)
-    keys = [k for k in legacy.fs.find(inside) if k.startswith(inside)]
-    if keys:
-        legacy.fs.rm(keys)
+    # the directory itself too (a filesystem with directories, e.g. cachemw:: over a local
+    # one): a move onto a directory's name lands inside it
+    legacy.fs.rm(legacy.path, recursive=True)
     legacy.fs.mv(staged, legacy.path)
 
 

@@ -193,6 +193,34 @@ def test_checkpoint_io_plugin_reads_and_removes_directories_of_earlier_versions(
     assert not (tmp_path / "epoch=1.ckpt").exists()
 
 
+@pytest.mark.parametrize("scheme", ["memory", "cachemw"])
+def test_checkpoint_io_plugin_saves_over_an_earlier_directory_through_a_url(tmp_path, monkeypatch,
+                                                                            scheme):
+    """Through a filesystem that is not the local one but has directories (memory://,
+    cachemw:: over a local path), the new file landed inside the old directory, whose
+    manifest was gone: neither checkpoint loaded."""
+    import fsspec
+
+    if scheme == "memory":
+        url = f"memory://run-{os.getpid()}-{tmp_path.name}/last.ckpt"
+    else:
+        monkeypatch.setenv("CACHEMW_AUTOSTART", "0")
+        monkeypatch.setenv("CACHEMW_RUNTIME_DIR", str(tmp_path / "rt"))
+        url = f"cachemw::file://{tmp_path}/last.ckpt"
+    old, new = lightning_like_checkpoint(), lightning_like_checkpoint()
+    new["epoch"] = 9
+    torch_like.save(old, url)
+    io = CachemwCheckpointIO()
+    io.save_checkpoint(new, url)
+    got = io.load_checkpoint(url)
+    assert got["epoch"] == 9
+    assert_same_checkpoint(new, got)
+    fs, path = fsspec.core.url_to_fs(url)
+    assert fs.isfile(path)
+    assert [p for p in fs.ls(path.rpartition("/")[0], detail=False)
+            if "cachemw-new" in p] == []
+
+
 @pytest.mark.parametrize("swap", [True, False], ids=["exchange", "no-exchange"])
 def test_checkpoint_io_plugin_saves_over_a_directory_of_an_earlier_version(tmp_path,
                                                                            monkeypatch, swap):
