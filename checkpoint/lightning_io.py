@@ -65,7 +65,7 @@ class CachemwCheckpointIO(_BASES[0] if _BASES else object):  # type: ignore[misc
         ``TorchCheckpointIO``), not each onto the device it was saved from."""
         legacy = Location(path)
         if legacy.exists(MANIFEST_NAME):  # a directory written by an earlier version of this plug-in
-            return torch_like.load(path, map_location=map_location)
+            return torch_like.load(path, map_location=map_location, weights_only=weights_only)
         return torch_file.load_file(path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:

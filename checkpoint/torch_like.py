@@ -41,43 +41,59 @@ PLACEHOLDER = "\x00cachemw-tensor:"
 class _TensorPickler(pickle.Pickler):
     """Pickles the object as ``torch.save`` does (every type as pickle rebuilds it: a
     ``Counter``, a ``defaultdict`` with its factory, ``torch.Size``, objects holding
-    tensors in attributes), each tensor replaced by a reference into ``tensors``, which
-    go through DCP chunked and checksummed. A tensor met twice is one tensor."""
+    tensors in attributes), each dense tensor replaced by a reference into ``tensors``,
+    which go through DCP chunked and checksummed. A tensor met twice is one tensor.
+
+    A reference is an int (what ``torch.load``'s weights-only unpickler accepts): the
+    tensor's number, times 4, plus 2 for a Parameter and 1 for ``requires_grad``."""
 
     def __init__(self, file, tensors: dict[str, torch.Tensor]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(file, protocol=2)  # torch.save's: what the weights-only one reads
         self.tensors = tensors
-        self._keys: dict[int, str] = {}
+        self._numbers: dict[int, int] = {}
 
     def persistent_id(self, obj):
         if not isinstance(obj, torch.Tensor) or obj.layout is not torch.strided \
-                or obj.device.type == "meta":
-            return None  # sparse, meta: pickled inline, as torch.save does (DCP has no such)
-        key = self._keys.get(id(obj))
-        if key is None:
-            key = self._keys[id(obj)] = f"t{len(self.tensors)}"
-            self.tensors[key] = obj.detach()
-        kind = "parameter" if isinstance(obj, torch.nn.Parameter) else "tensor"
-        return (kind, key, bool(obj.requires_grad))
+                or obj.is_quantized or obj.is_nested or obj.device.type == "meta":
+            return None  # pickled inline, as torch.save does: DCP holds none of these
+        number = self._numbers.get(id(obj))
+        if number is None:
+            number = self._numbers[id(obj)] = len(self.tensors)
+            self.tensors[f"t{number}"] = obj.detach()
+        return number * 4 + 2 * isinstance(obj, torch.nn.Parameter) + bool(obj.requires_grad)
 
 
-class _TensorUnpickler(pickle.Unpickler):
-    def __init__(self, file, tensors: dict[str, torch.Tensor]) -> None:
-        super().__init__(file)
-        self.tensors = tensors
-        self._made: dict[tuple, torch.Tensor] = {}
+def _tensor_loader(tensors: dict[str, torch.Tensor]):
+    """The ``persistent_load`` of a ``_TensorPickler``'s references."""
+    made: dict[int, torch.Tensor] = {}
 
-    def persistent_load(self, pid):
-        kind, key, grad = pid
-        made = self._made.get((kind, key))
-        if made is None:
-            tensor = self.tensors[key]
-            if kind == "parameter":
-                made = torch.nn.Parameter(tensor, requires_grad=grad)
-            else:
-                made = tensor.requires_grad_(True) if grad else tensor
-            self._made[(kind, key)] = made
-        return made
+    def persistent_load(pid):
+        if type(pid) is not int or pid < 0:
+            raise pickle.UnpicklingError(f"not a tensor reference of this format: {pid!r}")
+        tensor = made.get(pid)
+        if tensor is None:
+            tensor = tensors[f"t{pid // 4}"]
+            if pid & 2:
+                tensor = torch.nn.Parameter(tensor, requires_grad=bool(pid & 1))
+            elif pid & 1:
+                tensor = tensor.requires_grad_(True)
+            made[pid] = tensor
+        return tensor
+
+    return persistent_load
+
+
+def _unpickled(data: bytes, tensors: dict[str, torch.Tensor], weights_only: bool) -> Any:
+    """The object ``_TensorPickler`` pickled; with ``weights_only``, through torch.load's own
+    restricted unpickler (tensors, containers and the types it allows, nothing else)."""
+    if weights_only:
+        from torch import _weights_only_unpickler
+
+        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
+    else:
+        unpickler = pickle.Unpickler(io.BytesIO(data))
+    unpickler.persistent_load = _tensor_loader(tensors)
+    return unpickler.load()
 
 
 def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -108,6 +124,9 @@ def save(obj: Any, path: str | os.PathLike, *, compression: str | None = None, t
     place, as no checkpoint (no manifest) until the new one is whole."""
     location = as_location(path)
     final = os.path.realpath(location.path) if location.local else None
+    if final is None and location.fs.isfile(location.path):
+        _write_over_object(obj, location, compression, thread_count)
+        return
     if final is None or not _swappable(final):
         _write(obj, location, compression, thread_count)
         return
@@ -174,6 +193,21 @@ def _sweep_beside(final: str) -> None:
             _remove(os.path.join(parent, entry))
 
 
+def _write_over_object(obj: Any, location, compression: str | None, thread_count: int) -> None:
+    """Replace a file of the name on a store that is not local (a torch.save object on S3),
+    as torch.save replaces it: where objects and "directories" share names (S3), the new
+    checkpoint is written first and the object removed after (until then torch.load of the
+    name reads the old object, and load() the new checkpoint); where they cannot, the file
+    goes first."""
+    try:
+        _write(obj, location, compression, thread_count)
+    except (FileExistsError, NotADirectoryError):
+        location.fs.rm_file(location.path)
+        _write(obj, location, compression, thread_count)
+        return
+    location.fs.rm_file(location.path)
+
+
 def _remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
@@ -197,8 +231,11 @@ def _write(obj: Any, location, compression: str | None, thread_count: int) -> No
         raise unwrap(exc, 1) from None
 
 
-def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int = 2) -> Any:
-    """Read back what ``save`` wrote; ``map_location`` as a device moves every tensor there."""
+def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int = 2,
+         weights_only: bool | None = None) -> Any:
+    """Read back what ``save`` wrote. ``map_location`` as ``torch.load`` takes it (a device
+    or its name, a dict of device names, a callable); ``weights_only=True`` unpickles the
+    object as ``torch.load(weights_only=True)`` does (by default every type comes back)."""
     # DCP's own "load without a template" (rebuilds the state dict from the metadata).
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -207,7 +244,8 @@ def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int
         _sweep_beside(os.path.realpath(location.path))  # left the old one beside it
     # checked here, so that a missing or damaged manifest is its own clear error (DCP's
     # loader turns any failure to read metadata into an AssertionError)
-    if location.local and os.path.isfile(location.path):
+    if (os.path.isfile(location.path) if location.local
+            else location.fs.isfile(location.path) and not location.exists(MANIFEST_NAME)):
         raise NotADirectoryError(errno.ENOTDIR, "a file, not a checkpoint directory written by "
                                  "cachemw.checkpoint.save (a torch.save file: torch.load "
                                  "reads it)", location.url)
@@ -223,7 +261,7 @@ def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int
         raise unwrap(exc, 1) from None
     tensors = {k: _mapped(v, map_location) for k, v in state.get("tensors", {}).items()}
     if PICKLED_KEY in state:
-        return _TensorUnpickler(io.BytesIO(state[PICKLED_KEY]), tensors).load()
+        return _unpickled(state[PICKLED_KEY], tensors, bool(weights_only))
     return _join(pickle.loads(state[SKELETON_KEY]), tensors)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io as io_module
 import os
+import pickle
 import re
 import struct
 import subprocess
@@ -301,6 +302,24 @@ def test_lightning_plugin_saves_over_an_earlier_version_s_directory_on_s3(aws_en
     assert got["epoch"] == 2 and torch.equal(got["w"], torch.zeros(3))
 
 
+def test_torch_style_save_over_a_torch_save_object_on_s3_replaces_it(aws_env):
+    """An S3 key can be an object and a "directory" at once: the old torch.save object was
+    left beside the new checkpoint, and torch.load of the URL read the old weights."""
+    import fsspec
+
+    from cachemw.checkpoint import load, save
+
+    url = "s3://bucket/run-4/model.pt"
+    with fsspec.open(url, "wb") as f:
+        torch.save({"w": torch.zeros(3)}, f)
+    with pytest.raises(NotADirectoryError, match="torch.load"):
+        load(url)
+    save({"w": torch.ones(3)}, url)
+    keys = [o["Key"] for o in aws_env.list_objects_v2(Bucket="bucket", Prefix="run-4/")["Contents"]]
+    assert "run-4/model.pt" not in keys and "run-4/model.pt/cachemw-manifest.json" in keys
+    assert torch.equal(load(url)["w"], torch.ones(3))
+
+
 _OVERWRITE = textwrap.dedent("""
     import sys, torch
     from cachemw.checkpoint import save
@@ -461,6 +480,16 @@ def test_torch_style_save_keeps_every_type_as_torch_save_does(tmp_path):
     assert load(str(tmp_path / "ck"), map_location=lambda storage, loc: storage)["a"].device.type == "cpu"
     copied = load(str(tmp_path / "ck"), map_location=lambda storage, loc: storage.clone())
     assert torch.equal(copied["a"], shared) and torch.equal(copied[7][1][0], torch.ones(1))
+    # quantized tensors keep their scale and zero point (pickled inline, as torch.save does)
+    q = torch.quantize_per_tensor(torch.tensor([0.5, -1.0, 2.0]), 0.1, 3, torch.qint8)
+    save({"q": q}, str(tmp_path / "q"))
+    assert torch.equal(load(str(tmp_path / "q"))["q"].dequantize(), q.dequantize())
+    # weights_only as torch.load takes it: tensors and plain containers, nothing else
+    save({"w": param, "shared": [shared, shared], "n": 3}, str(tmp_path / "weights"))
+    plain = load(str(tmp_path / "weights"), weights_only=True)
+    assert isinstance(plain["w"], torch.nn.Parameter) and plain["shared"][0] is plain["shared"][1]
+    with pytest.raises(pickle.UnpicklingError):
+        load(str(tmp_path / "ck"), weights_only=True)  # Holder: not a type torch allows
 
 
 def test_torch_style_load_reads_an_earlier_release_s_checkpoint(tmp_path):
