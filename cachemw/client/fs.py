@@ -388,10 +388,12 @@ class CacheFileSystem(_Base):
         (DataLoader workers') are theirs to send."""
         owner = stream_owner(rank=rank, ranks=ranks, group=group, first=first,
                              replace=replace, owner=owner, chunk=chunk)
+        entries = announce_entries(paths)
+        if self.client.backing_off():  # it did not answer a moment ago: the epoch starts
+            return 0                   # now, not after a drain and a send that time out
         if not drain_all(timeout=self.client.timeout):
             log.debug("announce: fills of earlier reads still queued after %s s; announcing",
                       self.client.timeout)
-        entries = announce_entries(paths)
         stripped = [self._strip_protocol(path) for path, _, _ in entries]
         metas = self.meta.files(stripped, missing_ok=True)
         items = []

@@ -126,6 +126,11 @@ class DaemonClient(reporting.Reporter):
         else:
             self._connect()
 
+    def backing_off(self) -> bool:
+        """The daemon failed to answer a moment ago (hung, gone): until the back-off ends,
+        misses read the source without asking it."""
+        return time.monotonic() < self._next_try
+
     def connected(self) -> bool:
         """This thread has a connection; while another thread backs off from a failure,
         one that answers (a daemon back from a hang answers on its old connections)."""

@@ -31,9 +31,12 @@ def dial(address: DaemonAddress, timeout: float) -> tuple[Connection, frozenset]
         sock.connect(address.socket)
         sock.setblocking(True)
         # a daemon that takes no bytes for ``timeout`` s (stopped, hung, its buffer full)
-        # fails the send (see send) instead of holding the sender for as long as it lasts
+        # fails the send (see send) instead of holding the sender for as long as it lasts.
+        # The kernel's timeout is per write(), and a message that fills the buffer costs
+        # two (the first returns what fitted when it runs out): half each
+        half = timeout / 2
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                        struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
+                        struct.pack("ll", int(half), int(half % 1 * 1e6)))
     except OSError:
         sock.close()
         raise
