@@ -155,7 +155,7 @@ def test_the_warning_says_why_no_daemon_was_found(runtime_dir):
     points at its log, not at `cachemw start` (which a user of autostart never ran)."""
     from cachemw.client.link import DaemonClient
     started = DaemonClient(runtime_dir, autostart=True)
-    assert "exited at once" in started._why_none()
+    assert "gone already" in started._why_none()
     assert f"{runtime_dir}/daemon.log" in started._why_none()
     manual = DaemonClient(runtime_dir, autostart=False)
     assert "start one with `cachemw start`" in manual._why_none()

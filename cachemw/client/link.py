@@ -246,8 +246,9 @@ class DaemonClient(reporting.Reporter):
         if lock_holder(self.runtime_dir) is not None:
             return "the daemon is still starting"
         if self._may_start():  # one was started and is gone already
-            return (f"the daemon started for {self.runtime_dir} exited at once: see "
-                    f"{os.path.join(self.runtime_dir, LOG)}")
+            return (f"the daemon started for {self.runtime_dir} is gone already (its log: "
+                    f"{os.path.join(self.runtime_dir, LOG)}); another is started at the "
+                    f"next miss after the back-off")
         return "no daemon runs (start one with `cachemw start`)"
 
     def _may_start(self) -> bool:
