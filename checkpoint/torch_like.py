@@ -59,7 +59,9 @@ class _TensorPickler(pickle.Pickler):
         number = self._numbers.get(id(obj))
         if number is None:
             number = self._numbers[id(obj)] = len(self.tensors)
-            self.tensors[f"t{number}"] = obj.detach()
+            # a lazy conjugate or negative view's values, not its storage's (DCP writes
+            # the bytes as they lie)
+            self.tensors[f"t{number}"] = obj.detach().resolve_conj().resolve_neg()
         return number * 4 + 2 * isinstance(obj, torch.nn.Parameter) + bool(obj.requires_grad)
 
 

@@ -480,6 +480,11 @@ def test_torch_style_save_keeps_every_type_as_torch_save_does(tmp_path):
     assert load(str(tmp_path / "ck"), map_location=lambda storage, loc: storage)["a"].device.type == "cpu"
     copied = load(str(tmp_path / "ck"), map_location=lambda storage, loc: storage.clone())
     assert torch.equal(copied["a"], shared) and torch.equal(copied[7][1][0], torch.ones(1))
+    # a lazily conjugated or negated view keeps its values
+    c = torch.tensor([1 + 2j, 3 - 4j])
+    save({"conj": c.conj(), "neg": torch._neg_view(c)}, str(tmp_path / "c"))
+    lazy = load(str(tmp_path / "c"))
+    assert torch.equal(lazy["conj"], c.conj()) and torch.equal(lazy["neg"], -c)
     # quantized tensors keep their scale and zero point (pickled inline, as torch.save does)
     q = torch.quantize_per_tensor(torch.tensor([0.5, -1.0, 2.0]), 0.1, 3, torch.qint8)
     save({"q": q}, str(tmp_path / "q"))
