@@ -41,7 +41,7 @@ from .layout import CheckpointDir, step_dir_name
 from .notes import note_begin, note_end
 from .planner import SpreadSavePlanner
 from .quiet import single_process_dcp
-from .reader import CachemwStorageReader
+from .reader import CachemwStorageReader, metadata_damage
 from .stager import BufferStager
 from .state_tree import apply_loaded, prepare_for_load, to_state_dict
 from .storage_io import Location
@@ -156,6 +156,7 @@ class Checkpointer:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachemw-ckpt",
                                           initializer=run_at, initargs=(self._background,))
         self._handles: list[SaveHandle] = []
+        self._damaged_metadata: set[str] = set()  # steps passed over for it, said once
         self._lock = threading.Lock()
         self._channel = watch_channel.channel_dir(self.root.location.url, fast_root)
         if self.coord.is_coordinator:
@@ -377,9 +378,20 @@ class Checkpointer:
             if step is not None and e.step != step:
                 continue
             if self.root.is_committed(e.name):
-                return e.step, e.name, True
-            if self.fast is not None and self.fast.complete(e.name):
-                return e.step, e.name, False
+                tier, at_root = self.root, True
+            elif self.fast is not None and self.fast.complete(e.name):
+                tier, at_root = self.fast, False
+            else:
+                continue
+            damage = metadata_damage(tier.location.child(e.name))
+            if damage is None:
+                return e.step, e.name, at_root
+            if step is not None:  # a damaged .metadata: passed over as a damaged manifest is
+                raise damage
+            if e.name not in self._damaged_metadata:
+                self._damaged_metadata.add(e.name)
+                log.warning("checkpoint %s is damaged (%s): loading the step before it",
+                            e.name, damage)
         raise CheckpointNotFoundError(f"no committed checkpoint{'' if step is None else f' of step {step}'} "
                                       f"under {self.root.location.url}")
 

@@ -59,6 +59,23 @@ def _read_exact(f: IO[bytes], view) -> None:
         got += n
 
 
+def metadata_damage(location: Location) -> ChecksumError | None:
+    """The ChecksumError a load of the committed checkpoint at ``location`` would meet in
+    its ``.metadata`` (checked against its manifest's record of it; None if sound, or if
+    the manifest, of an earlier release, has no such record)."""
+    recorded = (read_manifest(location) or {}).get("metadata")
+    if not isinstance(recorded, dict):
+        return None
+    where = f"{location.url}/{METADATA_NAME}"
+    try:
+        data = location.read_bytes(METADATA_NAME)
+    except FileNotFoundError:
+        return ChecksumError(f"{where}: missing")
+    if len(data) != recorded.get("size") or metadata_sum(data) != recorded.get("checksum"):
+        return ChecksumError(f"{where}: damaged (checksum mismatch with the manifest)")
+    return None
+
+
 class CachemwStorageReader(StorageReader):
     """Usable on its own: ``dcp.load(sd, storage_reader=CachemwStorageReader(path))``."""
 

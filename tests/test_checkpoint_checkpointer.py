@@ -335,6 +335,25 @@ def _flip_manifest_byte(path, at):
     path.write_bytes(bytes(data))
 
 
+def test_a_damaged_metadata_file_is_passed_over_as_a_damaged_manifest_is(tmp_path, caplog):
+    """DCP's .metadata of the newest step damaged: load() takes the step before it (said
+    once), load of that very step is a ChecksumError; it was DCP's AssertionError, with
+    tracebacks logged, and never reached the older step."""
+    root = tmp_path / "root"
+    with Checkpointer(str(root), keep_last=3) as ck:
+        ck.save(1, {"a": torch.full((100,), 1.0)}).wait(60)
+        ck.save(2, {"a": torch.full((100,), 2.0)}).wait(60)
+    metadata = root / committed_dirs(root)[-1] / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:-7] + b"damaged")
+    caplog.set_level("WARNING", logger="cachemw")
+    with Checkpointer(str(root), keep_last=3) as ck:
+        out = {"a": torch.zeros(100)}
+        assert ck.load(out) == 1 and torch.all(out["a"] == 1.0)
+        with pytest.raises(ChecksumError, match=r"\.metadata"):
+            ck.load(out, step=2)
+    assert "damaged" in caplog.text and "loading the step before it" in caplog.text
+
+
 def test_a_damaged_manifest_is_never_loaded_and_says_so(tmp_path, caplog):
     """The manifest names every chunk's item, file and range: a flipped bit in it could hand
     one item's sound chunk to another. It carries its own checksum: a damaged one is passed
