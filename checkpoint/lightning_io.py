@@ -86,9 +86,11 @@ def _replace_directory(checkpoint: dict[str, Any], path, legacy: Location) -> No
     a checkpoint directory of that name: the old one or the new one is there at any time.
     Locally the new file is written beside it and the two swapped in one step (or, where
     the filesystem cannot, the directory uncommitted and removed, then the file renamed in);
-    elsewhere (an object store, ``cachemw::``, where a move onto the directory's name would
-    land inside it) the file is written beside it, the directory removed, its manifest
-    (the commit) first, and the file moved to the name."""
+    on an object store the file is written beside it and copied to its name (a key beside
+    the directory's keys, which load passes over once the manifest is gone), then the
+    directory removed, its manifest (the commit) first; through other filesystems with
+    directories (``cachemw::`` over a local one), the directory goes before the file is
+    moved to its name."""
     parent, _, name = legacy.path.rstrip("/").rpartition("/")
     staged = f"{parent}/.{name}.cachemw-new-{os.getpid()}-{os.urandom(4).hex()}"
     if legacy.local:
@@ -107,11 +109,37 @@ def _replace_directory(checkpoint: dict[str, Any], path, legacy: Location) -> No
         return
     url = os.fspath(path).rstrip("/")
     torch_file.save_file(checkpoint, f"{url.rpartition('/')[0]}/{staged.rpartition('/')[2]}")
+    if not _object_store(legacy.fs):  # directories (cachemw:: over a local one, memory://)
+        legacy.remove_file(MANIFEST_NAME)
+        # the directory itself too: a move onto a directory's name lands inside it
+        legacy.fs.rm(legacy.path, recursive=True)
+        legacy.fs.mv(staged, legacy.path)
+        return
+    # the file's key beside the directory's keys: load reads the directory while its
+    # manifest is there, the file from then on
+    legacy.fs.cp_file(staged, legacy.path)
     legacy.remove_file(MANIFEST_NAME)
-    # the directory itself too (a filesystem with directories, e.g. cachemw:: over a local
-    # one): a move onto a directory's name lands inside it
-    legacy.fs.rm(legacy.path, recursive=True)
-    legacy.fs.mv(staged, legacy.path)
+    inside = legacy.path.rstrip("/") + "/"
+    keys = [k for k in legacy.fs.find(inside) if k.startswith(inside)]
+    if keys:
+        legacy.fs.rm(keys)
+    legacy.fs.rm_file(staged)
+
+
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"}
+
+
+def _object_store(fs) -> bool:
+    """Whether ``fs`` (or the store a cachemw or wrapping filesystem reads) keeps keys, not
+    directories: ``name`` and ``name/...`` can both be there."""
+    seen = set()
+    while fs is not None and id(fs) not in seen:
+        seen.add(id(fs))
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        if _OBJECT_STORES.intersection(protocols):
+            return True
+        fs = getattr(fs, "target", None) or getattr(fs, "fs", None)
+    return False
 
 
 for _other in _BASES[1:]:

@@ -320,6 +320,29 @@ def test_torch_style_save_over_a_torch_save_object_on_s3_replaces_it(aws_env):
     assert torch.equal(load(url)["w"], torch.ones(3))
 
 
+def test_lightning_plugin_replacing_a_directory_on_s3_is_never_left_without_a_checkpoint(
+        aws_env, monkeypatch):
+    """The process killed just after the old directory's manifest went: the new file is at
+    its name already (it was only staged beside it, and nothing at the name loaded)."""
+    from cachemw.checkpoint import CachemwCheckpointIO, save
+    from cachemw.checkpoint.storage_io import Location
+
+    url = "s3://bucket/run-5/last.ckpt"
+    save({"epoch": 1}, url)
+    removing = Location.remove_file
+
+    def killed_after(self, rel):
+        removing(self, rel)
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(Location, "remove_file", killed_after)
+    io = CachemwCheckpointIO()
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"epoch": 2}, url)
+    monkeypatch.setattr(Location, "remove_file", removing)
+    assert io.load_checkpoint(url)["epoch"] == 2
+
+
 _OVERWRITE = textwrap.dedent("""
     import sys, torch
     from cachemw.checkpoint import save
