@@ -31,7 +31,8 @@ from .storage_io import split_file
 
 log = logging.getLogger(__name__)
 ZIP_MAGIC = b"PK\x03\x04"
-PICKLE_PROTO = b"\x80"  # torch's pre-1.6 format: a pickle (protocol 2) from its first byte
+# torch's pre-1.6 format: a pickle (protocol 2) of its magic number, 0x1950a86a20f9469cfc6c
+LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 READ_BYTES = 4 << 20
 
 _crc_lock = threading.Lock()
@@ -75,9 +76,9 @@ def verify(f: IO[bytes], url: str) -> bool:
     with CRC32s turned off cannot be checked: False, and a warning.
     """
     f.seek(0)
-    head = f.read(len(ZIP_MAGIC))
-    if head != ZIP_MAGIC:
-        if head[:1] != PICKLE_PROTO:  # neither format: empty, cut short, its magic damaged
+    head = f.read(len(LEGACY_MAGIC))
+    if head[:len(ZIP_MAGIC)] != ZIP_MAGIC:
+        if head != LEGACY_MAGIC:  # neither format: empty, cut short, its magic damaged
             raise ChecksumError(f"{url} is not a whole torch checkpoint file (empty, truncated "
                                 f"or damaged: it starts with {head!r})")
         log.warning("%s is not in torch's zip format: loaded without checking it", url)
@@ -89,6 +90,10 @@ def verify(f: IO[bytes], url: str) -> bool:
         raise ChecksumError(f"{url} is not a whole torch checkpoint file (truncated or damaged): {exc}") from None
     with archive:
         records = archive.infolist()
+        names = [r.filename for r in records]
+        if not records or len(set(names)) != len(names):  # no record, or one name twice
+            raise ChecksumError(f"{url} is not a whole torch checkpoint file (damaged: "
+                                f"{len(records)} records, {len(set(names))} names)")
         if all(r.CRC == 0 for r in records):
             log.warning("%s was saved without CRC32s (torch.serialization.set_crc32_options(False)): "
                         "loaded without checking it", url)
@@ -136,8 +141,12 @@ def load_file(path: str | os.PathLike, map_location: Any = None, weights_only: b
         f.seek(0)
         try:
             return torch.load(f, map_location=map_location, weights_only=weights_only)
-        except RuntimeError as exc:  # the archive's structure, which zipfile does not check
-            if "PytorchStreamReader" not in str(exc):
+        except (RuntimeError, OSError) as exc:  # the archive's structure, which zipfile
+            # does not check (torch's reader: its own messages, or EINVAL from an offset)
+            if isinstance(exc, OSError) and exc.errno != errno.EINVAL or \
+                    isinstance(exc, RuntimeError) and not any(
+                        mark in str(exc) for mark in ("PytorchStreamReader", "archive",
+                                                      "hasRecord")):
                 raise
             raise ChecksumError(f"{url} is not a whole torch checkpoint file (damaged): "
                                 f"{str(exc).splitlines()[0][:200]}") from None

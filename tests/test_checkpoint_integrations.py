@@ -142,6 +142,33 @@ def test_checkpoint_io_plugin_load_refuses_central_directory_fields_crcs_do_not_
             assert torch.equal(got["state_dict"]["w"], torch.arange(6.0)), (entry, offset, bit)
 
 
+def test_checkpoint_io_plugin_load_refuses_crafted_archives_and_reads_the_old_format(tmp_path):
+    """A record name twice (the later bytes loaded), no record at all (a bare end record
+    appended), bytes that merely start like a pickle: ChecksumError. A file in torch's
+    pre-1.6 format still loads (unchecked, said in a warning)."""
+    import io as io_module
+
+    io = CachemwCheckpointIO()
+    path = tmp_path / "x.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.arange(6.0)}}, path)
+    good = path.read_bytes()
+    with zipfile.ZipFile(io_module.BytesIO(good)) as archive:
+        records = [(r, archive.read(r)) for r in archive.infolist()]
+    twice = io_module.BytesIO()
+    with zipfile.ZipFile(twice, "w", zipfile.ZIP_STORED) as out:
+        for record, data in records:
+            out.writestr(record, data)
+        target = next(r for r, _ in records if r.filename.endswith("/data/0"))
+        out.writestr(target, b"\0" * target.file_size)
+    for damaged in (twice.getvalue(), good + b"PK\x05\x06" + b"\0" * 18,
+                    b"\x80\x02" + os.urandom(200)):
+        path.write_bytes(damaged)
+        with pytest.raises(ChecksumError):
+            io.load_checkpoint(path)
+    torch.save({"epoch": 3}, path, _use_new_zipfile_serialization=False)
+    assert io.load_checkpoint(path, weights_only=False)["epoch"] == 3
+
+
 def test_checkpoint_io_plugin_load_says_checksum_error_for_any_damage(tmp_path):
     """Empty, cut to a few bytes, a flipped bit anywhere (the zip magic, a header, the
     central directory): a ChecksumError or the very checkpoint, never another error type
