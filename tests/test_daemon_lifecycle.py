@@ -509,3 +509,30 @@ def test_a_hung_daemon_does_not_hold_a_large_announcement(runtime_dir, spawn_dae
         os.kill(daemon.pid, signal.SIGCONT)
     wait_for(fs.client.connected, 30, interval=0.2, what="the client to reconnect")
     assert fs.cat_file(paths[2]) == b"x"
+
+
+@pytest.mark.timeout(60)
+def test_a_daemon_stopped_for_less_than_daemon_timeout_costs_no_fallback(runtime_dir, spawn_daemon,
+                                                                        dataset, caplog):
+    """A stop shorter than daemon_timeout is a silence it allows: a process whose first
+    connection comes during the stop waits for it (a stopped daemon was unreachable at
+    once, and the process read the source for the back-off)."""
+    import threading
+
+    caplog.set_level(logging.WARNING, logger="cachemw")
+    _, files = dataset
+    paths = sorted(files)
+    daemon = spawn_daemon(runtime_dir)
+    os.kill(daemon.pid, signal.SIGSTOP)
+    resume = threading.Timer(0.8, os.kill, (daemon.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        wait_for(lambda: process_state(daemon.pid) == "T", 10, what="the daemon to stop")
+        fs = new_fs(runtime_dir, autostart=False, daemon_timeout=4)
+        for p in paths:
+            assert fs.cat_file(p) == files[p]
+        assert fs.stats()["fallbacks"] == 0
+    finally:
+        resume.join()
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert not [r for r in caplog.records if "unreachable" in r.getMessage()]

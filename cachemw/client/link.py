@@ -195,8 +195,7 @@ class DaemonClient(reporting.Reporter):
                     self._unreachable(self._why_none())
                     return None
                 self._set_tiers(address)
-            state = process_state(address.pid)
-            if state in ("T", "t"):  # stopped (SIGSTOP, a debugger): do not wait on it
+            if not self._running(address.pid):  # stopped for longer than it may be silent
                 self._unreachable(f"the daemon (pid {address.pid}) is stopped", pid=address.pid)
                 return None
             try:
@@ -240,6 +239,16 @@ class DaemonClient(reporting.Reporter):
         if address is not None and address.pid == holder.get("pid"):
             return address
         return await_address(self.runtime_dir, min(START_WAIT, self.timeout)) or address
+
+    def _running(self, pid: int) -> bool:
+        """The daemon is not stopped (SIGSTOP, a debugger), or runs again within
+        ``daemon_timeout``, as long as it may stay silent: a handshake would wait on it."""
+        deadline = time.monotonic() + self.timeout
+        while process_state(pid) in ("T", "t"):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _why_none(self) -> str:
         """Why no daemon's address was found, for the one warning."""
