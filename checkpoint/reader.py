@@ -71,6 +71,11 @@ def metadata_damage(location: Location) -> ChecksumError | None:
         data = location.read_bytes(METADATA_NAME)
     except FileNotFoundError:
         return ChecksumError(f"{where}: missing")
+    return _mismatch(data, recorded, where)
+
+
+def _mismatch(data: bytes, recorded: dict, where: str) -> ChecksumError | None:
+    """The ChecksumError of ``.metadata`` bytes that are not those the manifest recorded."""
     if len(data) != recorded.get("size") or metadata_sum(data) != recorded.get("checksum"):
         return ChecksumError(f"{where}: damaged (checksum mismatch with the manifest)")
     return None
@@ -103,9 +108,9 @@ class CachemwStorageReader(StorageReader):
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.location.url} has no {METADATA_NAME}") from exc
         recorded = (self.manifest or {}).get("metadata")  # absent in earlier checkpoints
-        if isinstance(recorded, dict) and (len(data) != recorded.get("size")
-                                           or metadata_sum(data) != recorded.get("checksum")):
-            raise ChecksumError(f"{where}: damaged (checksum mismatch with the manifest)")
+        damage = _mismatch(data, recorded, where) if isinstance(recorded, dict) else None
+        if damage is not None:
+            raise damage
         try:
             metadata = pickle.loads(data)
         except Exception as exc:  # unchecked (an earlier checkpoint) and not whole
