@@ -119,8 +119,7 @@ class MetaTable:
         m = self._drops
         if m is None:
             try:
-                fd = os.open(f"{self.dir}/{DROPS}",
-                             os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                fd = self._open_drops()
             except OSError:
                 return 0
             try:
@@ -133,10 +132,13 @@ class MetaTable:
                 os.close(fd)
         return _COUNT.unpack_from(m, 0)[0]
 
+    def _open_drops(self) -> int:
+        return os.open(f"{self.dir}/{DROPS}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       0o600)
+
     def _count_drop(self) -> None:
         """One more drop (under the writers' lock)."""
-        fd = os.open(f"{self.dir}/{DROPS}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        fd = self._open_drops()
         try:
             head = os.pread(fd, _COUNT.size, 0)
             count = _COUNT.unpack(head)[0] if len(head) == _COUNT.size else 0

@@ -377,6 +377,9 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
                 fill = self._inflight.get(key)
                 if fill is not None:
                     fill.cancelled = True
+                if reason in ("corrupt", "unreadable"):  # counted for the log (say_dropped)
+                    self._dropped_bad[reason] = self._dropped_bad.get(reason, 0) + 1
+                    self._dropped_last = key
         if elsewhere:  # at most a stray file in that tier goes
             where = [self._tiers[tier]] if tier in self._tiers else []
         else:  # not indexed (e.g. a stray file): deleted wherever it is
@@ -388,9 +391,6 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
             except OSError as exc:  # an unreadable tier (EACCES, EIO): forgotten all the same
                 log.debug("could not delete block %s from %s: %s", key, ts.tier.name, exc)
         if not elsewhere and reason in ("corrupt", "unreadable"):
-            with self._lock:
-                self._dropped_bad[reason] = self._dropped_bad.get(reason, 0) + 1
-                self._dropped_last = key
             self.say_dropped()
 
     def say_dropped(self, now: bool = False) -> None:
