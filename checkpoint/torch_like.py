@@ -1,11 +1,13 @@
 """``save(obj, path)`` / ``load(path)``, shaped like ``torch.save`` / ``torch.load``.
 
 For single-process users and for plug-ins such as Lightning's CheckpointIO, which hand over
-one arbitrary nested object and expect it back whole, with no template to load into. Tensors
-go through the same planner, writer and reader as the Checkpointer (chunked, checksummed,
-optionally lz4, manifest last); the rest of the object is pickled as ``torch.save`` pickles
-it, each tensor a reference to one of those, and stored as one item, so every type comes
-back as it went (DCP's own flattening turns int-keyed dicts into lists).
+one arbitrary nested object and expect it back whole, with no template to load into. The
+tensors' storages go through the same planner, writer and reader as the Checkpointer
+(chunked, checksummed, optionally lz4, manifest last); the object is pickled as
+``torch.save`` pickles it, each storage a reference to one of those, and stored as one
+item, so ``load`` gives what ``torch.load`` gives (views, strides, tied tensors, every
+type; DCP's own flattening would turn int-keyed dicts into lists), weights-only by default
+as ``torch.load`` is.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.serialization import default_restore_location, location_tag
 
 from cachemw.files import exchange
 from cachemw.processes import process_alive
@@ -38,43 +41,59 @@ PICKLED_KEY = "__cachemw_pickled__"  # the object pickled with its tensors by re
 PLACEHOLDER = "\x00cachemw-tensor:"
 
 
-class _TensorPickler(pickle.Pickler):
-    """Pickles the object as ``torch.save`` does (every type as pickle rebuilds it: a
-    ``Counter``, a ``defaultdict`` with its factory, ``torch.Size``, objects holding
-    tensors in attributes), each dense tensor replaced by a reference into ``tensors``,
-    which go through DCP chunked and checksummed. A tensor met twice is one tensor.
+class _StoragePickler(pickle.Pickler):
+    """Pickles the object as ``torch.save`` does, every type as pickle rebuilds it (a
+    ``Counter``, a ``defaultdict`` with its factory, ``torch.Size``, tensor subclasses and
+    attributes, views and strides, Parameters, quantized, sparse and nested tensors), with
+    torch's own persistent id for each storage, ``("storage", <storage type>, key,
+    location, numel)``: what ``torch.load``'s weights-only unpickler reads. The storages'
+    bytes go through DCP (chunked, checksummed) as flat uint8 tensors, one per storage,
+    however many tensors view it."""
 
-    A reference is an int (what ``torch.load``'s weights-only unpickler accepts): the
-    tensor's number, times 4, plus 2 for a Parameter and 1 for ``requires_grad``."""
-
-    def __init__(self, file, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, file, storages: dict[str, torch.Tensor]) -> None:
         super().__init__(file, protocol=2)  # torch.save's: what the weights-only one reads
-        self.tensors = tensors
-        self._numbers: dict[int, int] = {}
+        self.storages = storages
+        self._keys: dict[int, str] = {}
 
     def persistent_id(self, obj):
-        if not isinstance(obj, torch.Tensor) or obj.layout is not torch.strided \
-                or obj.is_quantized or obj.is_nested or obj.device.type == "meta":
-            return None  # pickled inline, as torch.save does: DCP holds none of these
-        number = self._numbers.get(id(obj))
-        if number is None:
-            number = self._numbers[id(obj)] = len(self.tensors)
-            # a lazy conjugate or negative view's values, not its storage's (DCP writes
-            # the bytes as they lie)
-            self.tensors[f"t{number}"] = obj.detach().resolve_conj().resolve_neg()
-        return number * 4 + 2 * isinstance(obj, torch.nn.Parameter) + bool(obj.requires_grad)
+        if isinstance(obj, torch.storage.TypedStorage):
+            untyped = obj._untyped_storage
+            storage_type, numel = getattr(torch, obj._pickle_storage_type()), obj._size()
+        elif isinstance(obj, torch.UntypedStorage):
+            untyped, storage_type, numel = obj, torch.UntypedStorage, obj.nbytes()
+        else:
+            return None
+        key = self._keys.get(untyped._cdata)
+        if key is None:
+            key = self._keys[untyped._cdata] = f"s{len(self._keys)}"
+            self.storages[key] = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped)
+        return ("storage", storage_type, key, location_tag(untyped), numel)
 
 
-def _tensor_loader(tensors: dict[str, torch.Tensor]):
-    """The ``persistent_load`` of a ``_TensorPickler``'s references."""
+def _storage_loader(storages: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+                    map_location: Any):
+    """The ``persistent_load`` of both this format's storage ids (``_StoragePickler``) and
+    an earlier release's int references to whole tensors (the tensor's number, times 4,
+    plus 2 for a Parameter and 1 for ``requires_grad``)."""
+    restore = _restore_location(map_location)
+    untyped: dict[str, torch.UntypedStorage] = {}
     made: dict[int, torch.Tensor] = {}
 
     def persistent_load(pid):
-        if type(pid) is not int or pid < 0:
-            raise pickle.UnpicklingError(f"not a tensor reference of this format: {pid!r}")
+        if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and pid[2] in storages:
+            _, storage_type, key, location, _numel = pid
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            if key not in untyped:
+                flat = storages[key]
+                if flat.storage_offset() or flat.untyped_storage().nbytes() != flat.numel():
+                    flat = flat.clone()
+                untyped[key] = restore(flat.untyped_storage(), location)
+            return torch.storage.TypedStorage(wrap_storage=untyped[key], dtype=dtype, _internal=True)
+        if type(pid) is not int or pid < 0 or f"t{pid // 4}" not in tensors:
+            raise pickle.UnpicklingError(f"not a storage or tensor reference of this checkpoint: {pid!r}")
         tensor = made.get(pid)
         if tensor is None:
-            tensor = tensors[f"t{pid // 4}"]
+            tensor = _mapped(tensors[f"t{pid // 4}"], map_location)
             if pid & 2:
                 tensor = torch.nn.Parameter(tensor, requires_grad=bool(pid & 1))
             elif pid & 1:
@@ -85,17 +104,60 @@ def _tensor_loader(tensors: dict[str, torch.Tensor]):
     return persistent_load
 
 
-def _unpickled(data: bytes, tensors: dict[str, torch.Tensor], weights_only: bool) -> Any:
-    """The object ``_TensorPickler`` pickled; with ``weights_only``, through torch.load's own
-    restricted unpickler (tensors, containers and the types it allows, nothing else)."""
-    if weights_only:
-        from torch import _weights_only_unpickler
+def _restore_location(map_location: Any):
+    """Where a storage saved at ``location`` goes, as ``torch.load`` places it for each
+    form of ``map_location`` (None: where it was saved)."""
+    if map_location is None:
+        return default_restore_location
+    if isinstance(map_location, dict):
+        return lambda storage, location: default_restore_location(
+            storage, map_location.get(location, location))
+    if isinstance(map_location, (str, torch.device)):
+        return lambda storage, location: default_restore_location(storage, str(map_location))
 
-        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
-    else:
+    def restore(storage, location):
+        moved = map_location(storage, location)
+        return default_restore_location(storage, location) if moved is None else moved
+
+    return restore
+
+
+def _weights_only(weights_only: bool | None) -> bool:
+    """``weights_only`` as ``torch.load`` settles it: the argument, True when not given;
+    ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` forces it on, ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` off
+    where the argument was not given."""
+    truthy = ("1", "y", "yes", "true")
+    force_on = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in truthy
+    force_off = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in truthy
+    if force_on and force_off:
+        raise RuntimeError("only one of TORCH_FORCE_WEIGHTS_ONLY_LOAD and "
+                           "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD may be set")
+    if force_on:
+        return True
+    if weights_only is None:
+        return not force_off
+    return bool(weights_only)
+
+
+def _unpickled(data: bytes, persistent_load, weights_only: bool, url: str) -> Any:
+    """The pickled object; with ``weights_only``, through torch.load's own restricted
+    unpickler (tensors, containers, the types it allows and those given to
+    ``torch.serialization.add_safe_globals``, nothing else)."""
+    if not weights_only:
         unpickler = pickle.Unpickler(io.BytesIO(data))
-    unpickler.persistent_load = _tensor_loader(tensors)
-    return unpickler.load()
+        unpickler.persistent_load = persistent_load
+        return unpickler.load()
+    from torch import _weights_only_unpickler
+
+    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
+    unpickler.persistent_load = persistent_load
+    try:
+        return unpickler.load()
+    except pickle.UnpicklingError as exc:
+        raise pickle.UnpicklingError(
+            f"weights-only load of {url} failed (the default, as torch.load's): {exc} -- "
+            "if you trust the checkpoint's source, load(..., weights_only=False) loads every "
+            "type; or allow the type with torch.serialization.add_safe_globals") from None
 
 
 def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -222,7 +284,7 @@ def _write(obj: Any, location, compression: str | None, thread_count: int) -> No
     location.remove_file(MANIFEST_NAME)  # an overwritten checkpoint is uncommitted while it is rewritten
     tensors: dict[str, torch.Tensor] = {}
     pickled = io.BytesIO()
-    _TensorPickler(pickled, tensors).dump(obj)
+    _StoragePickler(pickled, tensors).dump(obj)
     # Pickled to bytes so that DCP stores it as one opaque item instead of flattening it.
     state = {"tensors": tensors, PICKLED_KEY: pickled.getvalue()}
     writer = CachemwStorageWriter(location, compression=compression, thread_count=thread_count)
@@ -236,8 +298,9 @@ def _write(obj: Any, location, compression: str | None, thread_count: int) -> No
 def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int = 2,
          weights_only: bool | None = None) -> Any:
     """Read back what ``save`` wrote. ``map_location`` as ``torch.load`` takes it (a device
-    or its name, a dict of device names, a callable); ``weights_only=True`` unpickles the
-    object as ``torch.load(weights_only=True)`` does (by default every type comes back)."""
+    or its name, a dict of device names, a callable); ``weights_only`` as ``torch.load``'s:
+    by default only tensors, containers and the types torch's weights-only unpickler allows
+    come back (``weights_only=False``: every type, for a checkpoint from a trusted source)."""
     # DCP's own "load without a template" (rebuilds the state dict from the metadata).
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -261,10 +324,30 @@ def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int
             state = _load_state_dict_from_keys(storage_reader=reader)
     except CheckpointException as exc:
         raise unwrap(exc, 1) from None
-    tensors = {k: _mapped(v, map_location) for k, v in state.get("tensors", {}).items()}
+    saved = state.get("tensors", {})
+    weights_only = _weights_only(weights_only)
     if PICKLED_KEY in state:
-        return _unpickled(state[PICKLED_KEY], tensors, bool(weights_only))
-    return _join(pickle.loads(state[SKELETON_KEY]), tensors)
+        loader = _storage_loader({k: v for k, v in saved.items() if k.startswith("s")},
+                                 {k: v for k, v in saved.items() if k.startswith("t")}, map_location)
+        return _unpickled(state[PICKLED_KEY], loader, weights_only, location.url)
+    unpickler = (_SkeletonUnpickler if weights_only else pickle.Unpickler)(io.BytesIO(state[SKELETON_KEY]))
+    return _join(unpickler.load(), {k: _mapped(v, map_location) for k, v in saved.items()})
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    """An earlier release's skeleton (pickled at a protocol torch's weights-only unpickler
+    does not read), weights-only: the globals that unpickler allows, nothing else."""
+
+    def find_class(self, module: str, name: str):
+        from torch import _weights_only_unpickler as allowed
+
+        found = {**allowed._get_allowed_globals(), **allowed._get_user_allowed_globals()}.get(f"{module}.{name}")
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"weights-only load failed: {module}.{name} is not a type torch.load allows by "
+                "default; load(..., weights_only=False) loads every type, for a checkpoint from "
+                "a trusted source")
+        return found
 
 
 def _mapped(tensor: torch.Tensor, map_location: Any) -> torch.Tensor:

@@ -54,12 +54,12 @@ def test_torch_like_save_load(tmp_path, compression):
 def test_torch_like_load_names_a_corrupted_chunk(tmp_path):
     torch_like.save({"x": torch.randn(1000)}, tmp_path / "c")
     manifest = json.loads((tmp_path / "c" / "cachemw-manifest.json").read_text())
-    item = next(v for k, v in manifest["items"].items() if k.startswith("tensors.t0"))
+    item = next(v for k, v in manifest["items"].items() if k.startswith("tensors.s0"))
     path = tmp_path / "c" / item["relative_path"]
     data = bytearray(path.read_bytes())
     data[item["offset"] + item["data_offset"]] ^= 1
     path.write_bytes(bytes(data))
-    with pytest.raises(ChecksumError, match="tensors.t0"):
+    with pytest.raises(ChecksumError, match="tensors.s0"):
         torch_like.load(tmp_path / "c")
 
 
