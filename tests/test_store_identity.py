@@ -113,3 +113,30 @@ def test_two_s3_endpoints_with_the_same_bucket_and_key(make_cache_fs, s3_server,
     finally:
         second.kill()
         second.wait(10)
+
+
+@pytest.mark.timeout(90)
+def test_a_store_named_by_the_reader_s_environment_is_prefetched_by_a_daemon_without_it(
+        s3_server, runtime_dir, spawn_daemon, monkeypatch):
+    """A reader whose endpoint came from AWS_ENDPOINT_URL, with a daemon started without
+    it: the daemon built the target from the reader's options alone, asked AWS's S3, and
+    prefetched nothing (the version check refused nothing, but the order was lost)."""
+    from conftest import daemon_stats, wait_for
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    spawn_daemon(runtime_dir, dram_capacity="16MiB")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server["endpoint"])
+    bucket, client = s3_server["bucket"], s3_server["boto3"]()
+    paths = [f"{bucket}/env/{i}.bin" for i in range(6)]
+    for i, path in enumerate(paths):
+        client.put_object(Bucket=bucket, Key=path.split("/", 1)[1], Body=bytes([i]) * 70_000)
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"region_name": "us-east-1"}}
+    fs = fsspec.filesystem("cachemw", target_protocol="s3", target_options=options,
+                           autostart=False, runtime_dir=runtime_dir, skip_instance_cache=True)
+    assert fs.announce(paths) == 6
+    wait_for(lambda: daemon_stats(runtime_dir)["counters"].get("prefetched", 0) == 6, 30,
+             what="the 6 announced objects to be prefetched from the reader's endpoint")
+    for i, path in enumerate(paths):
+        assert fs.cat_file(path) == bytes([i]) * 70_000
+    assert fs.stats()["hits"] == 6 and fs.stats()["misses"] == 0

@@ -28,6 +28,7 @@ both return that version's bytes, one fill is kept.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import time
 from typing import TYPE_CHECKING, NamedTuple
@@ -41,6 +42,7 @@ from .fills import Fill, FillWriter
 from ..keys import block_key, block_length, url_tag
 from .metadata import FileMeta
 from .openfile import clip
+from .urls import env_endpoint
 from .. import trace
 from ..readtime import MISS_SUM, miss_bucket
 from ..tiers.source import SourceTier
@@ -228,6 +230,11 @@ class BlockReader:
         if self._source_json is None:
             try:
                 self._source_json = self.source.fs.to_json()
+                endpoint = env_endpoint(self.source.fs)
+                if endpoint:  # from this process's environment: the daemon's may name another
+                    described = json.loads(self._source_json)
+                    described["endpoint_url"] = endpoint
+                    self._source_json = json.dumps(described)
             except (TypeError, ValueError) as exc:
                 self._source_json = ""
                 log.info("the target's options have no JSON form (%s): its blocks are not "

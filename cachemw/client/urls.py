@@ -136,12 +136,25 @@ def store_of(fs: AbstractFileSystem) -> str:
                 value = client.get(name)
             if value not in (None, ""):
                 found.append(f"{name}={value}")
-        if "s3" in _protocols(fs) and not any(f.startswith("endpoint") for f in found):
-            endpoint = next((os.environ[v] for v in _S3_ENDPOINT_ENV if os.environ.get(v)), None)
+        if not any(f.startswith("endpoint") for f in found):
+            endpoint = env_endpoint(fs)
             if endpoint:
                 found.append(f"endpoint_url={endpoint}")
         fs = getattr(fs, "fs", None)
     return ",".join(found)
+
+
+def env_endpoint(fs: AbstractFileSystem) -> str | None:
+    """The S3 endpoint this process's environment gives ``fs`` (botocore's variables), where
+    ``fs`` is an S3 filesystem whose options name none: another process (a daemon started
+    with another environment) needs it written into the options to read the same store."""
+    if "s3" not in _protocols(fs):
+        return None
+    options = getattr(fs, "storage_options", None) or {}
+    client = options.get("client_kwargs") or {}
+    if options.get("endpoint_url") or (isinstance(client, dict) and client.get("endpoint_url")):
+        return None
+    return next((os.environ[v] for v in _S3_ENDPOINT_ENV if os.environ.get(v)), None)
 
 
 def target_url(fs: AbstractFileSystem) -> Callable[[str], str]:
