@@ -58,6 +58,10 @@ class DaemonAddress:
     tiers: tuple  # ({"name", "path", "capacity"}, ...) fastest first
     meta_dir: str
     kind: str = "autostarted"  # or "ray"
+    # when the daemon started (time.time()): node-shared metadata fetched before it is not
+    # fresh under ``ttl``, for it may be a previous job's (the meta dir lives on the NVMe
+    # tier, which outlives jobs) and the files may have changed between the jobs
+    started: float = 0.0
 
     @property
     def authkey(self) -> bytes:

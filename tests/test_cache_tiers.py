@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import fsspec
 import pytest
@@ -220,6 +221,62 @@ def test_nvme_tier_demotion_and_restart(runtime_dir, spawn_daemon, blocks_datase
         assert fresh.cat_file(path) == data
     assert fresh.stats()["bytes_from_source"] == 0
     assert fresh.stats()["hits"] == NFILES
+
+
+@pytest.mark.timeout(120)
+def test_a_file_changed_between_two_jobs_on_an_nvme_tier_is_read_anew(runtime_dir, tmp_path,
+                                                                      monkeypatch):
+    """The node's metadata lives on the NVMe tier and outlives the job's daemon, so that
+    the next job on the node starts warm. Under ``ttl`` a record the last job's readers
+    wrote less than ``ttl`` ago was still fresh in the next job, whose NVMe tier held the
+    old version's blocks: a file changed between the jobs came back with its old bytes
+    (rewritten in place, grown, replaced). Metadata fetched before the node's daemon
+    started is not fresh now."""
+    from conftest import service_procs
+
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {src / f"f{i}": os.urandom(70_000) for i in range(3)}
+    for path, data in files.items():
+        path.write_bytes(data)
+    monkeypatch.setenv("CACHEMW_NVME_DIR", str(tmp_path / "nvme"))
+    monkeypatch.setenv("CACHEMW_NVME_CAPACITY", "64MiB")
+
+    def job(runtime: str) -> fsspec.AbstractFileSystem:
+        return fsspec.filesystem("cachemw", target_protocol="file", block_size=BS, autostart=True,
+                                 runtime_dir=runtime, skip_instance_cache=True)
+
+    def stop(runtime: str) -> None:  # a clean stop: DRAM's blocks copied down to NVMe
+        out = subprocess.run([sys.executable, "-m", "cachemw.cli", "stop"], capture_output=True, text=True, timeout=60,
+                             env=dict(os.environ, CACHEMW_RUNTIME_DIR=runtime))
+        assert out.returncode == 0, out.stderr
+        wait_for(lambda: not service_procs(runtime), 30, what="the daemon to exit")
+
+    next_job = str(tmp_path / "runtime-next")  # the next job's runtime dir, the same NVMe dir
+    try:
+        fs = job(runtime_dir)
+        for path, data in files.items():
+            assert fs.cat_file(str(path)) == data
+        assert fs.reader.fills.drain(30)  # the node's metadata records are written behind reads
+        stop(runtime_dir)
+
+        with open(src / "f0", "r+b") as f:  # in place, same size
+            f.write(b"\x00" * 100)
+        with open(src / "f1", "ab") as f:  # grown
+            f.write(b"tail")
+        (src / "f2.new").write_bytes(os.urandom(70_000))
+        os.rename(src / "f2.new", src / "f2")  # replaced
+
+        fresh = job(next_job)
+        for path in files:
+            assert fresh.cat_file(str(path)) == path.read_bytes(), path.name
+        assert fresh.stats()["hits"] == 0  # every block of a new version comes from the store
+        stats = daemon_stats(next_job)
+        assert stats["counters"]["reindexed"] > 0  # the old versions' blocks were there
+    finally:
+        for runtime in (runtime_dir, next_job):
+            for proc in service_procs(runtime):
+                proc.kill()
 
 
 @pytest.mark.parametrize("mode", [0o1777, 0o777, 0o1770])

@@ -88,6 +88,7 @@ class CacheFileSystem(_Base):
         self.reader = BlockReader(SourceTier(fs), self.client, self.options.block_size,
                                   self.options.write_behind)
         self.meta = MetadataCache(fs, self.options.validate, self.options.ttl, self.client.meta_dir,
+                                  since=self.client.started,
                                   defer=self.reader.fills.defer)
         self.reader.dropped_since = self.meta.dropped_since
         self._warned_gone = False  # announced files not at the store, said once
@@ -419,7 +420,8 @@ class CacheFileSystem(_Base):
     def invalidate_cache(self, path=None):
         if path is None:
             self.meta = MetadataCache(self.target, self.options.validate, self.options.ttl,
-                                      self.client.meta_dir, defer=self.reader.fills.defer)
+                                      self.client.meta_dir, defer=self.reader.fills.defer,
+                                      since=self.client.started)
         else:
             self.meta.forget_tree(self._strip_protocol(path))
 

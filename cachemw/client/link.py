@@ -144,6 +144,11 @@ class DaemonClient(reporting.Reporter):
         self.tiers()
         return None if self._address is None else self._address.meta_dir
 
+    def started(self) -> float:
+        """When the daemon started (0: not known): node-shared metadata fetched before is
+        not fresh (DaemonAddress.started)."""
+        return 0.0 if self._address is None else self._address.started
+
     def ping(self) -> bool:
         """A round trip on this thread's connection: True once the daemon has read every
         message this thread sent before it (it reads each connection in order)."""

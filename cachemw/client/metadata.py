@@ -59,9 +59,12 @@ class MetadataCache:
     target = ForkSafe()  # the store asked for info and listings (a forked child's own)
 
     def __init__(self, target, validate: str, ttl: float, meta_dir: Callable[[], str | None],
-                 defer: Callable | None = None) -> None:
+                 defer: Callable | None = None, since: Callable[[], float] = lambda: 0.0) -> None:
         """``defer(fn, arg)``: run ``fn(arg)`` later, off the reader's path (the fill
-        writer); node-shared records are then written there. None: written at once."""
+        writer); node-shared records are then written there. None: written at once.
+        ``since()``: when the node's daemon started; under ``ttl`` metadata fetched before
+        is not fresh: the node's table may hold a previous job's (it outlives jobs on the
+        NVMe tier), and a file changed between the jobs must be read anew."""
         self._defer = defer
         # held while a record is written or dropped: a drop is never overtaken by a write
         self._records_lock = threading.Lock()
@@ -78,6 +81,8 @@ class MetadataCache:
         self.validate = validate
         self.ttl = ttl
         self._meta_dir = meta_dir
+        self._since = since
+        self._fresh_from = 0.0  # since(), read when the node's table is opened
         self._infos: dict[str, tuple[dict, float]] = {}
         self._drops_seen = 0  # the node's drop count when this process last looked
         # path -> FileMeta packed in a string (_pack): a string is no object the garbage
@@ -91,7 +96,7 @@ class MetadataCache:
             return True
         if self.validate == "always":
             return False
-        return time.time() - fetched < self.ttl
+        return fetched >= self._fresh_from and time.time() - fetched < self.ttl
 
     # -- node-shared metadata ------------------------------------------------------
 
@@ -101,6 +106,7 @@ class MetadataCache:
             return None
         table = self._table
         if table is None or table.dir != f"{meta_dir}/info":
+            self._fresh_from = self._since()
             table = self._table = MetaTable(f"{meta_dir}/info")
         return table
 

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 from .. import trace
 from ..config import DaemonConfig
@@ -55,6 +56,7 @@ class NodeService:
                 f"a cachemw {holder.get('kind', '')} daemon (pid {holder.get('pid', '?')}) "
                 f"already serves {config.runtime_dir}; stop it first (`cachemw stop`)"
                 .replace("  ", " "))
+        started = time.time()  # no daemon before this one is still serving the runtime dir
         self.free_dram_at_exit = False  # an autostarted daemon's main sets it
         self.stopped = threading.Event()
         try:
@@ -81,6 +83,7 @@ class NodeService:
             self.address = DaemonAddress(
                 node_id=config.node_id, pid=os.getpid(), socket=sock, secret=secret.hex(),
                 tiers=tuple(self.node.tier_dirs()), meta_dir=meta_dir, kind=kind,
+                started=started,
             )
             publish(config.runtime_dir, self.address)
             clear_failure(config.runtime_dir)
