@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.serialization import default_restore_location, location_tag
+from torch.serialization import StorageType, default_restore_location, location_tag
 
 from cachemw.files import exchange
 from cachemw.processes import process_alive
@@ -139,12 +139,26 @@ def _weights_only(weights_only: bool | None) -> bool:
     return bool(weights_only)
 
 
+class _FullUnpickler(pickle.Unpickler):
+    """Every type, as ``torch.load(weights_only=False)`` unpickles it: a storage class
+    (``torch.HalfStorage``) named as torch names it (``StorageType``: its dtype, without
+    the legacy class's deprecation warning)."""
+
+    def find_class(self, module: str, name: str):
+        if "Storage" in name:
+            try:
+                return StorageType(name)
+            except KeyError:
+                pass
+        return super().find_class(module, name)
+
+
 def _unpickled(data: bytes, persistent_load, weights_only: bool, url: str) -> Any:
     """The pickled object; with ``weights_only``, through torch.load's own restricted
     unpickler (tensors, containers, the types it allows and those given to
     ``torch.serialization.add_safe_globals``, nothing else)."""
     if not weights_only:
-        unpickler = pickle.Unpickler(io.BytesIO(data))
+        unpickler = _FullUnpickler(io.BytesIO(data))
         unpickler.persistent_load = persistent_load
         return unpickler.load()
     from torch import _weights_only_unpickler

@@ -558,6 +558,20 @@ class _Tagged(torch.Tensor):
     """A tensor subclass (pickled by reference to this module)."""
 
 
+class _Halved:
+    """Pickles a tensor made for the pickle (freed once pickled, its id and memory then
+    free for the next one's)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __getstate__(self):
+        return {"t": self.t.half()}
+
+    def __eq__(self, other):
+        return type(other) is _Halved and torch.equal(self.t, other.t)
+
+
 def _same_as_torch_load(ours, theirs, where="obj", ptrs=None):
     """Differences between what load gave and what torch.load gave for the same object:
     types, tensors' dtype, shape, strides, offset, lazy bits, grad, attributes, values."""
@@ -615,6 +629,8 @@ def test_torch_style_load_gives_what_torch_load_gives(tmp_path):
         "quantized": {"q": torch.quantize_per_channel(torch.randn(3, 4), torch.tensor([0.1, 0.2, 0.3]),
                                                       torch.tensor([0, 1, 2]), 0, torch.quint8)},
         "subclass": {"tagged": tagged, "attr": with_attr},
+        # each object's tensor came back as an earlier one's: tensors were told apart by id
+        "temporaries": [_Halved(torch.full((3,), float(i))) for i in range(6)],
     }
     for name, obj in cases.items():
         torch.save(obj, tmp_path / f"{name}.pt")
