@@ -32,7 +32,7 @@ from cachemw.node_daemon import node_daemon
 from . import watch as watch_channel
 from .background import niceness, run_at
 from .chunk_plan import DEFAULT_CHUNK_BYTES
-from .coordination import Coordinator, check_same_step, failed_on, report
+from .coordination import Coordinator, check_same_step, failed_on, report, same_type
 from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
 from .errors import CheckpointBusyError, CheckpointNotFoundError
@@ -392,6 +392,11 @@ class Checkpointer:
                 self._damaged_metadata.add(e.name)
                 log.warning("checkpoint %s is damaged (%s): loading the step before it",
                             e.name, damage)
+        if step is not None:  # asked for by its step: a damaged manifest is a ChecksumError
+            for tier in (self.root, self.fast):
+                damage = None if tier is None else tier.manifest_damage(step)
+                if damage is not None:
+                    raise damage
         raise CheckpointNotFoundError(f"no committed checkpoint{'' if step is None else f' of step {step}'} "
                                       f"under {self.root.location.url}")
 
@@ -404,23 +409,30 @@ class Checkpointer:
         since a step chosen while in memory only is committed there before it is recycled.
         """
         self.wait_quietly()
-        choice = None
-        if self.coord.is_coordinator:
+        choice, error = None, None
+        if self.coord.is_coordinator:  # rank 0 chooses; its failure is every rank's, of its type
             try:
-                choice = self._choose(step)
-            except CheckpointNotFoundError as exc:
-                choice = exc
+                choice = ("chosen", self._choose(step))
+            except Exception as exc:  # noqa: BLE001 - any: the other ranks wait for the choice
+                choice, error = ("failed", report(exc), _message(exc)), exc
         choice = self.coord.broadcast(choice)
-        if isinstance(choice, Exception):
-            raise choice
-        step, name, at_root = choice
+        if choice[0] == "failed":
+            if error is not None:
+                raise error
+            raise same_type(choice[1], choice[2])
+        step, name, at_root = choice[1]
         fast_ok = self.fast is not None and self.fast.complete(name)
         fast_ok = all(self.coord.all_gather(fast_ok))
         tiers = ([self.fast] if fast_ok else []) + ([self.root] if at_root else [])
         if not tiers:
             raise CheckpointNotFoundError(f"checkpoint {name} is not complete in any tier reachable by every rank")
-        prepare_for_load(state)
-        loaded = to_state_dict(state)
+        loaded, error = None, None
+        try:  # a state that fails here on one rank (its state_dict() raises) fails every rank
+            prepare_for_load(state)
+            loaded = to_state_dict(state)
+        except Exception as exc:  # noqa: BLE001 - any: the others would wait in dcp.load
+            error = exc
+        self.coord.agree(error)
         while tiers:
             tier = tiers.pop(0)
             try:
@@ -445,7 +457,12 @@ class Checkpointer:
                     raise error from None
                 log.warning("loading %s from %s failed (%s); loading it again from %s", name, tier.location.url,
                             error, tiers[0].location.url, exc_info=True)
-        apply_loaded(state, loaded)
+        error = None
+        try:
+            apply_loaded(state, loaded)
+        except Exception as exc:  # noqa: BLE001 - any: no rank returns a step the others did not load
+            error = exc
+        self.coord.agree(error)
         return step
 
     def _fast_copy_failed(self, name: str, error: BaseException) -> bool:
@@ -506,3 +523,11 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _message(error: BaseException) -> str:
+    """``error``'s text without what its type adds when rebuilt (an OSError's errno)."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror if error.filename is None else f"{error.strerror}: {error.filename}"
+    return str(error)
+

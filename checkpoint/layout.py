@@ -76,6 +76,21 @@ class CheckpointDir:
                 log.warning("%s; not counted as a committed checkpoint", exc)
             return None
 
+    def manifest_damage(self, step: int) -> ChecksumError | None:
+        """The ChecksumError of a directory of ``step`` whose manifest is there but damaged
+        (None: none is): asked for by its step, such a checkpoint is an error, not absent."""
+        for s, name in self.step_dirs():
+            if s != step:
+                continue
+            try:
+                parse_manifest(self.location.read_bytes(f"{name}/{MANIFEST_NAME}"),
+                               self.location.child(name).url)
+            except ChecksumError as exc:
+                return exc
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+        return None
+
     def is_committed(self, name: str) -> bool:
         """Cheaper than ``manifest`` when only the commit mark matters (no parsing)."""
         return self.location.exists(f"{name}/{MANIFEST_NAME}")

@@ -263,3 +263,73 @@ def test_a_rank_that_never_reaches_a_save_fails_the_others_within_the_timeout_sa
     assert "a collective with the other ranks failed" in res["save2"], res
     assert "collective_timeout_s" in res["save2"], res
     assert res["after"] < 30, res
+
+
+class BrokenStateful:
+    """An entry whose state_dict() fails (on one rank only, in the test below)."""
+
+    def state_dict(self):
+        raise TypeError("state_dict failed (injected)")
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def _load_failure_main(rank, world, rdv, root, mode, out_dir):
+    """Save steps 1 and 2 on every rank, break step 2 (``mode``), then load it by its step:
+    a failure that rank 0 meets choosing the step (a damaged manifest or .metadata), or
+    that one rank meets on its own state, must reach every rank, at once."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    from cachemw.checkpoint import Checkpointer
+    from cachemw.checkpoint.writer import MANIFEST_NAME
+
+    ck = Checkpointer(root, collective_timeout_s=20, chunk_bytes=256 << 10, fast_root=None)
+    for step in (1, 2):
+        ck.save(step, state(float(step))).wait(60)
+    dist.barrier()
+    if rank == 0 and mode in ("manifest", "metadata"):
+        name = max(n for n in os.listdir(root) if n.startswith("step_"))
+        path = os.path.join(root, name, MANIFEST_NAME if mode == "manifest" else ".metadata")
+        data = bytearray(open(path, "rb").read())
+        data[len(data) // 2] ^= 0x04
+        open(path, "wb").write(bytes(data))
+    dist.barrier()
+    res = {"rank": rank}
+    out = state(0.0)
+    if mode == "state" and rank == 1:
+        out["extra"] = BrokenStateful()
+    started = time.monotonic()
+    try:
+        res["load2"] = ck.load(out, step=2)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        res["load2"] = f"{type(exc).__name__}: {exc}"
+    res["seconds"] = time.monotonic() - started
+    out = state(0.0)
+    res["load"] = ck.load(out)  # the collectives are in step: the next load goes through
+    res["value"] = float(out["w"][0, 0])
+    ck.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["manifest", "metadata", "state"])
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank_at_once(tmp_path, mode):
+    """Rank 0 alone raised the ChecksumError of a step asked for whose .metadata was damaged
+    while the others waited collective_timeout_s (and one that went on loaded another
+    step); a damaged manifest asked for by its step was "not found", not a ChecksumError;
+    a rank whose state failed left the others waiting in dcp.load."""
+    results = run_ranks(tmp_path, 2, tmp_path / "ckpt", mode, target=_load_failure_main)
+    assert sorted(results) == [0, 1], f"{mode}: a rank reported nothing"
+    kind = "TypeError" if mode == "state" else "ChecksumError"
+    for res in results.values():
+        assert res["load2"].startswith(kind), res
+        assert res["seconds"] < 10, res  # not the collective timeout
+        if mode == "state":
+            assert "rank(s) [1]" in res["load2"], res
+            assert res["load"] == 2 and res["value"] == 2.0, res
+        else:
+            assert res["load"] == 1 and res["value"] == 1.0, res  # the step before it
