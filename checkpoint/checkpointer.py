@@ -157,6 +157,7 @@ class Checkpointer:
                                           initializer=run_at, initargs=(self._background,))
         self._handles: list[SaveHandle] = []
         self._damaged_metadata: set[str] = set()  # steps passed over for it, said once
+        self._said_unplaced: set[str] = set()  # steps whose entries the state had no place for
         self._lock = threading.Lock()
         self._channel = watch_channel.channel_dir(self.root.location.url, fast_root)
         if self.coord.is_coordinator:
@@ -433,6 +434,7 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - any: the others would wait in dcp.load
             error = exc
         self.coord.agree(error)
+        self._say_unplaced(name, tiers[0], loaded)
         while tiers:
             tier = tiers.pop(0)
             try:
@@ -464,6 +466,27 @@ class Checkpointer:
             error = exc
         self.coord.agree(error)
         return step
+
+    def _say_unplaced(self, name: str, tier: CheckpointDir, loaded: dict) -> None:
+        """Warn (once a step) of saved entries the state has no place for. A load is in
+        place: only what ``state`` holds is loaded, so a dict saved full and loaded into an
+        empty one stays empty; that should not pass in silence."""
+        if name in self._said_unplaced:
+            return
+        self._said_unplaced.add(name)
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        try:
+            saved = CachemwStorageReader(tier.location.child(name)).read_metadata().state_dict_metadata
+            held = flatten_state_dict(loaded)[0]
+        except Exception:  # noqa: BLE001 - only a warning: the load itself says what is wrong
+            return
+        unplaced = sorted(k for k in saved if k not in held)
+        if unplaced:
+            log.warning("checkpoint %s holds %d entries the state given to load has no place for, "
+                        "not loaded: %s%s (a load is in place: give the state the keys it was "
+                        "saved with)", name, len(unplaced), ", ".join(unplaced[:5]),
+                        ", ..." if len(unplaced) > 5 else "")
 
     def _fast_copy_failed(self, name: str, error: BaseException) -> bool:
         """True on every rank if the fast tier's copy of ``name`` failed the load on some rank:

@@ -7,13 +7,18 @@ the buffers are pinned so the device-to-host copy is asynchronous; ``device`` sa
 snapshot lands (``"cpu"`` on this machine). The budget bounds the bytes of buffers held: a
 state that does not fit raises ``ValueError`` instead of silently growing host memory.
 
-Used on its own with ``dcp.async_save(..., async_stager=BufferStager())``: the next ``stage``
-overwrites the buffers, so wait for the previous save's future before starting the next one.
+Used on its own with ``dcp.async_save(..., async_stager=BufferStager())``. A buffer is
+reused only once the snapshot staged into it is no longer held (by a save still writing
+it, or by the caller): each snapshot is a tensor of its own over the buffer, and the stager
+keeps a weak reference to the last one. A save started before the previous one is done
+gets fresh buffers (which the stager keeps from then on) instead of overwriting what that
+save is still writing.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -57,6 +62,8 @@ class BufferStager(AsyncStager):
                  pin_memory: bool | None = None) -> None:
         self.config = StagerConfig(device, memory_budget, pin_memory)
         self._buffers: dict[tuple, torch.Tensor] = {}
+        # the snapshot last handed out over each buffer: while alive, the buffer is in use
+        self._handed: dict[tuple, weakref.ref] = {}
         self._pending_cuda = False
 
     @property
@@ -72,6 +79,7 @@ class BufferStager(AsyncStager):
         out = self._stage(state_dict, (), used)
         for key in [k for k in self._buffers if k not in used]:
             del self._buffers[key]  # tensors that left the state: free their buffers
+            self._handed.pop(key, None)
         return out
 
     def synchronize_staging(self) -> None:
@@ -82,6 +90,7 @@ class BufferStager(AsyncStager):
     def close(self) -> None:
         self.synchronize_staging()
         self._buffers.clear()
+        self._handed.clear()
 
     def _pin(self) -> bool:
         if self.config.pin_memory is not None:
@@ -100,7 +109,9 @@ class BufferStager(AsyncStager):
                 return obj.detach().to(self.config.device, copy=True)  # DTensor & co: no reuse
             key = (path, tuple(obj.shape), obj.dtype)
             buf = self._buffers.get(key)
-            if buf is None:
+            handed = self._handed.get(key)
+            if buf is None or (handed is not None and handed() is not None):
+                # none yet, or the last snapshot in it is still held (a save still writing it)
                 buf = torch.empty(obj.shape, dtype=obj.dtype, device=self.config.device,
                                   pin_memory=self._pin())
                 self._buffers[key] = buf
@@ -108,5 +119,7 @@ class BufferStager(AsyncStager):
             non_blocking = obj.device.type == "cuda"
             buf.copy_(obj.detach(), non_blocking=non_blocking)
             self._pending_cuda |= non_blocking
-            return buf
+            snapshot = buf.view(buf.shape)  # its own tensor over the buffer: its life is the save's
+            self._handed[key] = weakref.ref(snapshot)
+            return snapshot
         return copy.deepcopy(obj)

@@ -344,6 +344,10 @@ def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int
         loader = _storage_loader({k: v for k, v in saved.items() if k.startswith("s")},
                                  {k: v for k, v in saved.items() if k.startswith("t")}, map_location)
         return _unpickled(state[PICKLED_KEY], loader, weights_only, location.url)
+    if SKELETON_KEY not in state:
+        raise ValueError(f"{location.url} is a checkpoint of a state dict (a Checkpointer step, "
+                         "or dcp.save), not one written by cachemw.checkpoint.save: load it in "
+                         "place with Checkpointer(root).load(state) or dcp.load")
     unpickler = (_SkeletonUnpickler if weights_only else pickle.Unpickler)(io.BytesIO(state[SKELETON_KEY]))
     return _join(unpickler.load(), {k: _mapped(v, map_location) for k, v in saved.items()})
 

@@ -382,3 +382,20 @@ def test_a_damaged_manifest_is_never_loaded_and_says_so(tmp_path, caplog):
     _flip_manifest_byte(tmp_path / "one" / MANIFEST_NAME, 40)
     with pytest.raises(ChecksumError, match="manifest is damaged"):
         load(str(tmp_path / "one"))
+
+
+def test_entries_the_state_has_no_place_for_are_named_once(tmp_path, caplog):
+    """A load is in place: a dict saved full and loaded into an empty one stayed empty, in
+    silence (found by a black-box check). The entries left out are named, once a step."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="cachemw")
+    with Checkpointer(str(tmp_path / "ck"), fast_root=None) as ck:
+        ck.save(1, {"w": torch.ones(3), "sampler": {"epoch": 4, "seen": [1, 2]}}).wait(60)
+        for _ in range(2):
+            out = {"w": torch.zeros(3), "sampler": {}}
+            assert ck.load(out) == 1 and torch.equal(out["w"], torch.ones(3))
+        said = [r.getMessage() for r in caplog.records if "no place for" in r.getMessage()]
+        assert len(said) == 1 and "sampler.epoch, sampler.seen" in said[0]
+        ck.load({"w": torch.zeros(3), "sampler": {"epoch": 0, "seen": []}})
+        assert len([r for r in caplog.records if "no place for" in r.getMessage()]) == 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 
 import pytest
@@ -139,13 +140,22 @@ def test_async_save_with_buffer_stager(tmp_path):
 def test_stager_reuses_buffers_and_respects_budget():
     state = make_state()
     stager = BufferStager()
-    first = stager.stage(state)
+    first = stager.stage(state)["w"].data_ptr()  # the snapshot is dropped: its buffer is free
     state["w"].add_(1)
     second = stager.stage(state)
-    assert first["w"].data_ptr() == second["w"].data_ptr()
+    assert first == second["w"].data_ptr()
     assert torch.equal(second["w"], state["w"]) and second["w"].data_ptr() != state["w"].data_ptr()
+    # a snapshot still held (a save still writing it) is never overwritten by the next one
+    held = state["w"].clone()
+    state["w"].add_(1)
+    third = stager.stage(state)
+    assert third["w"].data_ptr() != second["w"].data_ptr()
+    assert torch.equal(third["w"], state["w"]) and torch.equal(second["w"], held)
     assert second["nested"]["meta"] == state["nested"]["meta"]
     assert second["nested"]["meta"] is not state["nested"]["meta"]
+    newest = third["w"].data_ptr()
+    del second, third
+    assert stager.stage(state)["w"].data_ptr() == newest  # the buffer kept is the newest
     with pytest.raises(ValueError, match="memory_budget"):
         BufferStager(memory_budget=1000).stage(state)
     with pytest.raises(ValueError, match="memory_budget"):
@@ -159,3 +169,26 @@ def test_writer_rejects_bad_options(tmp_path):
         CachemwStorageWriter(tmp_path, compression="zip")
     with pytest.raises(ValueError, match="thread_count"):
         CachemwStorageWriter(tmp_path, thread_count=0)
+
+
+def test_overlapping_async_saves_with_one_buffer_stager_each_keep_their_own_values(tmp_path):
+    """A second dcp.async_save started before the first's future was done overwrote the
+    buffers the first was still writing: its checkpoint held the second's values, or did not
+    load (found by a black-box check). Each save now writes the snapshot it staged."""
+    for n in (1000, 1000, 2_000_000):
+        stager = BufferStager()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            futures = [dcp.async_save({"w": torch.full((n,), float(i))},
+                                      storage_writer=CachemwStorageWriter(tmp_path / f"c{n}-{i}"),
+                                      async_stager=stager, no_dist=True)
+                       for i in (1, 2, 3)]
+            for f in futures:
+                f.result(timeout=60)
+        for i in (1, 2, 3):
+            out = {"w": torch.zeros(n)}
+            dcp.load(out, storage_reader=CachemwStorageReader(tmp_path / f"c{n}-{i}"), no_dist=True)
+            assert torch.equal(out["w"], torch.full((n,), float(i))), (n, i)
+        stager.close()
+        shutil.rmtree(tmp_path)
+        tmp_path.mkdir()

@@ -720,3 +720,14 @@ def test_torch_style_save_over_a_torch_save_file_and_tensors_dcp_cannot_hold(tmp
     assert torch.equal(got["sparse"].to_dense(), sparse.to_dense())
     assert got["meta"].device.type == "meta" and got["meta"].shape == (3,)
     assert torch.equal(got["w"], torch.ones(2))
+
+
+def test_torch_style_load_of_a_checkpointer_step_says_what_it_is(tmp_path):
+    """It raised a bare KeyError naming an internal key."""
+    from cachemw.checkpoint import Checkpointer, load
+
+    with Checkpointer(str(tmp_path / "run"), fast_root=None) as ck:
+        ck.save(3, {"w": torch.ones(2)}).wait(60)
+    step = next((tmp_path / "run").glob("step_*"))
+    with pytest.raises(ValueError, match=r"Checkpointer\(root\)\.load"):
+        load(str(step))
