@@ -423,6 +423,9 @@ class WarmConfig:
     local_task: int = 0
     ring_wait: float = 60.0
     threads: int = 8
+    # one node may warm alone (all of it) in a cache cluster of several: --nodes 1 given,
+    # or no Slurm step; not a one-node step's default (fewer nodes than the cluster)
+    alone_ok: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("nodes", 1), ("local_task", 0), ("threads", 1)):
@@ -442,7 +445,8 @@ class WarmConfig:
         step_nodes = _int_or_none(env.get("SLURM_STEP_NUM_NODES"), "SLURM_STEP_NUM_NODES")
         local = _int_or_none(env.get("SLURM_LOCALID"), "SLURM_LOCALID")
         options = {"nodes": nodes if nodes is not None else step_nodes,
-                   "local_task": local, "ring_wait": ring_wait, "threads": threads}
+                   "local_task": local, "ring_wait": ring_wait, "threads": threads,
+                   "alone_ok": nodes is not None or step_nodes is None}
         return cls(**{k: v for k, v in options.items() if v is not None})
 
 

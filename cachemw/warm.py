@@ -9,8 +9,9 @@ is the one the node's daemon routes misses by (its ``ring`` op: no Ray in the wa
 node must see a cache cluster of exactly as many nodes as warm together, or the warm fails
 before it reads anything: a node left out would leave its share cold without a word.
 
-Alone (``--nodes 1``, or a daemon that is no cluster: autostarted, or site mode's
-node-local one), a node reads everything; blocks owned by other nodes are fetched from the
+Alone (``--nodes 1`` given, or a daemon that is no cluster: autostarted, or site mode's
+node-local one; a one-node Slurm step in a cluster of several is refused without it, as
+any step of fewer nodes than the cluster is), a node reads everything; blocks owned by other nodes are fetched from the
 source by their owners and sent here, as for any read.
 
 A warm returns no bytes to anyone: it fills the tiers through the path every read takes
@@ -139,7 +140,7 @@ def node_share(client, config: WarmConfig, *, poll: float = 0.5) -> Share:
             return Share(host, config.nodes)
         members = tuple(d["members"])
         formed = len(members) >= d.get("alive", len(members))
-        if config.nodes == 1:  # alone: all of it
+        if config.nodes == 1 and (config.alone_ok or len(members) == 1):  # alone: all of it
             return Share(d["self"], config.nodes)
         if formed and len(members) == config.nodes:
             return Share(d["self"], config.nodes, HashRing(members, d["vnodes"]), members)

@@ -18,17 +18,24 @@
 # The job's names and ports, from its id (a function so it can be checked without Slurm).
 # Ray ports: a block of 100 per job below Linux's ephemeral range (32768+); 220 blocks, so
 # two jobs whose ids differ by a multiple of 220 on one node would clash: set
-# CACHEMW_RAY_PORT_BASE to pick another block.
+# CACHEMW_RAY_PORT_BASE to pick another block. A CACHEMW_RUNTIME_DIR or CACHEMW_RAY_TMP
+# in the submitting environment (sbatch exports it) is a base the job's id is added to,
+# so that jobs side by side still never share a runtime dir (nor remove each other's);
+# a base that is itself a job's (a job submitted from a job) loses that job's id first.
 cachemw_job_layout() {
-    local job=$1 uid
+    local job=$1 uid runtime tmp
     uid=$(id -u)
     if ! [[ $job =~ ^[0-9]+$ ]]; then
         echo "cachemw-job: SLURM_JOB_ID must be a number, got '$job'" >&2
         return 1
     fi
     CACHEMW_RAY_PORT_BASE=${CACHEMW_RAY_PORT_BASE:-$((10000 + (job % 220) * 100))}
-    CACHEMW_RUNTIME_DIR=${CACHEMW_RUNTIME_DIR:-/dev/shm/cachemw-$uid-job$job}
-    CACHEMW_RAY_TMP=${CACHEMW_RAY_TMP:-/tmp/cachemw-ray-$uid-job$job}
+    runtime=${CACHEMW_RUNTIME_DIR:-/dev/shm/cachemw-$uid}
+    tmp=${CACHEMW_RAY_TMP:-/tmp/cachemw-ray-$uid}
+    if [[ $runtime =~ ^(.+)-job[0-9]+$ ]]; then runtime=${BASH_REMATCH[1]}; fi
+    if [[ $tmp =~ ^(.+)-job[0-9]+$ ]]; then tmp=${BASH_REMATCH[1]}; fi
+    CACHEMW_RUNTIME_DIR=$runtime-job$job
+    CACHEMW_RAY_TMP=$tmp-job$job
     export CACHEMW_RAY_PORT_BASE CACHEMW_RUNTIME_DIR CACHEMW_RAY_TMP
 }
 

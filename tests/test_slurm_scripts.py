@@ -44,7 +44,13 @@ def test_job_layout_is_per_job():
     assert max(ports) - min(ports) < 100 and not ports & others
     assert not set(range(one["base"], one["base"] + 100)) & set(
         range(two["base"], two["base"] + 100))
-    # the user's settings win; a job id that is not a number is refused
-    assert _layout("7", CACHEMW_RUNTIME_DIR="/dev/shm/x")["runtime"] == "/dev/shm/x"
+    # the user's runtime dir and Ray temp dir are bases the job's id is added to (an
+    # exported one made two jobs side by side share a daemon's dir, and both fail); a job
+    # submitted from a job drops that job's id; the port base is the user's; a job id that
+    # is not a number is refused
+    mine = _layout("7", CACHEMW_RUNTIME_DIR="/dev/shm/x", CACHEMW_RAY_TMP="/tmp/r")
+    assert (mine["runtime"], mine["tmp"]) == ("/dev/shm/x-job7", "/tmp/r-job7")
+    chained = _layout("8", CACHEMW_RUNTIME_DIR=mine["runtime"], CACHEMW_RAY_TMP=mine["tmp"])
+    assert (chained["runtime"], chained["tmp"]) == ("/dev/shm/x-job8", "/tmp/r-job8")
     assert _layout("7", CACHEMW_RAY_PORT_BASE="20000")["base"] == 20000
     assert "must be a number" in _layout("7; rm -rf /")["error"]

@@ -70,6 +70,24 @@ def test_warm_config_from_a_slurm_step():
         WarmConfig.build(nodes=0, env={})
 
 
+def test_a_one_node_step_of_a_bigger_cluster_warms_alone_only_when_asked():
+    """A one-node srun step in a 3-node job warmed everything alone (its default --nodes,
+    the step's 1), where the README says a warm on fewer nodes than the cluster is refused:
+    alone takes --nodes 1 given (found by a black-box check on an emulated Slurm)."""
+
+    class Cluster:
+        def ring(self):
+            return {"members": ["n1", "n2", "n3"], "alive": 3, "self": "n1", "vnodes": 64}
+
+    step = {"SLURM_STEP_NUM_NODES": "1", "SLURM_LOCALID": "0"}
+    with pytest.raises(warm.WarmError, match="--nodes 1"):
+        warm.node_share(Cluster(), WarmConfig.build(ring_wait=0, env=step))
+    for config in (WarmConfig.build(nodes=1, ring_wait=0, env=step),  # asked for
+                   WarmConfig.build(ring_wait=0, env={})):  # not a Slurm step
+        share = warm.node_share(Cluster(), config)
+        assert share.ring is None and share.node == "n1"  # all of it
+
+
 def _cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "cachemw.cli", *args], capture_output=True,
                           text=True, timeout=120, env=env)
