@@ -157,7 +157,7 @@ class Checkpointer:
                                           initializer=run_at, initargs=(self._background,))
         self._handles: list[SaveHandle] = []
         self._damaged_metadata: set[str] = set()  # steps passed over for it, said once
-        self._said_unplaced: set[str] = set()  # steps whose entries the state had no place for
+        self._said_unplaced: set[tuple] = set()  # (step, entries the state had no place for), said
         self._lock = threading.Lock()
         self._channel = watch_channel.channel_dir(self.root.location.url, fast_root)
         if self.coord.is_coordinator:
@@ -434,14 +434,14 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - any: the others would wait in dcp.load
             error = exc
         self.coord.agree(error)
-        self._say_unplaced(name, tiers[0], loaded)
         while tiers:
             tier = tiers.pop(0)
             try:
+                reader = CachemwStorageReader(tier.location.child(name), thread_count=self.config.thread_count)
                 with single_process_dcp(self.coord.no_dist):
-                    dcp.load(loaded, storage_reader=CachemwStorageReader(tier.location.child(name),
-                                                                         thread_count=self.config.thread_count),
-                             process_group=self.coord.group, no_dist=self.coord.no_dist)
+                    dcp.load(loaded, storage_reader=reader, process_group=self.coord.group,
+                             no_dist=self.coord.no_dist)
+                self._say_unplaced(name, reader.metadata, loaded)
                 break
             except (CheckpointException, OSError, ValueError, AssertionError) as exc:
                 # A fast-tier copy may vanish under a reader (the next save recycles it): DCP
@@ -467,22 +467,19 @@ class Checkpointer:
         self.coord.agree(error)
         return step
 
-    def _say_unplaced(self, name: str, tier: CheckpointDir, loaded: dict) -> None:
-        """Warn (once a step) of saved entries the state has no place for. A load is in
-        place: only what ``state`` holds is loaded, so a dict saved full and loaded into an
-        empty one stays empty; that should not pass in silence."""
-        if name in self._said_unplaced:
-            return
-        self._said_unplaced.add(name)
+    def _say_unplaced(self, name: str, metadata: Any, loaded: dict) -> None:
+        """Warn (once per step and set of entries) of saved entries the state has no place
+        for. A load is in place: only what ``state`` holds is loaded, so a dict saved full
+        and loaded into an empty one stays empty; that should not pass in silence."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-        try:
-            saved = CachemwStorageReader(tier.location.child(name)).read_metadata().state_dict_metadata
+        try:  # the metadata the load read (DCP's, every saved entry)
             held = flatten_state_dict(loaded)[0]
-        except Exception:  # noqa: BLE001 - only a warning: the load itself says what is wrong
+            unplaced = tuple(sorted(k for k in metadata.state_dict_metadata if k not in held))
+        except Exception:  # noqa: BLE001 - only a warning
             return
-        unplaced = sorted(k for k in saved if k not in held)
-        if unplaced:
+        if unplaced and (name, unplaced) not in self._said_unplaced:
+            self._said_unplaced.add((name, unplaced))
             log.warning("checkpoint %s holds %d entries the state given to load has no place for, "
                         "not loaded: %s%s (a load is in place: give the state the keys it was "
                         "saved with)", name, len(unplaced), ", ".join(unplaced[:5]),
@@ -528,9 +525,13 @@ class Checkpointer:
 
     # -- lifecycle --------------------------------------------------------------------------
     def wait_quietly(self) -> None:
-        """Wait for pending saves without raising (their handles report failures)."""
+        """Wait for pending saves without raising (their handles report failures), and for
+        the background worker's queue: a save that failed or was refused on this rank still
+        votes there with the other ranks, and a collective of ours started meanwhile (a
+        load's) would meet theirs out of step, holding every rank for collective_timeout_s."""
         for h in list(self._handles):
             h._durable.wait()
+        self._worker.submit(lambda: None).result()
 
     def close(self) -> None:
         self.wait_quietly()

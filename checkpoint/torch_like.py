@@ -19,6 +19,7 @@ import re
 import shutil
 import socket
 import uuid
+import warnings
 from typing import Any
 
 import torch
@@ -135,6 +136,11 @@ def _weights_only(weights_only: bool | None) -> bool:
     if force_on:
         return True
     if weights_only is None:
+        if force_off:
+            warnings.warn("Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected, since "
+                          "the `weights_only` argument was not explicitly passed to "
+                          "cachemw.checkpoint.load, forcing weights_only=False.", UserWarning,
+                          stacklevel=3)
         return not force_off
     return bool(weights_only)
 
@@ -153,25 +159,41 @@ class _FullUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _unpickled(data: bytes, persistent_load, weights_only: bool, url: str) -> Any:
-    """The pickled object; with ``weights_only``, through torch.load's own restricted
-    unpickler (tensors, containers, the types it allows and those given to
-    ``torch.serialization.add_safe_globals``, nothing else)."""
-    if not weights_only:
-        unpickler = _FullUnpickler(io.BytesIO(data))
-        unpickler.persistent_load = persistent_load
-        return unpickler.load()
-    from torch import _weights_only_unpickler
+def _unpickled(data: bytes, persistent_load, weights_only: bool, url: str, map_location: Any) -> Any:
+    """The pickled object, as torch.load unpickles it: with ``weights_only`` through its own
+    restricted unpickler (tensors, containers, the types it allows and those given to
+    ``torch.serialization.add_safe_globals``, nothing else); ``map_location`` where torch's
+    rebuild functions look for it (wrapper subclasses, tensors rebuilt from numpy); and the
+    sparse tensors checked as torch.load checks them (under
+    ``torch.sparse.check_sparse_tensor_invariants``: an index out of range is an error)."""
+    if weights_only:
+        from torch import _weights_only_unpickler
 
-    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
+        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
+    else:
+        unpickler = _FullUnpickler(io.BytesIO(data))
     unpickler.persistent_load = persistent_load
+    tls = getattr(torch.serialization, "_serialization_tls", None)
+    if tls is not None:
+        tls.map_location = map_location
     try:
-        return unpickler.load()
+        obj = unpickler.load()
     except pickle.UnpicklingError as exc:
+        torch._utils._sparse_tensors_to_validate.clear()
+        if not weights_only:
+            raise
         raise pickle.UnpicklingError(
             f"weights-only load of {url} failed (the default, as torch.load's): {exc} -- "
             "if you trust the checkpoint's source, load(..., weights_only=False) loads every "
             "type; or allow the type with torch.serialization.add_safe_globals") from None
+    except BaseException:
+        torch._utils._sparse_tensors_to_validate.clear()
+        raise
+    finally:
+        if tls is not None:
+            tls.map_location = None
+    torch._utils._validate_loaded_sparse_tensors()
+    return obj
 
 
 def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -343,7 +365,7 @@ def load(path: str | os.PathLike, map_location: Any = None, *, thread_count: int
     if PICKLED_KEY in state:
         loader = _storage_loader({k: v for k, v in saved.items() if k.startswith("s")},
                                  {k: v for k, v in saved.items() if k.startswith("t")}, map_location)
-        return _unpickled(state[PICKLED_KEY], loader, weights_only, location.url)
+        return _unpickled(state[PICKLED_KEY], loader, weights_only, location.url, map_location)
     if SKELETON_KEY not in state:
         raise ValueError(f"{location.url} is a checkpoint of a state dict (a Checkpointer step, "
                          "or dcp.save), not one written by cachemw.checkpoint.save: load it in "

@@ -392,6 +392,8 @@ def test_entries_the_state_has_no_place_for_are_named_once(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="cachemw")
     with Checkpointer(str(tmp_path / "ck"), fast_root=None) as ck:
         ck.save(1, {"w": torch.ones(3), "sampler": {"epoch": 4, "seen": [1, 2]}}).wait(60)
+        ck.load({"w": torch.zeros(3), "sampler": {"epoch": 0, "seen": []}})  # all placed: quiet
+        assert not [r for r in caplog.records if "no place for" in r.getMessage()]
         for _ in range(2):
             out = {"w": torch.zeros(3), "sampler": {}}
             assert ck.load(out) == 1 and torch.equal(out["w"], torch.ones(3))

@@ -297,6 +297,12 @@ def _load_failure_main(rank, world, rdv, root, mode, out_dir):
         open(path, "wb").write(bytes(data))
     dist.barrier()
     res = {"rank": rank}
+    if mode == "save":  # a save failing on rank 1 (raised there at once), then a load
+        broken = dict(state(3.0), extra=BrokenStateful()) if rank == 1 else state(3.0)
+        try:
+            ck.save(3, broken)
+        except TypeError:
+            pass
     out = state(0.0)
     if mode == "state" and rank == 1:
         out["extra"] = BrokenStateful()
@@ -316,18 +322,22 @@ def _load_failure_main(rank, world, rdv, root, mode, out_dir):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("mode", ["manifest", "metadata", "state"])
+@pytest.mark.parametrize("mode", ["manifest", "metadata", "state", "save"])
 def test_a_load_that_fails_on_one_rank_fails_on_every_rank_at_once(tmp_path, mode):
     """Rank 0 alone raised the ChecksumError of a step asked for whose .metadata was damaged
     while the others waited collective_timeout_s (and one that went on loaded another
     step); a damaged manifest asked for by its step was "not found", not a ChecksumError;
-    a rank whose state failed left the others waiting in dcp.load."""
+    a rank whose state failed left the others waiting in dcp.load; a load right after a
+    save that failed on one rank met that save's vote out of step (every rank held)."""
     results = run_ranks(tmp_path, 2, tmp_path / "ckpt", mode, target=_load_failure_main)
     assert sorted(results) == [0, 1], f"{mode}: a rank reported nothing"
     kind = "TypeError" if mode == "state" else "ChecksumError"
     for res in results.values():
-        assert res["load2"].startswith(kind), res
         assert res["seconds"] < 10, res  # not the collective timeout
+        if mode == "save":
+            assert res["load2"] == 2 and res["load"] == 2 and res["value"] == 2.0, res
+            continue
+        assert res["load2"].startswith(kind), res
         if mode == "state":
             assert "rank(s) [1]" in res["load2"], res
             assert res["load"] == 2 and res["value"] == 2.0, res

@@ -686,7 +686,8 @@ def test_torch_style_load_reads_an_earlier_release_s_tensor_references(tmp_path,
     assert got["b"][0] is got["b"][1] and torch.equal(got["b"][0], b)
     assert got["holder"].t == 3
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
-    assert load(str(tmp_path / "old"))["holder"].t == 3
+    with pytest.warns(UserWarning, match="forcing weights_only=False"):  # as torch.load says
+        assert load(str(tmp_path / "old"))["holder"].t == 3
     monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
     with pytest.raises(RuntimeError, match="(?i)only one"):
         load(str(tmp_path / "old"))
@@ -720,6 +721,24 @@ def test_torch_style_save_over_a_torch_save_file_and_tensors_dcp_cannot_hold(tmp
     assert torch.equal(got["sparse"].to_dense(), sparse.to_dense())
     assert got["meta"].device.type == "meta" and got["meta"].shape == (3,)
     assert torch.equal(got["w"], torch.ones(2))
+
+
+def test_torch_style_load_checks_sparse_tensors_as_torch_load_does(tmp_path):
+    """Under torch.sparse.check_sparse_tensor_invariants torch.load refuses a sparse tensor
+    whose indices are out of its size (reading it is out of bounds); load returned it."""
+    from cachemw.checkpoint import load, save
+
+    bad = torch.sparse_coo_tensor(torch.tensor([[0, 5]]), torch.tensor([1.0, 2.0]), (3,),
+                                  check_invariants=False)
+    save({"s": bad}, str(tmp_path / "ck"))
+    with torch.sparse.check_sparse_tensor_invariants():
+        with pytest.raises(RuntimeError, match="inconsistent with indices"):
+            load(str(tmp_path / "ck"))
+    assert load(str(tmp_path / "ck"))["s"].shape == (3,)  # unchecked, as torch.load by default
+    good = torch.randn(4, 4).to_sparse()
+    save({"s": good}, str(tmp_path / "good"))
+    with torch.sparse.check_sparse_tensor_invariants():
+        assert torch.equal(load(str(tmp_path / "good"))["s"].to_dense(), good.to_dense())
 
 
 def test_torch_style_load_of_a_checkpointer_step_says_what_it_is(tmp_path):
