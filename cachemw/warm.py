@@ -140,7 +140,7 @@ def node_share(client, config: WarmConfig, *, poll: float = 0.5) -> Share:
             return Share(host, config.nodes)
         members = tuple(d["members"])
         formed = len(members) >= d.get("alive", len(members))
-        if config.nodes == 1 and (config.alone_ok or len(members) == 1):  # alone: all of it
+        if config.nodes == 1 and (config.alone_ok or (formed and len(members) == 1)):  # alone
             return Share(d["self"], config.nodes)
         if formed and len(members) == config.nodes:
             return Share(d["self"], config.nodes, HashRing(members, d["vnodes"]), members)

@@ -32,6 +32,13 @@ cachemw_job_layout() {
     CACHEMW_RAY_PORT_BASE=${CACHEMW_RAY_PORT_BASE:-$((10000 + (job % 220) * 100))}
     runtime=${CACHEMW_RUNTIME_DIR:-/dev/shm/cachemw-$uid}
     tmp=${CACHEMW_RAY_TMP:-/tmp/cachemw-ray-$uid}
+    while [[ $runtime == */ && $runtime != / ]]; do runtime=${runtime%/}; done
+    while [[ $tmp == */ && $tmp != / ]]; do tmp=${tmp%/}; done
+    if [[ $runtime != /?* || $tmp != /?* ]]; then
+        echo "cachemw-job: CACHEMW_RUNTIME_DIR and CACHEMW_RAY_TMP must be absolute paths" \
+             "below /, got '$runtime' and '$tmp'" >&2
+        return 1
+    fi
     if [[ $runtime =~ ^(.+)-job[0-9]+$ ]]; then runtime=${BASH_REMATCH[1]}; fi
     if [[ $tmp =~ ^(.+)-job[0-9]+$ ]]; then tmp=${BASH_REMATCH[1]}; fi
     CACHEMW_RUNTIME_DIR=$runtime-job$job

@@ -52,5 +52,10 @@ def test_job_layout_is_per_job():
     assert (mine["runtime"], mine["tmp"]) == ("/dev/shm/x-job7", "/tmp/r-job7")
     chained = _layout("8", CACHEMW_RUNTIME_DIR=mine["runtime"], CACHEMW_RAY_TMP=mine["tmp"])
     assert (chained["runtime"], chained["tmp"]) == ("/dev/shm/x-job8", "/tmp/r-job8")
+    slashed = _layout("9", CACHEMW_RUNTIME_DIR="/dev/shm/x-job7/", CACHEMW_RAY_TMP="/tmp/r//")
+    assert (slashed["runtime"], slashed["tmp"]) == ("/dev/shm/x-job9", "/tmp/r-job9")
+    for bad in ("rel/dir", "/", ""):
+        if bad:
+            assert "absolute" in _layout("9", CACHEMW_RUNTIME_DIR=bad)["error"], bad
     assert _layout("7", CACHEMW_RAY_PORT_BASE="20000")["base"] == 20000
     assert "must be a number" in _layout("7; rm -rf /")["error"]

@@ -76,12 +76,18 @@ def test_a_one_node_step_of_a_bigger_cluster_warms_alone_only_when_asked():
     alone takes --nodes 1 given (found by a black-box check on an emulated Slurm)."""
 
     class Cluster:
+        members = ["n1", "n2", "n3"]
+
         def ring(self):
-            return {"members": ["n1", "n2", "n3"], "alive": 3, "self": "n1", "vnodes": 64}
+            return {"members": self.members, "alive": 3, "self": "n1", "vnodes": 64}
 
     step = {"SLURM_STEP_NUM_NODES": "1", "SLURM_LOCALID": "0"}
     with pytest.raises(warm.WarmError, match="--nodes 1"):
         warm.node_share(Cluster(), WarmConfig.build(ring_wait=0, env=step))
+    forming = Cluster()
+    forming.members = ["n1"]  # 3 alive, the ring still forming: not a cluster of one
+    with pytest.raises(warm.WarmError, match="still forming"):
+        warm.node_share(forming, WarmConfig.build(ring_wait=0, env=step))
     for config in (WarmConfig.build(nodes=1, ring_wait=0, env=step),  # asked for
                    WarmConfig.build(ring_wait=0, env={})):  # not a Slurm step
         share = warm.node_share(Cluster(), config)
