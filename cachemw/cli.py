@@ -249,8 +249,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C, or a SIGTERM the job turns into one: cleaned up
+        print(f"cachemw {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, OSError, RuntimeError) as exc:
-        print(f"cachemw {args.command}: {exc}", file=sys.stderr)
+        print(f"cachemw {args.command}: {str(exc) or type(exc).__name__}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if type(exc).__module__ in ("builtins",) or type(exc).__module__.startswith("cachemw"):
+            raise  # a fault of ours: its traceback
+        # a library's own error (botocore's missing credentials, aiohttp's): one line
+        print(f"cachemw {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 
 

@@ -176,3 +176,39 @@ def test_the_job_against_an_object_store_url(tmp_path, s3_server):
         Bucket=s3_server["bucket"], Prefix="jobrun/").get("Contents", [])]
     assert len([k for k in keys if "/train/" in k]) == 24
     assert not [k for k in keys if "/checkpoints/" in k]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_job_says_so_and_leaves_nothing(tmp_path, how):
+    """Ctrl-C reached the store first, so the job failed with a DataLoader worker's
+    FileNotFoundError as if the dataset were missing; a SIGTERM left the store's data in
+    /dev/shm (found by a black-box check). Both are now an "interrupted", exit 130, with
+    everything removed."""
+    import os
+    import signal
+    import time
+
+    before, running = _job_dirs(), _job_processes()
+    job = subprocess.Popen([sys.executable, "-m", "cachemw.cli", "job", *TINY, "--set",
+                            "train.epochs=20", "--store-latency-ms", "20", "--checkpoints", "none",
+                            "--io-epochs", "0", "--out", str(tmp_path / "out")],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        time.sleep(12)  # the store up, the first system's DataLoader reading from it
+        assert job.poll() is None, job.communicate()
+        if how == "ctrl-c":  # the terminal signals the whole foreground group
+            os.killpg(job.pid, signal.SIGINT)
+        else:
+            job.terminate()
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 130, out[-2000:] + err[-2000:]
+    assert err.strip().splitlines()[-1] == "cachemw job: interrupted", err[-2000:]
+    assert "Error" not in err, err[-2000:]
+    time.sleep(1)
+    assert _job_dirs() == before and _job_processes() == running

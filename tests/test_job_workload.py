@@ -222,3 +222,18 @@ def test_targets_and_verdict_from_a_run():
     empty = results.targets({"systems": {}})
     assert all(t["met"] is None for t in empty)
     assert results.verdict(empty).startswith("no target could be measured")
+
+
+def test_keys_given_with_set_are_named_as_such():
+    """A key given with --set was reported as a key of the workload file, which the user
+    never edited (found by a black-box check)."""
+    with pytest.raises(ValueError, match=r"^--set dataset\.num_file_train: unknown key"):
+        from_mapping({"dataset": {"num_files_train": 4}}, source="wl.yaml",
+                     overrides={"dataset.num_file_train": "3"})
+    with pytest.raises(ValueError, match=r"^--set train\.epochs: "):
+        from_mapping({}, source="wl.yaml", overrides={"train.epochs": "[1]"})
+    with pytest.warns(UserWarning) as caught:
+        from_mapping({"dataset": {"format": "npz"}}, source="wl.yaml",
+                     overrides={"reader.transfer_size": "262144"})
+    message = str(caught[0].message)
+    assert "wl.yaml: dataset.format" in message and "given with --set: reader.transfer_size" in message

@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -114,9 +115,15 @@ def _train(system, loader, wl: Workload, store, bar, epochs, label, checkpoint=N
         rec["started_at"] = started  # (Unix time: epochs of the systems in one timeline)
         out.append(rec)
         _say(bar, f"{label:<34} epoch {e}: {rec['wall_s']:6.2f} s, "
-                  f"{rec['samples_per_s']:7.0f} samples/s, AU {100 * rec['au']:5.1f} %, "
+                  f"{rec['samples_per_s']:7.0f} samples/s, AU {_percent(rec['au'])} %, "
                   f"I/O wait {rec['io_wait_s']:5.2f} s")
     return out
+
+
+def _percent(fraction: float) -> str:
+    """AU as a percentage; '-' where it is undefined (an epoch of one step: the first step
+    is left out, as DLIO leaves it out)."""
+    return "    -" if fraction != fraction else f"{100 * fraction:5.1f}"
 
 
 def _run_system(system, src, wl: Workload, store, bar) -> tuple[dict, object]:
@@ -381,6 +388,14 @@ def main(args) -> int:
           f"sample(s) of {wl.record_length_bytes} bytes, batch {wl.batch_size}, "
           f"{wl.read_threads} DataLoader workers, {wl.epochs} epochs, "
           f"{wl.computation_time:g} s compute per step; on {where}", flush=True)
-    out = run(settings, argv=sys.argv)
+    previous = signal.signal(signal.SIGTERM, _interrupted)  # cleaned up as after a Ctrl-C
+    try:
+        out = run(settings, argv=sys.argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(text(out, settings.out_dir))
     return 0
+
+
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

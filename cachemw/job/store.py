@@ -332,7 +332,7 @@ class Store:
 
 # -- the process ----------------------------------------------------------------------
 
-def serve(root: str, profile: StoreProfile, host: str, port: int) -> None:
+def serve(root: str, profile: StoreProfile, host: str, port: int, owned: bool = False) -> None:
     store = Store(root, profile)
     app = web.Application(client_max_size=0)
     app.router.add_route("*", "/{tail:.*}", store.handle)
@@ -346,8 +346,10 @@ def serve(root: str, profile: StoreProfile, host: str, port: int) -> None:
         print(f"listening on http://{bound[0]}:{bound[1]}", flush=True)
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, done.set)
+        loop.add_signal_handler(signal.SIGTERM, done.set)
+        # owned: Ctrl-C is the owner's to act on (it ends us by closing our stdin once its
+        # readers are done); a store dying first made their reads fail as if files were gone
+        loop.add_signal_handler(signal.SIGINT, (lambda: None) if owned else done.set)
 
         def stdin_readable() -> None:  # the parent closed our stdin, or died
             if not os.read(sys.stdin.fileno(), 4096):
@@ -369,10 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--meta-latency-ms", type=float, default=StoreProfile.meta_latency * 1e3)
     p.add_argument("--bandwidth", type=float, default=StoreProfile.bandwidth,
                    help="bytes per second shared by all requests (0: unlimited)")
+    p.add_argument("--owned", action="store_true", help="started by a process that ends it by "
+                   "closing its standard input: Ctrl-C (SIGINT) is that process's, not ours")
     args = p.parse_args(argv)
     profile = StoreProfile(latency=args.latency_ms / 1e3, bandwidth=args.bandwidth,
                            meta_latency=args.meta_latency_ms / 1e3)
-    serve(args.root, profile, args.host, args.port)
+    serve(args.root, profile, args.host, args.port, owned=args.owned)
     return 0
 
 
@@ -391,7 +395,7 @@ class EmulatedStore:
     def start(self) -> "EmulatedStore":
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cachemw.job.store", "--root", self.root, "--host", self.host,
-             *self.profile.arguments()],
+             "--owned", *self.profile.arguments()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("listening on "):

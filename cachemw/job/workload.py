@@ -267,9 +267,15 @@ def from_mapping(tree: Mapping, *, source: str = "workload", overrides: Mapping[
     if set(tree) == {"workload"} and isinstance(tree["workload"], Mapping):
         tree = tree["workload"]  # a file written as hydra's ++workload.* group
     flat = _flatten(tree)
+    given: set[str] = set()  # keys set on the command line: named as such in messages
     for key, value in dict(overrides).items():
-        flat[key.removeprefix("++").removeprefix("workload.")] = (
-            yaml.safe_load(value) if isinstance(value, str) else value)
+        key = key.removeprefix("++").removeprefix("workload.")
+        flat[key] = yaml.safe_load(value) if isinstance(value, str) else value
+        given.add(key)
+
+    def where(key: str) -> str:
+        return f"--set {key}" if key in given else f"{source}: {key}"
+
     fields: dict[str, Any] = {}
     skipped = []
     for key, value in flat.items():
@@ -278,7 +284,7 @@ def from_mapping(tree: Mapping, *, source: str = "workload", overrides: Mapping[
             try:
                 fields[field] = convert(value)
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"{source}: {key}: {exc}") from None
+                raise ValueError(f"{where(key)}: {exc}") from None
         elif key in AS_EMULATED and str(value).lower() == AS_EMULATED[key]:
             continue
         elif key in AS_EMULATED:
@@ -289,11 +295,15 @@ def from_mapping(tree: Mapping, *, source: str = "workload", overrides: Mapping[
             near = difflib.get_close_matches(key, [*EMULATED, *AS_EMULATED, *NOT_EMULATED],
                                              n=1, cutoff=0.6)
             hint = f" (did you mean {near[0]}?)" if near else ""
-            raise ValueError(f"{source}: unknown key {key!r}{hint}: neither dlio_benchmark "
-                             f"nor the job reads it; remove or fix it")
+            raise ValueError(f"{where(key).removesuffix(': ' + key)}: unknown key {key!r}{hint}: "
+                             f"neither dlio_benchmark nor the job reads it; remove or fix it")
     if skipped:
-        warnings.warn(f"{source}: DLIO keys the job does not emulate, ignored: "
-                      f"{', '.join(sorted(skipped))}", UserWarning, stacklevel=2)
+        by_set = sorted(s for s in skipped if s.split(" ")[0] in given)
+        in_file = sorted(s for s in skipped if s.split(" ")[0] not in given)
+        said = ([f"{source}: {', '.join(in_file)}"] if in_file else []) + (
+            [f"given with --set: {', '.join(by_set)}"] if by_set else [])
+        warnings.warn(f"DLIO keys the job does not emulate, ignored: {'; '.join(said)}",
+                      UserWarning, stacklevel=2)
     try:
         return Workload(**fields, not_emulated=tuple(sorted(skipped)))
     except ValueError as exc:
