@@ -162,3 +162,24 @@ def test_bad_peer_timeout_fails_before_anything_starts(tmp_path):
     for bad in (0, -1.0, "10", True, float("nan")):
         with pytest.raises(ValueError, match="peer_timeout"):
             daemon.start(runtime_dir=str(tmp_path / "rt"), peer_timeout=bad)
+
+
+def test_a_library_s_own_error_is_one_line_and_an_interrupt_is_said(monkeypatch, capsys):
+    """botocore's NoCredentialsError from `cachemw job --source s3://...` came out as three
+    chained tracebacks; an error with no text printed an empty message."""
+    import asyncio
+
+    from cachemw import cli
+
+    class NoCredentialsError(Exception):  # a library's own (not builtins, not cachemw's)
+        pass
+
+    for raised, said, code in ((NoCredentialsError("Unable to locate credentials"),
+                                "cachemw bench: NoCredentialsError: Unable to locate credentials", 2),
+                               (asyncio.TimeoutError(), "cachemw bench: TimeoutError", 2),
+                               (KeyboardInterrupt(), "cachemw bench: interrupted", 130)):
+        def fail(args, raised=raised):
+            raise raised
+        monkeypatch.setattr(cli, "cmd_bench", fail)
+        assert cli.main(["bench"]) == code
+        assert capsys.readouterr().err.strip() == said
