@@ -279,3 +279,21 @@ def test_epoch2_hit_ratio_with_half_the_dataset_beats_lru_and_matches_the_simula
     assert announced_hits >= 0.9 * sim_epoch2, (announced_hits, sim_epoch2)
     assert announced_hits > 1.5 * lru_hits, (announced_hits, lru_hits)
     assert announced_saved >= 0.85 * sim_epoch2, (announced_saved, sim_epoch2)
+
+
+def test_failing_prefetches_are_said_once_a_minute_with_a_count(monkeypatch, caplog):
+    """A store the daemon cannot read (no credentials) failed every block of an announced
+    order alike, each with a warning of its own (found by a black-box check)."""
+    import logging
+
+    from cachemw.node import prefetch
+
+    monkeypatch.setattr(prefetch, "_said", {})
+    caplog.set_level(logging.WARNING, logger="cachemw")
+    for i in range(5):
+        prefetch._say_failed("s3://b/k", i, PermissionError("Unable to locate credentials"), 1000.0 + i)
+    prefetch._say_failed("s3://b/k", 9, TimeoutError("slow"), 1005.0)  # another kind: said at once
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "block 0 failed" in said[0] and "slow" in said[1]
+    prefetch._say_failed("s3://b/k", 7, PermissionError("Unable to locate credentials"), 1061.0)
+    assert "4 more prefetches failed" in caplog.records[-1].getMessage()

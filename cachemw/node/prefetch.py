@@ -10,6 +10,7 @@ is finished or released here.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +26,25 @@ log = logging.getLogger(__name__)
 # against a store that answers each request after a latency (a PFS, S3), slower than the
 # DataLoader's own workers. Blocks are started in the order they will be read.
 CONCURRENCY = 16
+
+# A failing store fails every block of an announced order alike (no credentials, a store
+# unreachable): said once a minute per kind of failure, with how many failed since.
+SAY_EVERY = 60.0
+_said: dict[str, list] = {}  # kind -> [when said, failures since]
+_said_lock = threading.Lock()
+
+
+def _say_failed(url: str, index: int, exc: Exception, now: float | None = None) -> None:
+    kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    now = time.monotonic() if now is None else now
+    with _said_lock:
+        said = _said.setdefault(kind, [-SAY_EVERY, 0])
+        if now - said[0] < SAY_EVERY:
+            said[1] += 1
+            return
+        more, said[0], said[1] = said[1], now, 0
+    log.warning("prefetch of %s block %d failed: %s%s", url, index, exc,
+                f" ({more} more prefetches failed so since the last such message)" if more else "")
 
 
 def run_prefetch(node, budget: int) -> None:
@@ -67,7 +87,8 @@ def _fetch_one(node, move, url, source, fill) -> None:
         node.count("prefetch_changed")
         log.debug("prefetch of %s block %d skipped: %s", url, index, exc)
     except Exception as exc:  # any failure of a prefetch costs only the prefetch
-        log.warning("prefetch of %s block %d failed: %s", url, index, exc)
+        node.count("prefetch_errors")
+        _say_failed(url, index, exc)
     else:
         node.land(move.key, fill, stored)
         if trace.ENABLED:
