@@ -72,6 +72,8 @@ METRICS = (
     Metric("cachemw_fills", "counter", (), "Blocks written into the tiers by readers."),
     Metric("cachemw_fills_in_flight", "gauge", (), "Fills leased and not ended yet."),
     Metric("cachemw_prefetched_blocks", "counter", (), "Blocks fetched ahead of the reader."),
+    Metric("cachemw_prefetch_errors", "counter", (), "Prefetches the store failed (their readers "
+           "fetch those blocks themselves; the daemon's log says why, once a minute a kind)."),
     Metric("cachemw_fallbacks", "counter", ("reason",),
            "Reads that fell back: unavailable (daemon or owner node could not serve), "
            "not_admitted, peer (an owner node failed this daemon), direct_transfer, "
@@ -162,6 +164,7 @@ def families(stats: dict) -> list:
     for metric, value in (("cachemw_fills", c.get("fills", 0)),
                           ("cachemw_fills_in_flight", stats.get("inflight", 0)),
                           ("cachemw_prefetched_blocks", c.get("prefetched", 0)),
+                          ("cachemw_prefetch_errors", c.get("prefetch_errors", 0)),
                           ("cachemw_corrupt_blocks_repaired", c.get("corrupt_repaired", 0)),
                           ("cachemw_fill_errors", c.get("fill_errors", 0)),
                           ("cachemw_peer_failures", peers.get("peer_failures", 0)),
