@@ -345,3 +345,45 @@ def test_cat_ranges_of_one_path_come_from_one_version(make_cache_fs, tmp_path, v
                          on_error="raise")
     assert (a, b) in ((old[:100], old[10 * block:10 * block + 100]),
                       (new[:100], new[10 * block:10 * block + 100]))
+
+
+@pytest.mark.timeout(90)
+def test_a_reader_shares_metadata_through_a_new_daemon_s_table(tmp_path, runtime_dir):
+    """A long-lived reader kept the table of a stopped daemon mapped (its files freed with
+    the DRAM tier, their /dev/shm pages held) and recorded files' metadata there, where no
+    other process of the node could see it (found by a black-box check). After a new
+    daemon starts, the reader maps the new table."""
+    import subprocess
+    import sys
+
+    import fsspec
+
+    from cachemw.client.metatable import MetaTable
+    from cachemw.protocol import lookup
+    from conftest import service_procs
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(300):
+        (src / f"f{i}").write_bytes(bytes([i % 256]) * 500)
+    fs = fsspec.filesystem("cachemw", target_protocol="file", autostart=True,
+                           runtime_dir=runtime_dir, skip_instance_cache=True)
+    try:
+        for i in range(296):  # every shard of the table mapped, as in a long run
+            assert fs.cat_file(str(src / f"f{i}")) == bytes([i % 256]) * 500
+        out = subprocess.run([sys.executable, "-m", "cachemw.cli", "stop"], capture_output=True,
+                             text=True, timeout=60, env=dict(os.environ, CACHEMW_RUNTIME_DIR=runtime_dir))
+        assert out.returncode == 0, out.stderr
+        wait_for(lambda: not service_procs(runtime_dir), 30, what="the daemon to exit")
+        for i in range(296, 300):  # the next read starts a new daemon
+            assert fs.cat_file(str(src / f"f{i}")) == bytes([i % 256]) * 500
+        assert fs.reader.fills.drain(30)
+        address = lookup(runtime_dir)
+        url = fs.meta._url
+        for i in range(296, 300):
+            assert MetaTable(f"{address.meta_dir}/info").get(url(str(src / f"f{i}"))) is not None
+            # what the node's table holds is what this reader sees (not the freed table)
+            assert fs.meta._shared_table().get(url(str(src / f"f{i}"))) is not None, i
+    finally:
+        for proc in service_procs(runtime_dir):
+            proc.kill()

@@ -184,31 +184,69 @@ def test_the_job_against_an_object_store_url(tmp_path, s3_server):
 def test_an_interrupted_job_says_so_and_leaves_nothing(tmp_path, how):
     """Ctrl-C reached the store first, so the job failed with a DataLoader worker's
     FileNotFoundError as if the dataset were missing; a SIGTERM left the store's data in
-    /dev/shm (found by a black-box check). Both are now an "interrupted", exit 130, with
-    everything removed."""
+    /dev/shm; a second Ctrl-C cut the cleanup short (found by black-box checks). Each is
+    now an "interrupted", exit 130, with everything removed."""
     import os
     import signal
+    import threading
     import time
 
     before, running = _job_dirs(), _job_processes()
     job = subprocess.Popen([sys.executable, "-m", "cachemw.cli", "job", *TINY, "--set",
-                            "train.epochs=20", "--store-latency-ms", "20", "--checkpoints", "none",
+                            "train.epochs=500", "--store-latency-ms", "20", "--checkpoints", "none",
                             "--io-epochs", "0", "--out", str(tmp_path / "out")],
                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
+    said, reading = [], threading.Event()
+
+    def read_stderr():  # the epochs' lines: signal once the first system is reading
+        for line in job.stderr:
+            said.append(line)
+            if "epoch 2:" in line:
+                reading.set()
+        reading.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     try:
-        time.sleep(12)  # the store up, the first system's DataLoader reading from it
-        assert job.poll() is None, job.communicate()
-        if how == "ctrl-c":  # the terminal signals the whole foreground group
+        assert reading.wait(120) and job.poll() is None, "".join(said)[-3000:]
+        if how == "ctrl-c":  # the terminal signals the whole foreground group; twice: a
+            os.killpg(job.pid, signal.SIGINT)  # second one cut the cleanup short
+            time.sleep(0.3)
             os.killpg(job.pid, signal.SIGINT)
         else:
             job.terminate()
-        out, err = job.communicate(timeout=120)
+        job.wait(120)
+        reader.join(30)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-    assert job.returncode == 130, out[-2000:] + err[-2000:]
-    assert err.strip().splitlines()[-1] == "cachemw job: interrupted", err[-2000:]
-    assert "Error" not in err, err[-2000:]
+        job.stdout.close()
+    err = "".join(said)
+    assert job.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == "cachemw job: interrupted", err[-3000:]
+    assert "Error" not in err, err[-3000:]
     time.sleep(1)
     assert _job_dirs() == before and _job_processes() == running
+
+
+def test_scratch_dirs_of_jobs_killed_outright_are_removed_by_the_next(tmp_path, monkeypatch):
+    """A SIGKILLed job leaves its dataset copy (112 MiB by default) in /dev/shm; the next
+    job removes the scratch dirs whose job is gone, and only those."""
+    import os
+    import subprocess
+
+    from cachemw.job import systems
+
+    monkeypatch.setattr(systems, "_scratch_base", lambda: str(tmp_path))
+    monkeypatch.setattr(systems.tempfile, "gettempdir", lambda: str(tmp_path))
+    mine = systems.scratch_dir("cachemw-job-")  # this process: alive
+    gone = subprocess.run(["true"]).returncode == 0 and systems.scratch_dir("cachemw-job-rt-")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with open(os.path.join(gone, systems.OWNER), "w") as f:
+        f.write(f"{dead.pid} 1")  # a pid that ended (its start time can never match again)
+    unmarked = tmp_path / "cachemw-job-unmarked"
+    unmarked.mkdir()
+    assert systems.sweep_scratch() == [gone]
+    assert os.path.isdir(mine) and unmarked.is_dir() and not os.path.exists(gone)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -224,3 +226,29 @@ def test_an_announced_epoch_asks_for_metadata_and_prefetches_concurrently(tmp_pa
             assert fs.stats()["hits"] == 12 and s.stats()["requests"]["get_range"] == 12
         finally:
             stop_local(runtime_dir)
+
+
+@pytest.mark.timeout(60)
+def test_the_store_on_its_own_runs_with_any_stdin_until_a_signal(store_root):
+    """Run on its own (backgrounded: stdin /dev/null) it died at start (epoll refuses
+    /dev/null); with an empty pipe it exited at once. Only --owned watches stdin."""
+    import signal
+    import urllib.request
+
+    for stdin in (subprocess.DEVNULL, subprocess.PIPE):
+        proc = subprocess.Popen([sys.executable, "-m", "cachemw.job.store", "--root", str(store_root),
+                                 "--latency-ms", "0", "--meta-latency-ms", "0"],
+                                stdin=stdin, stdout=subprocess.PIPE, text=True)
+        try:
+            if stdin == subprocess.PIPE:
+                proc.stdin.close()
+            url = proc.stdout.readline().split()[-1]
+            with urllib.request.urlopen(url + "/", timeout=10) as r:
+                assert r.status == 200
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(20) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.stdout.close()

@@ -237,3 +237,9 @@ def test_keys_given_with_set_are_named_as_such():
                      overrides={"reader.transfer_size": "262144"})
     message = str(caught[0].message)
     assert "wl.yaml: dataset.format" in message and "given with --set: reader.transfer_size" in message
+
+
+def test_a_dataset_smaller_than_a_batch_is_an_error():
+    """It ran epochs of no step, and reported targets from them (found by a black-box check)."""
+    with pytest.raises(ValueError, match=r"reader\.batch_size: 64 is more than the dataset's 32 samples"):
+        from_mapping({"dataset": {"num_files_train": 32}, "reader": {"batch_size": 64}})

@@ -104,9 +104,11 @@ class MetadataCache:
         meta_dir = self._meta_dir()
         if meta_dir is None:
             return None
-        table = self._table
-        if table is None or table.dir != f"{meta_dir}/info":
-            self._fresh_from = self._since()
+        table, since = self._table, self._since()
+        # another daemon (this one stopped, its DRAM tier and table freed, a new one
+        # started): its table, not the one mapped from the freed files
+        if table is None or table.dir != f"{meta_dir}/info" or since != self._fresh_from:
+            self._fresh_from = since
             table = self._table = MetaTable(f"{meta_dir}/info")
         return table
 

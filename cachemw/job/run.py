@@ -37,7 +37,7 @@ from . import source as sources
 from . import storefs
 from .settings import CACHES, JobSettings, StoreProfile
 from .store import EmulatedStore
-from .systems import build, scratch_dir
+from .systems import build, scratch_dir, sweep_scratch
 from .training import (Compute, MemorySamples, SampleDataset, base_sampler, make_loader,
                        train_epoch)
 from .workload import Workload, load
@@ -280,6 +280,8 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
         "store": settings.source or f"the emulated store ({settings.profile.describe()})",
         "profile": dataclasses.asdict(settings.profile) if settings.source is None else None,
     }, "systems": {}, "floor": None, "checkpoints": None}
+    for left in sweep_scratch():
+        print(f"note: removed {left}, left by a job killed before its cleanup", file=sys.stderr)
     work = scratch_dir("cachemw-job-")
     store, src, kept, warm = None, None, None, {}
     bar = tqdm(total=total, unit="step", disable=not settings.progress, file=sys.stderr,
@@ -388,14 +390,30 @@ def main(args) -> int:
           f"sample(s) of {wl.record_length_bytes} bytes, batch {wl.batch_size}, "
           f"{wl.read_threads} DataLoader workers, {wl.epochs} epochs, "
           f"{wl.computation_time:g} s compute per step; on {where}", flush=True)
-    previous = signal.signal(signal.SIGTERM, _interrupted)  # cleaned up as after a Ctrl-C
+    # a SIGTERM is taken as a Ctrl-C; either once only: a second one during the cleanup
+    # would cut it short, leaving the store's data in /dev/shm
+    _interrupts.clear()
+    _interrupts_pid[0] = os.getpid()
+    previous = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         out = run(settings, argv=sys.argv)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # interrupted: the rest of the way out is not cut short either
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_IGN if _interrupts else handler)
     print(text(out, settings.out_dir))
     return 0
 
 
+_interrupts: list[int] = []  # signals taken since the job started
+
+
 def _interrupted(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    if os.getpid() != _interrupts_pid[0]:  # a forked DataLoader worker: as Python's own
+        raise KeyboardInterrupt
+    _interrupts.append(signum)
+    if len(_interrupts) == 1:
+        raise KeyboardInterrupt(f"signal {signum}")
+    print("cachemw job: cleaning up, one moment", file=sys.stderr, flush=True)
+
+
+_interrupts_pid = [0]  # the job's own process: its forked workers take a signal as Python does

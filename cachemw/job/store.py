@@ -355,7 +355,8 @@ def serve(root: str, profile: StoreProfile, host: str, port: int, owned: bool = 
             if not os.read(sys.stdin.fileno(), 4096):
                 done.set()
 
-        loop.add_reader(sys.stdin.fileno(), stdin_readable)
+        if owned:  # its owner's pipe (on its own, stdin may be /dev/null, which epoll refuses)
+            loop.add_reader(sys.stdin.fileno(), stdin_readable)
         await done.wait()
         await runner.cleanup()
 
@@ -372,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth", type=float, default=StoreProfile.bandwidth,
                    help="bytes per second shared by all requests (0: unlimited)")
     p.add_argument("--owned", action="store_true", help="started by a process that ends it by "
-                   "closing its standard input: Ctrl-C (SIGINT) is that process's, not ours")
+                   "closing its standard input (a pipe): Ctrl-C (SIGINT) is that process's, not "
+                   "ours (without it: runs until SIGINT or SIGTERM)")
     args = p.parse_args(argv)
     profile = StoreProfile(latency=args.latency_ms / 1e3, bandwidth=args.bandwidth,
                            meta_latency=args.meta_latency_ms / 1e3)

@@ -16,11 +16,14 @@ running on the node.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import shutil
+import stat
 import tempfile
 
 from ..launch import stop_local
+from ..processes import process_alive, process_start
 from ..torch import AnnouncingSampler
 from .settings import SYSTEMS
 from .source import Source
@@ -31,10 +34,41 @@ LABELS = {"direct": "direct reads", "simplecache": "fsspec simplecache::",
           "cachemw": "cachemw:: (epoch 1 cold)", "cachemw+announce": "cachemw:: + AnnouncingSampler"}
 
 
+OWNER = ".cachemw-job-owner"  # in each scratch dir: the pid and start time of its job
+
+
+def _scratch_base() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
 def scratch_dir(prefix: str) -> str:
-    """A private directory in node memory (/dev/shm) where there is one, else in /tmp."""
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix=prefix, dir=shm)
+    """A private directory in node memory (/dev/shm) where there is one, else in /tmp,
+    marked with the job that made it (``sweep_scratch``)."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=_scratch_base())
+    with open(os.path.join(path, OWNER), "w") as f:
+        f.write(f"{os.getpid()} {process_start(os.getpid())}")
+    return path
+
+
+def sweep_scratch() -> list[str]:
+    """Remove the scratch dirs of this user's jobs that are gone without their cleanup (a
+    SIGKILL, an out-of-memory kill): their dataset copies hold node memory in /dev/shm."""
+    removed = []
+    for base in {_scratch_base() or tempfile.gettempdir(), tempfile.gettempdir()}:
+        for path in glob.glob(os.path.join(base, "cachemw-job-*")):
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                    continue
+                with open(os.path.join(path, OWNER)) as f:
+                    pid, start = f.read().split()
+                alive = process_alive(int(pid), None if start == "None" else int(start))
+            except (OSError, ValueError):
+                continue  # no mark (another tool's, or being made): not ours to judge
+            if not alive:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
 
 
 @dataclasses.dataclass

@@ -197,6 +197,10 @@ class Workload:
                              f"forkserver, got {self.multiprocessing_context!r}")
         if not 0 < self.au <= 1:
             raise ValueError(f"metric.au: expected a fraction in (0, 1], got {self.au}")
+        if self.samples < self.batch_size:  # whole batches only, as DLIO: no step at all
+            raise ValueError(f"reader.batch_size: {self.batch_size} is more than the dataset's "
+                             f"{self.samples} samples (dataset.num_files_train x "
+                             f"num_samples_per_file): an epoch would have no step")
 
     # -- derived ---------------------------------------------------------------------
 
