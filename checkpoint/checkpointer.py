@@ -32,7 +32,7 @@ from cachemw.node_daemon import node_daemon
 from . import watch as watch_channel
 from .background import niceness, run_at
 from .chunk_plan import DEFAULT_CHUNK_BYTES
-from .coordination import Coordinator, check_same_step, failed_on, report, same_type
+from .coordination import Coordinator, check_same_step, failed_on, message_of, report, same_type
 from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
 from .errors import CheckpointBusyError, CheckpointNotFoundError
@@ -43,7 +43,7 @@ from .planner import SpreadSavePlanner
 from .quiet import single_process_dcp
 from .reader import CachemwStorageReader, metadata_damage
 from .stager import BufferStager
-from .state_tree import apply_loaded, prepare_for_load, to_state_dict
+from .state_tree import apply_loaded, prepare_for_load, to_state_dict, unplaced
 from .storage_io import Location
 from .tiers import Drainer
 from .writer import MANIFEST_NAME, METADATA_NAME, CachemwStorageWriter
@@ -415,7 +415,7 @@ class Checkpointer:
             try:
                 choice = ("chosen", self._choose(step))
             except Exception as exc:  # noqa: BLE001 - any: the other ranks wait for the choice
-                choice, error = ("failed", report(exc), _message(exc)), exc
+                choice, error = ("failed", report(exc), message_of(exc)), exc
         choice = self.coord.broadcast(choice)
         if choice[0] == "failed":
             if error is not None:
@@ -469,21 +469,15 @@ class Checkpointer:
 
     def _say_unplaced(self, name: str, metadata: Any, loaded: dict) -> None:
         """Warn (once per step and set of entries) of saved entries the state has no place
-        for. A load is in place: only what ``state`` holds is loaded, so a dict saved full
-        and loaded into an empty one stays empty; that should not pass in silence."""
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-        try:  # the metadata the load read (DCP's, every saved entry)
-            held = flatten_state_dict(loaded)[0]
-            unplaced = tuple(sorted(k for k in metadata.state_dict_metadata if k not in held))
-        except Exception:  # noqa: BLE001 - only a warning
-            return
-        if unplaced and (name, unplaced) not in self._said_unplaced:
-            self._said_unplaced.add((name, unplaced))
+        for: a load is in place, so a dict saved full and loaded into an empty one stays
+        empty; that should not pass in silence."""
+        missing = unplaced(metadata, loaded)
+        if missing and (name, missing) not in self._said_unplaced:
+            self._said_unplaced.add((name, missing))
             log.warning("checkpoint %s holds %d entries the state given to load has no place for, "
                         "not loaded: %s%s (a load is in place: give the state the keys it was "
-                        "saved with)", name, len(unplaced), ", ".join(unplaced[:5]),
-                        ", ..." if len(unplaced) > 5 else "")
+                        "saved with)", name, len(missing), ", ".join(missing[:5]),
+                        ", ..." if len(missing) > 5 else "")
 
     def _fast_copy_failed(self, name: str, error: BaseException) -> bool:
         """True on every rank if the fast tier's copy of ``name`` failed the load on some rank:
@@ -547,11 +541,3 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _message(error: BaseException) -> str:
-    """``error``'s text without what its type adds when rebuilt (an OSError's errno)."""
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror if error.filename is None else f"{error.strerror}: {error.filename}"
-    return str(error)
-

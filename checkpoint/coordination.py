@@ -65,6 +65,14 @@ def same_type(reported: tuple, message: str) -> Exception:
     return RuntimeError(message)
 
 
+def message_of(error: BaseException) -> str:
+    """``error``'s text without what ``same_type`` adds again when it rebuilds it (an
+    OSError's errno)."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror if error.filename is None else f"{error.strerror}: {error.filename}"
+    return str(error)
+
+
 def failed_on(ranks: list[int], rank: int, reported: tuple) -> Exception:
     """The one error every rank raises for a failure on ``ranks``, the first of which,
     ``rank``, ``report``-ed ``reported``: its type (``same_type``), naming them all."""

@@ -53,3 +53,15 @@ def apply_loaded(state: dict, loaded: dict) -> None:
             apply_loaded(value, loaded[key])
         else:
             state[key] = loaded[key]
+
+
+def unplaced(metadata: Any, loaded: dict) -> tuple[str, ...]:
+    """The entries of a checkpoint (its DCP ``metadata``) that ``loaded``, the state dict a
+    load filled in place, has no place for (DCP's flattened names); () if unknown."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    try:
+        held = flatten_state_dict(loaded)[0]
+        return tuple(sorted(k for k in metadata.state_dict_metadata if k not in held))
+    except Exception:  # noqa: BLE001 - only for a warning
+        return ()

@@ -234,6 +234,7 @@ def test_scratch_dirs_of_jobs_killed_outright_are_removed_by_the_next(tmp_path, 
     """A SIGKILLed job leaves its dataset copy (112 MiB by default) in /dev/shm; the next
     job removes the scratch dirs whose job is gone, and only those."""
     import os
+    import socket
     import subprocess
 
     from cachemw.job import systems
@@ -241,12 +242,16 @@ def test_scratch_dirs_of_jobs_killed_outright_are_removed_by_the_next(tmp_path, 
     monkeypatch.setattr(systems, "_scratch_base", lambda: str(tmp_path))
     monkeypatch.setattr(systems.tempfile, "gettempdir", lambda: str(tmp_path))
     mine = systems.scratch_dir("cachemw-job-")  # this process: alive
-    gone = subprocess.run(["true"]).returncode == 0 and systems.scratch_dir("cachemw-job-rt-")
+    gone = systems.scratch_dir("cachemw-job-rt-")
     dead = subprocess.Popen(["true"])
     dead.wait()
     with open(os.path.join(gone, systems.OWNER), "w") as f:
-        f.write(f"{dead.pid} 1")  # a pid that ended (its start time can never match again)
+        f.write(f"{dead.pid} 1 {socket.gethostname()}")  # a pid that ended
     unmarked = tmp_path / "cachemw-job-unmarked"
     unmarked.mkdir()
+    elsewhere = tmp_path / "cachemw-job-elsewhere"  # another node's, in a shared /tmp
+    elsewhere.mkdir()
+    (elsewhere / systems.OWNER).write_text(f"{dead.pid} 1 another-node")
     assert systems.sweep_scratch() == [gone]
-    assert os.path.isdir(mine) and unmarked.is_dir() and not os.path.exists(gone)
+    assert os.path.isdir(mine) and unmarked.is_dir() and elsewhere.is_dir()
+    assert not os.path.exists(gone)

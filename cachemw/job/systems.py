@@ -19,6 +19,7 @@ import dataclasses
 import glob
 import os
 import shutil
+import socket
 import stat
 import tempfile
 
@@ -34,7 +35,7 @@ LABELS = {"direct": "direct reads", "simplecache": "fsspec simplecache::",
           "cachemw": "cachemw:: (epoch 1 cold)", "cachemw+announce": "cachemw:: + AnnouncingSampler"}
 
 
-OWNER = ".cachemw-job-owner"  # in each scratch dir: the pid and start time of its job
+OWNER = ".cachemw-job-owner"  # in each scratch dir: its job's pid, start time and host
 
 
 def _scratch_base() -> str | None:
@@ -46,7 +47,7 @@ def scratch_dir(prefix: str) -> str:
     marked with the job that made it (``sweep_scratch``)."""
     path = tempfile.mkdtemp(prefix=prefix, dir=_scratch_base())
     with open(os.path.join(path, OWNER), "w") as f:
-        f.write(f"{os.getpid()} {process_start(os.getpid())}")
+        f.write(f"{os.getpid()} {process_start(os.getpid())} {socket.gethostname()}")
     return path
 
 
@@ -61,7 +62,9 @@ def sweep_scratch() -> list[str]:
                 if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                     continue
                 with open(os.path.join(path, OWNER)) as f:
-                    pid, start = f.read().split()
+                    pid, start, host = f.read().split()
+                if host != socket.gethostname():  # a /tmp shared by nodes: not ours to judge
+                    continue
                 alive = process_alive(int(pid), None if start == "None" else int(start))
             except (OSError, ValueError):
                 continue  # no mark (another tool's, or being made): not ours to judge
