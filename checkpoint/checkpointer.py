@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import threading
 import time
+import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -286,10 +287,10 @@ class Checkpointer:
             handle._set_durable()
         except CheckpointException as exc:
             self._cleanup(name)
-            handle._fail(unwrap(exc, self.coord.world_size))
+            handle._fail(_without_frames(unwrap(exc, self.coord.world_size)))
         except Exception as exc:  # reported through the handle; training goes on
             self._cleanup(name)
-            handle._fail(exc)
+            handle._fail(_without_frames(exc))
         finally:
             staged = None
 
@@ -541,3 +542,19 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _without_frames(error: BaseException) -> BaseException:
+    """``error`` as a handle keeps it until ``wait()``: its traceback as text (a note), not
+    as frames. The frames lead up the worker's stack to the save's staged snapshot, which
+    the stager cannot reuse while they live: with saves failing on a full disk, every
+    save would otherwise hold one more copy of the state."""
+    text = "".join(traceback.format_exception(error))
+    seen, link = set(), error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    error.add_note("in the checkpoint's background save:\n" + text.rstrip())
+    return error
+

@@ -12,7 +12,8 @@ reused only once the snapshot staged into it is no longer held (by a save still 
 it, or by the caller): each snapshot is a tensor of its own over the buffer, and the stager
 keeps a weak reference to the last one. A save started before the previous one is done
 gets fresh buffers (which the stager keeps from then on) instead of overwriting what that
-save is still writing.
+save is still writing: the memory budget bounds one snapshot's buffers, and saves that
+overlap each hold their own until they are written.
 """
 from __future__ import annotations
 

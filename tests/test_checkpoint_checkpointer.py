@@ -401,3 +401,31 @@ def test_entries_the_state_has_no_place_for_are_named_once(tmp_path, caplog):
         assert len(said) == 1 and "sampler.epoch, sampler.seen" in said[0]
         ck.load({"w": torch.zeros(3), "sampler": {"epoch": 0, "seen": []}})
         assert len([r for r in caplog.records if "no place for" in r.getMessage()]) == 1
+
+
+def test_a_failed_save_kept_for_wait_does_not_hold_its_snapshot(tmp_path, monkeypatch):
+    """The handle keeps a failed save's error until wait(); its traceback's frames held the
+    staged snapshot, so every later save allocated its buffers anew: with saves failing on a
+    full disk, one more copy of the state each (found by a review)."""
+    import gc
+
+    with Checkpointer(str(tmp_path / "ck"), fast_root=None) as ck:
+        original, calls = Checkpointer._write, []
+
+        def failing(self, step, name, staged, handle, pool=None):
+            calls.append(step)
+            if len(calls) == 1:
+                raise OSError(28, "No space left on device (injected)")
+            return original(self, step, name, staged, handle, pool)
+
+        monkeypatch.setattr(Checkpointer, "_write", failing)
+        state = {"w": torch.ones(1000)}
+        handle = ck.save(1, state)
+        with pytest.raises(OSError):
+            handle.wait(60)
+        buffers = {k: b.data_ptr() for k, b in ck.stager._buffers.items()}
+        gc.collect()  # what is left of the failed save's stack is a cycle: the collector's
+        ck.save(2, state).wait(60)
+        assert {k: b.data_ptr() for k, b in ck.stager._buffers.items()} == buffers  # reused
+        with pytest.raises(OSError, match="injected"):
+            ck.wait()  # the first save's error, kept for wait()

@@ -11,9 +11,11 @@ process; a ``ForkSafe`` attribute replaces it), fsspec closes that instance's co
 there, and closing a connection unregisters its socket from the epoll instance: the
 parent's. The parent's next request on that keep-alive connection then waits for a reply
 its loop is no longer told of, until the request's timeout (fsspec's HTTP default: 5
-minutes). So in a forked child the parent's loop gets a selector of the child's own (the
-inherited epoll descriptor closed there, which leaves the parent's open) and counts as not
-running (fsspec then closes those connections without waiting on it).
+minutes). Over TLS the close also sends the server a close_notify on the shared socket,
+ending the parent's connection. So in a forked child the parent's loop gets a selector of
+the child's own (the inherited epoll descriptor closed there, which leaves the parent's
+open) and counts as not running and closed: fsspec and aiohttp then leave its connections
+alone there.
 """
 from __future__ import annotations
 
@@ -86,6 +88,9 @@ def _after_fork_in_child() -> None:
             loop._selector = selectors.DefaultSelector()
             inherited.close()  # this child's descriptor only: the parent's epoll stays whole
             loop._thread_id = None  # its thread is the parent's: not running here
+            # and closed: aiohttp then closes none of its connections here (a TLS one's
+            # close would send the parent's server a close_notify on the shared socket)
+            loop._closed = True
         except Exception:  # noqa: BLE001 - another event loop implementation: left as it is
             pass
     _parent_loops.clear()
