@@ -61,34 +61,34 @@ class CheckpointDir:
                 out.append((int(m.group(1)), name))
         return sorted(out)
 
-    def manifest(self, name: str) -> dict | None:
-        """The checked manifest of ``name``; None if it is not committed, or if its manifest
-        is damaged (said once per directory: the step is passed over, as uncommitted)."""
+    def _read_manifest(self, name: str) -> tuple[dict | None, ChecksumError | None]:
+        """(the checked manifest of ``name``, None) if committed and whole; (None, the
+        ChecksumError) if its manifest is damaged; (None, None) if it has none."""
         try:
             data = self.location.read_bytes(f"{name}/{MANIFEST_NAME}")
         except (FileNotFoundError, NotADirectoryError):
-            return None
+            return None, None
         try:
-            return parse_manifest(data, self.location.child(name).url)
+            return parse_manifest(data, self.location.child(name).url), None
         except ChecksumError as exc:
-            if name not in self._damaged:
-                self._damaged.add(name)
-                log.warning("%s; not counted as a committed checkpoint", exc)
-            return None
+            return None, exc
+
+    def manifest(self, name: str) -> dict | None:
+        """The checked manifest of ``name``; None if it is not committed, or if its manifest
+        is damaged (said once per directory: the step is passed over, as uncommitted)."""
+        manifest, damage = self._read_manifest(name)
+        if damage is not None and name not in self._damaged:
+            self._damaged.add(name)
+            log.warning("%s; not counted as a committed checkpoint", damage)
+        return manifest
 
     def manifest_damage(self, step: int) -> ChecksumError | None:
         """The ChecksumError of a directory of ``step`` whose manifest is there but damaged
         (None: none is): asked for by its step, such a checkpoint is an error, not absent."""
         for s, name in self.step_dirs():
-            if s != step:
-                continue
-            try:
-                parse_manifest(self.location.read_bytes(f"{name}/{MANIFEST_NAME}"),
-                               self.location.child(name).url)
-            except ChecksumError as exc:
-                return exc
-            except (FileNotFoundError, NotADirectoryError):
-                continue
+            damage = self._read_manifest(name)[1] if s == step else None
+            if damage is not None:
+                return damage
         return None
 
     def is_committed(self, name: str) -> bool:
