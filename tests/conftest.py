@@ -10,10 +10,16 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 # Every test session gets its own runtime dir, so the daemon a test starts (autostarted or
-# Ray) never meets a user's real daemon or another session's.
-_SESSION_DIR = tempfile.mkdtemp(prefix="cachemw-test-")
-os.environ["CACHEMW_RUNTIME_DIR"] = os.path.join(_SESSION_DIR, "runtime")
-os.environ.setdefault("CACHEMW_DRAM_CAPACITY", "2GiB")
+# Ray) never meets a user's real daemon or another session's. A process the session spawns
+# (a spawn DataLoader worker importing a test module) imports this file too: it inherits
+# the session's dir and its environment as the test set it (a test's own runtime dir), and
+# makes no dir of its own.
+_SESSION_DIR = os.environ.get("TEST_CACHEMW_SESSION_DIR", "")
+if not os.path.isdir(_SESSION_DIR):
+    _SESSION_DIR = tempfile.mkdtemp(prefix="cachemw-test-")
+    os.environ["TEST_CACHEMW_SESSION_DIR"] = _SESSION_DIR
+    os.environ["CACHEMW_RUNTIME_DIR"] = os.path.join(_SESSION_DIR, "runtime")
+    os.environ.setdefault("CACHEMW_DRAM_CAPACITY", "2GiB")
 
 
 @pytest.fixture(scope="session", autouse=True)
