@@ -38,7 +38,7 @@ from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
 from .errors import CheckpointBusyError, CheckpointNotFoundError
 from .handle import SaveHandle
-from .layout import CheckpointDir, step_dir_name
+from .layout import CheckpointDir, Entry, step_dir_name
 from .notes import note_begin, note_end
 from .planner import SpreadSavePlanner
 from .quiet import single_process_dcp
@@ -167,6 +167,7 @@ class Checkpointer:
         if self.fast is not None:
             self.fast.location.makedirs()
             self.fast.sweep(self.config.stale_after_s)
+            self._drop_stale_fast_copies()
             self.fast.drop_spare()
             if self.fast.location.local:
                 sweep_pools(self.fast.location.path)
@@ -364,10 +365,40 @@ class Checkpointer:
     # -- loading ----------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Committed steps, oldest first (in the fast tier or at the root)."""
-        steps = {e.step for e in self.root.committed()}
-        if self.fast is not None:
-            steps |= {e.step for e in self.fast.committed()}
-        return sorted(steps)
+        root, fast = self._entries()
+        return sorted({e.step for e in root + fast})
+
+    def _entries(self) -> tuple[list[Entry], list[Entry]]:
+        """(the steps committed at the root, the fast tier's copies that count).
+
+        A fast-tier copy counts while its step's directory is at the root, committed with a
+        sound manifest or still being written (the drain under way): the fast tier outlives
+        the root's files (it is the node daemon's, kept until ``cachemw stop``), so a copy
+        whose root directory is gone (the root removed to start afresh, a crashed save's
+        leftover swept) is a stale one, never loaded; and a step whose root manifest is
+        damaged is passed over as it is without a fast tier, on every node alike."""
+        root = self.root.committed()
+        if self.fast is None:
+            return root, []
+        committed = {e.name for e in root}
+        at_root = {name for _, name in self.root.step_dirs()}
+        fast = [e for e in self.fast.committed() if e.name in committed
+                or (e.name in at_root and not self.root.is_committed(e.name))]
+        return root, fast
+
+    def _drop_stale_fast_copies(self) -> None:
+        """Remove the fast tier's committed copies whose root directory is gone (see
+        _entries): their memory is the node's. Best effort: the node's other ranks may be
+        removing them too."""
+        at_root = {name for _, name in self.root.step_dirs()}
+        for e in self.fast.committed():
+            if e.name not in at_root:
+                try:
+                    self.fast.remove(e.name)
+                    log.info("removed %s from the fast tier %s: its step is no longer at the "
+                             "root %s", e.name, self.fast.location.url, self.root.location.url)
+                except OSError:
+                    pass
 
     def _choose(self, step: int | None) -> tuple[int, str, bool]:
         """(step, directory name, committed at root) of the checkpoint to load, chosen by rank 0.
@@ -375,11 +406,12 @@ class Checkpointer:
         The newest one complete in some tier: a fast-tier entry whose files are gone (a shared
         tier cleaned by a failed save, a lost node) is skipped, not chosen and found unloadable.
         """
-        entries = self.root.committed() + (self.fast.committed() if self.fast else [])
-        for e in sorted(entries, key=lambda e: (e.step, e.created), reverse=True):
+        root, fast = self._entries()
+        committed = {e.name for e in root}
+        for e in sorted(root + fast, key=lambda e: (e.step, e.created), reverse=True):
             if step is not None and e.step != step:
                 continue
-            if self.root.is_committed(e.name):
+            if e.name in committed:
                 tier, at_root = self.root, True
             elif self.fast is not None and self.fast.complete(e.name):
                 tier, at_root = self.fast, False

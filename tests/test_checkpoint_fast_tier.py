@@ -404,3 +404,57 @@ def test_background_nice_is_checked(tmp_path):
     for bad in (20, -1, 2.5, True):
         with pytest.raises(ValueError, match="background_nice"):
             Checkpointer(str(tmp_path), fast_root=None, background_nice=bad)
+
+
+def test_a_fast_copy_of_a_root_removed_is_never_loaded_and_is_dropped(tmp_path):
+    """The fast tier is the node daemon's and outlives the root's files: a run started
+    afresh in a root removed by hand must not resume from the removed run's copy in memory."""
+    import shutil
+
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        ck.save(100, {"t": torch.full((300, 10), 100.0)}).wait(60)
+    assert len(committed(fast)) == 1
+    shutil.rmtree(root)
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        assert ck.steps() == []
+        assert committed(fast) == []  # its memory given back
+        with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+            ck.load({"t": torch.zeros(300, 10)})
+        ck.save(1, {"t": torch.full((300, 10), 1.0)}).wait(60)
+        out = {"t": torch.zeros(300, 10)}
+        assert ck.steps() == [1] and ck.load(out) == 1 and torch.all(out["t"] == 1.0)
+
+
+def test_a_fast_copy_whose_root_dir_is_gone_under_a_running_checkpointer_is_not_loaded(tmp_path):
+    import shutil
+
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        ck.save(1, {"t": torch.full((300, 10), 1.0)}).wait(60)
+        ck.save(2, {"t": torch.full((300, 10), 2.0)}).wait(60)
+        newest = max(p.name for p in root.iterdir() if p.name.startswith("step_"))
+        shutil.rmtree(root / newest)  # step 2 removed at the root; its copy stays in memory
+        out = {"t": torch.zeros(300, 10)}
+        assert ck.steps() == [1] and ck.load(out) == 1 and torch.all(out["t"] == 1.0)
+
+
+def test_a_damaged_root_manifest_is_passed_over_with_a_fast_copy_too(tmp_path, caplog):
+    """As without a fast tier (README: passed over with a warning, the step before it loads),
+    so that every node, with or without the copy in its memory, loads the same step."""
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        ck.save(1, {"t": torch.full((300, 10), 1.0)}).wait(60)
+        ck.save(2, {"t": torch.full((300, 10), 2.0)}).wait(60)
+    newest = max(p.name for p in root.iterdir() if p.name.startswith("step_"))
+    manifest = root / newest / MANIFEST_NAME
+    data = bytearray(manifest.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    manifest.write_bytes(bytes(data))
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        out = {"t": torch.zeros(300, 10)}
+        with caplog.at_level("WARNING"):
+            assert ck.load(out) == 1
+        assert torch.all(out["t"] == 1.0)
+        assert "not counted as a committed checkpoint" in caplog.text
+        assert ck.steps() == [1]
