@@ -34,6 +34,7 @@ TRAILER_SIZE = _TRAILER.size
 _hash = xxhash.xxh3_64_intdigest
 SMALL_BLOCK = 64 * 1024  # read_block reads blocks up to this size with their tail at once
 page_hash = _hash  # a page's checksum, the C function itself (for inlined hot paths)
+_pread = os.pread
 
 
 class CorruptBlock(OSError):
@@ -273,7 +274,10 @@ def map_block(path: str, length: int, key: str | None = None) -> memoryview | No
     from the page cache straight into the result, instead of through a fresh buffer per
     block (a fresh 8 MiB buffer costs 2,048 page faults, more than the copy). The mapping
     lasts as long as the view; the file is immutable under its name, so it holds the
-    verified bytes even if it is evicted meanwhile."""
+    verified bytes even if it is evicted meanwhile. The caller joins the view and releases
+    it within the same read: a file truncated in place during those microseconds (the daemon
+    never does; a user damaging the tier by hand might) would end the process with SIGBUS,
+    which is why open files, which keep their blocks for long, read them (OpenBlock)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -298,15 +302,16 @@ def map_block(path: str, length: int, key: str | None = None) -> memoryview | No
     return view
 
 
-class MappedBlock:
-    """A block file mapped into memory with its page table verified once, so an open file's
-    small random reads (h5py, pyarrow) verify just the pages they touch, with no system call.
+class OpenBlock:
+    """A block file held open with its page table verified once, so an open file's small
+    random reads (h5py, pyarrow) read and verify just the pages they touch: one ``pread``,
+    no open, no seek, no tail to check again.
 
-    The mapping stays valid if the daemon evicts the file meanwhile (POSIX keeps unlinked
-    pages alive); a block is immutable under its key, so it still holds the right bytes.
-    ``mm``, ``view``, ``sums`` and ``full_pages`` are read by CachedFile.read's inlined path
-    for 1-2 whole pages (a call frame is a tenth of a random 4 KiB read); ``read`` is the
-    reference for what that path does.
+    Read, not memory-mapped: a mapped file truncated under a process (a tier file damaged
+    in place) ends that process with SIGBUS at its next touch of the lost pages, which
+    Python cannot catch; a read of it comes back short and the block is repaired. The
+    descriptor keeps the file if the daemon evicts it meanwhile (POSIX keeps unlinked
+    files alive); a block is immutable under its key, so it still holds the right bytes.
     """
 
     def __init__(self, path: str, length: int) -> None:
@@ -316,39 +321,47 @@ class MappedBlock:
             size, self.ino = st.st_size, st.st_ino
             if size != stored_size(length) or length == 0:
                 raise CorruptBlock(f"{path}: {size} bytes, expected a block of {length}")
-            # MAP_POPULATE: map every page now (they are in RAM or page cache), so random
-            # reads do not each take a page fault on first touch
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self.mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
-        finally:
+            self.sums, _ = _parse_tail(os.pread(fd, size - length, length), length,
+                                       PAGE_SIZE, path, path_key(path))
+        except BaseException:
             os.close(fd)
+            raise
+        self.fd = fd
         self.path = path
         self.length = length
-        self.full_pages = length // PAGE_SIZE  # pages before it are whole
-        self.view = memoryview(self.mm)
-        try:
-            self.sums, _ = _parse_tail(self.mm[length:], length, PAGE_SIZE, path,
-                                       path_key(path))
-        except CorruptBlock:
-            self.close()
-            raise
 
     def read(self, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the block (within it), every page they touch verified."""
-        ps, view, sums = PAGE_SIZE, self.view, self.sums
-        for i in range(start // ps, (end - 1) // ps + 1):
-            lo = i * ps
-            if _hash(view[lo:lo + ps] if i < self.full_pages else view[lo:self.length]) != sums[i]:
-                raise CorruptBlock(f"{self.path}: checksum mismatch in page {i}")
-        return self.mm[start:end]
+        """Bytes ``[start, end)`` of the block (within it), every page they touch verified.
+        Written for the random 4 KiB read, which touches one or two pages."""
+        first, last = start // PAGE_SIZE, (end - 1) // PAGE_SIZE
+        lo = first * PAGE_SIZE
+        hi = (last + 1) * PAGE_SIZE
+        if hi > self.length:
+            hi = self.length
+        data = _pread(self.fd, hi - lo, lo)
+        if len(data) != hi - lo:
+            raise CorruptBlock(f"{self.path}: {len(data)} bytes at {lo}, expected {hi - lo} "
+                               f"(truncated)")
+        sums = self.sums
+        if last == first:
+            if _hash(data) != sums[first]:
+                raise CorruptBlock(f"{self.path}: checksum mismatch in page {first}")
+        else:
+            view = memoryview(data)
+            for i in range(first, last + 1):
+                at = (i - first) * PAGE_SIZE
+                if _hash(view[at:at + PAGE_SIZE]) != sums[i]:
+                    raise CorruptBlock(f"{self.path}: checksum mismatch in page {i}")
+        return data if lo == start and hi == end else data[start - lo:end - lo]
 
     def still_cached(self) -> bool:
-        """Is the mapped file still the tier's file? (An evicted one only pins memory.)"""
+        """Is the open file still the tier's file? (An evicted one only pins memory.)"""
         try:
             return os.stat(self.path).st_ino == self.ino
         except OSError:
             return False
 
     def close(self) -> None:
-        self.view.release()
-        self.mm.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -3,7 +3,7 @@ daemon with its other counters (plain numbers, added up by name), so a node's st
 the sum over all its processes (trainer, DataLoader workers) and a job diffs them per epoch.
 
 Seconds: ``hit_seconds`` (reads of blocks in the node's tiers, through the reader: the
-reads of an open file's memory-mapped blocks are counted as hits but not timed, timing
+reads of the blocks an open file holds open are counted as hits but not timed, timing
 them would cost a tenth of such a read), ``remote_hit_seconds`` (blocks sent by their
 owner node's block server), ``lease_seconds`` (asking the daemon for blocks not here:
 waits for another process's fill, for an owner node's fetch), ``source_seconds`` (reads

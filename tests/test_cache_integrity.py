@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -249,10 +251,10 @@ def test_foreign_files_in_a_tier_are_ignored_on_restart(runtime_dir, spawn_daemo
     assert fresh.stats()["misses"] == 0
 
 
-def test_open_file_small_reads_verify_mapped_pages_and_count_hits(make_cache_fs, runtime_dir,
+def test_open_file_small_reads_verify_open_block_pages_and_count_hits(make_cache_fs, runtime_dir,
                                                                    tmp_path):
-    """An open file serves small reads from a memory map of the block file: each read
-    verifies the pages it touches (a page damaged while mapped is caught and repaired, with
+    """An open file serves small reads from the block file it holds open: each read
+    verifies the pages it touches (a page damaged while open is caught and repaired, with
     the right bytes returned), and the reads are counted as hits by the time it closes."""
     fs = make_cache_fs(block_size=BS)
     dram = DirectoryTier("dram", daemon_stats(runtime_dir)["tiers"]["dram"]["path"])
@@ -270,7 +272,7 @@ def test_open_file_small_reads_verify_mapped_pages_and_count_hits(make_cache_fs,
         for o in offsets:
             f.seek(o)
             assert f.read(4096) == data[o:o + 4096]
-        assert 1 in f._mapped and f._mapped[1] is not None  # served from the map
+        assert 1 in f._blocks and f._blocks[1] is not None  # served from the open block
         with open(block, "r+b") as raw:  # damage page 1 of the mapped block in place
             raw.seek(4096 + 7)
             byte = raw.read(1)
@@ -287,9 +289,47 @@ def test_open_file_small_reads_verify_mapped_pages_and_count_hits(make_cache_fs,
     assert blockfile.read_block(block, BS) == data[BS:2 * BS]  # the repaired block is sound
 
 
+@pytest.mark.timeout(60)
+def test_a_block_file_truncated_under_an_open_file_is_repaired_not_a_crash(
+        make_cache_fs, runtime_dir, tmp_path):
+    """An open file reading a block it already read from, truncated in its tier meanwhile:
+    the read gets the right bytes and the block is repaired (a memory map of the file would
+    end the process with SIGBUS, so the reads run in a child process here)."""
+    fs = make_cache_fs(block_size=BS)
+    data = random.Random(5).randbytes(3 * BS)
+    path = str(tmp_path / "truncated.bin")
+    with open(path, "wb") as f:
+        f.write(data)
+    assert fs.cat_file(path) == data  # cached
+    published(fs)
+    dram = daemon_stats(runtime_dir)["tiers"]["dram"]["path"]
+    script = f"""
+import os, sys, fsspec
+from cachemw.keys import block_key
+fs = fsspec.filesystem("cachemw", target_protocol="file", block_size={BS}, autostart=False,
+                       runtime_dir={runtime_dir!r}, skip_instance_cache=True)
+data = open({path!r}, "rb").read()
+meta = fs.meta.file({path!r})
+with fs.open({path!r}, "rb") as f:
+    f.seek({BS} + 100)
+    assert f.read(100) == data[{BS} + 100:{BS} + 200]
+    key = block_key(meta.url, meta.version, 1, {BS})
+    block = os.path.join({dram!r}, key[:2], key)
+    os.truncate(block, 1000)
+    for at in ({BS} + 8192, {BS} + 100, 2 * {BS} - 50):
+        f.seek(at)
+        assert f.read(50) == data[at:at + 50], at
+print("corrupt_repaired", fs.stats()["corrupt_repaired"])
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=50)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "corrupt_repaired 1" in proc.stdout
+
+
 @pytest.mark.parametrize("damaged", [0, 1, 2, 3])
-def test_mapped_block_read_verifies_every_page_it_touches(tmp_path, damaged):
-    """MappedBlock.read's one- and two-page fast path and its general path (the partial
+def test_open_block_read_verifies_every_page_it_touches(tmp_path, damaged):
+    """OpenBlock.read's one- and two-page fast path and its general path (the partial
     last page, longer reads) each catch a flipped byte in any page they return."""
     length = 3 * blockfile.PAGE_SIZE + 1000  # three whole pages and a partial one
     data = random.Random(damaged).randbytes(length)
@@ -297,7 +337,7 @@ def test_mapped_block_read_verifies_every_page_it_touches(tmp_path, damaged):
     blockfile.write_block(path, data)
     ps = blockfile.PAGE_SIZE
     reads = [(0, 100), (ps - 10, ps + 10), (ps, 3 * ps), (2 * ps + 5, length), (0, length)]
-    block = blockfile.MappedBlock(path, length)
+    block = blockfile.OpenBlock(path, length)
     for start, end in reads:
         assert block.read(start, end) == data[start:end]
     block.close()
@@ -306,7 +346,7 @@ def test_mapped_block_read_verifies_every_page_it_touches(tmp_path, damaged):
         byte = f.read(1)
         f.seek(damaged * ps + 3)
         f.write(bytes([byte[0] ^ 0x40]))
-    block = blockfile.MappedBlock(path, length)
+    block = blockfile.OpenBlock(path, length)
     try:
         for start, end in reads:
             touches = range(start // ps, (end - 1) // ps + 1)
@@ -401,7 +441,7 @@ def test_a_sound_block_under_another_keys_name_is_refused(tmp_path):
     with pytest.raises(blockfile.CorruptBlock, match="another block"):
         blockfile.map_block(path, length)
     with pytest.raises(blockfile.CorruptBlock, match="another block"):
-        blockfile.MappedBlock(path, length)
+        blockfile.OpenBlock(path, length)
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(blockfile.CorruptBlock):

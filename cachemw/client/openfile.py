@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from fsspec.spec import AbstractBufferedFile
 
 from .. import trace
-from ..blockfile import PAGE_SIZE, CorruptBlock, MappedBlock, page_hash
+from ..blockfile import CorruptBlock, OpenBlock
 from ..keys import block_key, block_length
 from ..tiers.source import MOVED_ON
 
@@ -33,17 +33,18 @@ class CachedFile(AbstractBufferedFile):
     is fetched pinned to it. If the source has another version by then, the read raises
     ChangedSourceError (an OSError): reopen the file to read the new one.
 
-    Reads that fall inside one cached block are served from a memory map of the block file
-    (see blockfile.MappedBlock): the small random reads of HDF5 or Parquet readers then cost
-    a page checksum and a copy, not an open, a seek and a read.
+    Reads that fall inside one cached block are served from the block file held open (see
+    blockfile.OpenBlock): the small random reads of HDF5 or Parquet readers then cost one
+    ``pread`` and the checksums of the pages they touch, not an open, a check of the
+    block's tail and a read.
     """
 
-    MAX_MAPPED = 256  # 2 GiB of 8 MiB blocks; evicted ones are unmapped (see below)
+    MAX_OPEN = 64  # block files held open (512 MiB of 8 MiB blocks); evicted ones are closed
 
     def __init__(self, fs: CacheFileSystem, path: str, meta, **kwargs) -> None:
         self.meta = meta
-        self._mapped: dict[int, MappedBlock | None] = {}
-        self._tally = fs.client.hit_tally()  # reads served from mapped blocks, and bytes
+        self._blocks: dict[int, OpenBlock | None] = {}  # None: read the normal way
+        self._tally = fs.client.hit_tally()  # reads served from open blocks, and bytes
         self._client = fs.client
         self._bs = fs.options.block_size
         super().__init__(fs, path, mode="rb", size=meta.size, **kwargs)
@@ -66,7 +67,7 @@ class CachedFile(AbstractBufferedFile):
         return super().seek(loc, whence)
 
     def read(self, length=-1):
-        # The fast path: a read inside one mapped block (after close, nothing is mapped).
+        # The fast path: a read inside one cached block (after close, nothing is open).
         loc = self.loc
         if length is not None and length > 0:
             end = loc + length
@@ -76,29 +77,16 @@ class CachedFile(AbstractBufferedFile):
             bs = self._bs
             index = loc // bs
             if loc < end and (end - 1) // bs == index:
-                block = self._mapped.get(index)
-                if block is None and index not in self._mapped and not self.closed:
-                    block = self._map(index)
+                block = self._blocks.get(index)
+                if block is None and index not in self._blocks and not self.closed:
+                    block = self._open_block(index)
                 if block is not None:
                     base = index * bs
-                    start, stop = loc - base, end - base
-                    first, last = start // PAGE_SIZE, (stop - 1) // PAGE_SIZE
                     try:
-                        if last - first <= 1 and last < block.full_pages:
-                            # MappedBlock.read inlined for 1-2 whole pages (random 4 KiB reads)
-                            view, sums, lo = block.view, block.sums, first * PAGE_SIZE
-                            mid = lo + PAGE_SIZE
-                            if page_hash(view[lo:mid]) != sums[first] or (
-                                    last != first
-                                    and page_hash(view[mid:mid + PAGE_SIZE]) != sums[last]):
-                                raise CorruptBlock(f"{block.path}: checksum mismatch in pages "
-                                                   f"{first}-{last}")
-                            data = block.mm[start:stop]
-                        else:
-                            data = block.read(start, stop)
+                        data = block.read(loc - base, end - base)
                     except CorruptBlock:
-                        self._unmap(index)
-                        self._mapped[index] = None  # the normal path repairs it from now on
+                        self._close_block(index)
+                        self._blocks[index] = None  # the normal path repairs it from now on
                     else:
                         self.loc = end
                         tally = self._tally
@@ -106,26 +94,26 @@ class CachedFile(AbstractBufferedFile):
                         reads = tally.reads = tally.reads + 1
                         if not reads & 4095:
                             self._client.fold(tally)
-                            self._drop_evicted_maps()
+                            self._close_evicted()
                         return data
         return super().read(length)
 
-    def _map(self, index: int) -> MappedBlock | None:
-        """Map block ``index`` if a tier holds it; None (and the normal path) otherwise."""
+    def _open_block(self, index: int) -> OpenBlock | None:
+        """Open block ``index`` if a tier holds it; None (and the normal path) otherwise."""
         meta, bs = self.meta, self.fs.options.block_size
         key = block_key(meta.url, meta.version, index, bs)
         length = block_length(meta.size, index, bs)
         started = time.perf_counter()
         for tier in self.fs.client.tiers():
             try:
-                block = MappedBlock(tier.block_path(key), length)
+                block = OpenBlock(tier.block_path(key), length)
             except FileNotFoundError:
                 continue
             except (CorruptBlock, ValueError, OSError):
                 return None  # let the normal path detect, count and repair it
-            if len(self._mapped) >= self.MAX_MAPPED:
-                self._unmap(next(iter(self._mapped)))
-            self._mapped[index] = block
+            if len(self._blocks) >= self.MAX_OPEN:
+                self._close_block(next(iter(self._blocks)))
+            self._blocks[index] = block
             self.fs.client.accessed(key, tier.name)  # reads are counted as they happen
             if trace.ENABLED:  # its reads are not traced one by one: each costs less
                 trace.block_event("map", started, time.perf_counter(), tier.name, meta.path,
@@ -133,22 +121,22 @@ class CachedFile(AbstractBufferedFile):
             return block
         return None
 
-    def _drop_evicted_maps(self) -> None:
-        """Unmap blocks the daemon evicted: their pages would stay allocated in the DRAM
+    def _close_evicted(self) -> None:
+        """Close blocks the daemon evicted: their pages would stay allocated in the DRAM
         tier's tmpfs for as long as this file is open, outside the tier's capacity."""
-        for index, block in list(self._mapped.items()):
+        for index, block in list(self._blocks.items()):
             if block is not None and not block.still_cached():
-                self._unmap(index)
+                self._close_block(index)
 
-    def _unmap(self, index: int) -> None:
-        block = self._mapped.pop(index, None)
+    def _close_block(self, index: int) -> None:
+        block = self._blocks.pop(index, None)
         if block is not None:
             block.close()
 
     def close(self):
         self._client.fold(self._tally)
-        for index in list(self._mapped):
-            self._unmap(index)
+        for index in list(self._blocks):
+            self._close_block(index)
         super().close()
 
 

@@ -93,7 +93,7 @@ def _report_idle() -> float:
 
 
 class HitTally:
-    """Hits an open file counts itself (its reads of mapped blocks), with no lock per read:
+    """Hits an open file counts itself (its reads of the blocks it holds open), with no lock per read:
     a lock per 4 KiB read costs more than the read. Only the file adds to ``reads`` and
     ``nbytes``; only the client moves ``folded_*`` up to them when it folds them into its
     counters (stats, flush, the file's close), so a read racing with a fold is counted at
