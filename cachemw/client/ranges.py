@@ -5,12 +5,17 @@ The ranges of one path come from one version of it, as a ``cat_file`` of it woul
 metadata is looked up once per call (a lookup per range, revalidating under ``always``,
 could meet a file replaced between two of them), and if the source moves on during the
 batch, or a file goes, each path of the batch starts over once on its own, with fresh
-metadata. fsspec's ``on_error``: with "return" a path's failure is its ranges' result.
+metadata. fsspec's ``on_error``: with "return" a path's failure is its ranges' result;
+otherwise it is raised, as fsspec's own ``cat_ranges`` does. Cold files of a store whose
+GET names the version (HTTP, S3) are read side by side (fanout.py), and so are the blocks
+the batch misses.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
+from . import fanout
 from .openfile import clip
 from ..tiers.source import MOVED_ON
 
@@ -32,7 +37,7 @@ def read_ranges(fs: CacheFileSystem, paths, starts, ends, on_error: str = "retur
         try:
             by_path.setdefault(fs._strip_protocol(p), []).append(i)
         except Exception as exc:  # fsspec's on_error: any error of a path is its result
-            if on_error == "raise":
+            if on_error != "return":  # fsspec's: "raise" and "omit" raise
                 raise
             out[i] = exc
     failed, batch = _read_ranges(fs, by_path, starts, ends, out, on_error)
@@ -45,7 +50,7 @@ def read_ranges(fs: CacheFileSystem, paths, starts, ends, on_error: str = "retur
             if exc is not None:
                 if isinstance(exc, MOVED_ON):
                     fs.meta.forget(path)
-                if on_error == "raise":
+                if on_error != "return":  # fsspec's: "raise" and "omit" raise
                     raise exc
                 for i in by_path[path]:
                     out[i] = exc
@@ -57,14 +62,13 @@ def _read_ranges(fs: CacheFileSystem, by_path: dict[str, list[int]], starts, end
     """Fill ``out`` with the ranges of ``by_path`` (path -> indices), every path at one
     version, the blocks they miss fetched as one batch. Returns the batch's OSError
     (None if it succeeded) and the paths it read."""
-    requests, where, batch = [], [], []
+    requests, where, batch, cold = [], [], [], []
     for path, idx in by_path.items():
         try:
             meta, seen = fs.meta.known_file(path)
             if meta is None and not seen and len(idx) == 1 \
                     and fs.options.validate != "always" and fs.reader.source.tells_versions:
-                # read cold, its version from its GET (fs._read_path)
-                out[idx[0]] = fs.cat_file(path, starts[idx[0]], ends[idx[0]])
+                cold.append((path, idx[0]))  # read cold, its version from its GET (below)
                 continue
             meta = meta or fs.meta.ask_file(path)
             if meta.size == 0:  # read to its end once (fs._read), each range cut from it
@@ -73,7 +77,7 @@ def _read_ranges(fs: CacheFileSystem, by_path: dict[str, list[int]], starts, end
                     out[i] = data[slice(*clip(starts[i], ends[i], len(data)))]
                 continue
         except Exception as exc:  # fsspec's on_error: any error of a path is its result
-            if on_error == "raise":
+            if on_error != "return":  # fsspec's: "raise" and "omit" raise
                 raise
             for i in idx:
                 out[i] = exc
@@ -82,6 +86,12 @@ def _read_ranges(fs: CacheFileSystem, by_path: dict[str, list[int]], starts, end
         for i in idx:
             requests.append((meta, *clip(starts[i], ends[i], meta.size)))
             where.append(i)
+    if cold:  # each file's GET names its version (fs._read_path); side by side
+        got = fanout.run_all([partial(fs.cat_file, path, starts[i], ends[i]) for path, i in cold])
+        for (_, i), data in zip(cold, got):
+            if isinstance(data, Exception) and on_error != "return":
+                raise data
+            out[i] = data
     try:
         results = fs.reader.read_many(requests)
     except OSError as exc:
