@@ -341,3 +341,20 @@ def test_reads_go_on_through_leases_when_no_claim_can_be_made(make_cache_fs, tmp
     for path, data in files.items():
         assert fs.cat_file(path) == data
     assert fs.stats()["hits"] - before["hits"] == 9
+
+
+def test_a_batch_waits_on_a_holder_that_makes_no_progress_once_not_per_block(tmp_path):
+    """A process holding a file's claims that never fetches (stopped): a batch of leases
+    for its blocks waits lease_wait in all, then fetches them itself."""
+    nc = NodeCache(DaemonConfig.build(runtime_dir=str(tmp_path / "rt"),
+                                      dram_dir=str(tmp_path / "dram"), dram_capacity=1 << 24),
+                   lease_wait=0.5)
+    holder = Claims(claims_dir(str(tmp_path / "rt")))
+    keys = [block_key("file:///x", "v", i, L) for i in range(5)]
+    for key in keys:
+        assert holder.take(key)
+    started = time.monotonic()
+    replies = nc.lease_many([(key, L, "file:///x", None) for key in keys], "conn-b")
+    took = time.monotonic() - started
+    assert replies == [("nofill", "busy")] * len(keys)
+    assert took < 1.8, took  # per block, this was 5 x 0.5 s

@@ -208,7 +208,13 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
 
         Blocks owned by another node (and not replicated here) are fetched from their
         owners, one call per owner, and answered ("data", bytes) or ("fallback", why).
+
+        The batch waits on other processes' fetches (claims, fills in flight) for
+        ``lease_wait`` in all, not per block: a holder that makes no progress (a stopped
+        process holding a file's claims) costs its waiters that once, after which they are
+        answered ("nofill", "busy") and fetch the rest themselves.
         """
+        deadline = time.monotonic() + self.lease_wait
         replies: list = [None] * len(items)
         remote_items, remote_at = [], []
         for i, item in enumerate(items):
@@ -222,7 +228,8 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
                     remote_items.append(item)
                     remote_at.append(i)
                 continue
-            replies[i] = self.lease(key, length, url, conn)
+            replies[i] = self.lease(key, length, url, conn,
+                                    wait=max(1e-3, deadline - time.monotonic()))
         if remote_items:
             for i, reply in zip(remote_at, self.remote.fetch(remote_items)):
                 replies[i] = reply
