@@ -15,6 +15,7 @@ retention -> watchers are notified. Any failure, on any rank, fails the handle o
 from __future__ import annotations
 
 import dataclasses
+import re
 import logging
 import threading
 import time
@@ -503,8 +504,11 @@ class Checkpointer:
     def _say_unplaced(self, name: str, metadata: Any, loaded: dict) -> None:
         """Warn (once per step and set of entries) of saved entries the state has no place
         for: a load is in place, so a dict saved full and loaded into an empty one stays
-        empty; that should not pass in silence."""
-        missing = unplaced(metadata, loaded)
+        empty; that should not pass in silence. Other ranks' own entries (README: a value
+        that differs by rank goes under ``f"rank{rank}"`` on each rank) are theirs to load."""
+        own = f"rank{self.coord.rank}"
+        missing = tuple(k for k in unplaced(metadata, loaded)
+                        if not _RANK_KEY.match(k) or k.split(".", 1)[0] == own)
         if missing and (name, missing) not in self._said_unplaced:
             self._said_unplaced.add((name, missing))
             log.warning("checkpoint %s holds %d entries the state given to load has no place for, "
@@ -574,6 +578,9 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+_RANK_KEY = re.compile(r"^rank\d+(\.|$)")  # a rank's own entries, by the README's convention
 
 
 def _without_frames(error: BaseException) -> BaseException:

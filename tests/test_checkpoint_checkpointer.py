@@ -403,6 +403,26 @@ def test_entries_the_state_has_no_place_for_are_named_once(tmp_path, caplog):
         assert len([r for r in caplog.records if "no place for" in r.getMessage()]) == 1
 
 
+def test_other_ranks_own_entries_are_not_named_as_unplaced(tmp_path, caplog):
+    """The README's convention for values that differ by rank (``state[f"rank{rank}"]``)
+    saves every rank's under its own key: a rank loading its own is not warned about the
+    others' (found by a black-box review: every rank was, at every resume)."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="cachemw")
+    with Checkpointer(str(tmp_path / "ck"), fast_root=None) as ck:
+        ck.save(1, {"w": torch.ones(3), "rank0": {"pos": 3}, "rank1": {"pos": 4},
+                    "rank12x": 1, "other": {"a": 5}}).wait(60)
+        out = {"w": torch.zeros(3), "rank0": {"pos": 0}, "rank12x": 0}
+        assert ck.load(out) == 1 and out["rank0"] == {"pos": 3}
+        said = [r.getMessage() for r in caplog.records if "no place for" in r.getMessage()]
+        assert len(said) == 1 and "other.a" in said[0] and "rank1" not in said[0], said
+        caplog.clear()
+        ck.load({"w": torch.zeros(3), "rank12x": 0, "other": {"a": 0}})  # its own: named
+        said = [r.getMessage() for r in caplog.records if "no place for" in r.getMessage()]
+        assert len(said) == 1 and "rank0.pos" in said[0] and "rank1.pos" not in said[0], said
+
+
 def test_a_failed_save_kept_for_wait_does_not_hold_its_snapshot(tmp_path, monkeypatch):
     """The handle keeps a failed save's error until wait(); its traceback's frames held the
     staged snapshot, so every later save allocated its buffers anew: with saves failing on a
