@@ -15,7 +15,6 @@ retention -> watchers are notified. Any failure, on any rank, fails the handle o
 from __future__ import annotations
 
 import dataclasses
-import re
 import logging
 import threading
 import time
@@ -37,13 +36,14 @@ from .chunk_plan import DEFAULT_CHUNK_BYTES
 from .coordination import Coordinator, check_same_step, failed_on, message_of, report, same_type
 from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
+from .choosing import choose, counted_entries, drop_stale_fast_copies
 from .errors import CheckpointBusyError, CheckpointNotFoundError
 from .handle import SaveHandle
-from .layout import CheckpointDir, Entry, step_dir_name
+from .layout import CheckpointDir, step_dir_name
 from .notes import note_begin, note_end
 from .planner import SpreadSavePlanner
 from .quiet import single_process_dcp
-from .reader import CachemwStorageReader, metadata_damage
+from .reader import CachemwStorageReader
 from .stager import BufferStager
 from .state_tree import apply_loaded, prepare_for_load, to_state_dict, unplaced
 from .storage_io import Location
@@ -168,7 +168,7 @@ class Checkpointer:
         if self.fast is not None:
             self.fast.location.makedirs()
             self.fast.sweep(self.config.stale_after_s)
-            self._drop_stale_fast_copies()
+            drop_stale_fast_copies(self.root, self.fast)
             self.fast.drop_spare()
             if self.fast.location.local:
                 sweep_pools(self.fast.location.path)
@@ -366,74 +366,12 @@ class Checkpointer:
     # -- loading ----------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Committed steps, oldest first (in the fast tier or at the root)."""
-        root, fast = self._entries()
+        root, fast = counted_entries(self.root, self.fast)
         return sorted({e.step for e in root + fast})
 
-    def _entries(self) -> tuple[list[Entry], list[Entry]]:
-        """(the steps committed at the root, the fast tier's copies that count).
-
-        A fast-tier copy counts while its step's directory is at the root, committed with a
-        sound manifest or still being written (the drain under way): the fast tier outlives
-        the root's files (it is the node daemon's, kept until ``cachemw stop``), so a copy
-        whose root directory is gone (the root removed to start afresh, a crashed save's
-        leftover swept) is a stale one, never loaded; and a step whose root manifest is
-        damaged is passed over as it is without a fast tier, on every node alike."""
-        root = self.root.committed()
-        if self.fast is None:
-            return root, []
-        committed = {e.name for e in root}
-        at_root = {name for _, name in self.root.step_dirs()}
-        fast = [e for e in self.fast.committed() if e.name in committed
-                or (e.name in at_root and not self.root.is_committed(e.name))]
-        return root, fast
-
-    def _drop_stale_fast_copies(self) -> None:
-        """Remove the fast tier's committed copies whose root directory is gone (see
-        _entries): their memory is the node's. Best effort: the node's other ranks may be
-        removing them too."""
-        at_root = {name for _, name in self.root.step_dirs()}
-        for e in self.fast.committed():
-            if e.name not in at_root:
-                try:
-                    self.fast.remove(e.name)
-                    log.info("removed %s from the fast tier %s: its step is no longer at the "
-                             "root %s", e.name, self.fast.location.url, self.root.location.url)
-                except OSError:
-                    pass
-
     def _choose(self, step: int | None) -> tuple[int, str, bool]:
-        """(step, directory name, committed at root) of the checkpoint to load, chosen by rank 0.
-
-        The newest one complete in some tier: a fast-tier entry whose files are gone (a shared
-        tier cleaned by a failed save, a lost node) is skipped, not chosen and found unloadable.
-        """
-        root, fast = self._entries()
-        committed = {e.name for e in root}
-        for e in sorted(root + fast, key=lambda e: (e.step, e.created), reverse=True):
-            if step is not None and e.step != step:
-                continue
-            if e.name in committed:
-                tier, at_root = self.root, True
-            elif self.fast is not None and self.fast.complete(e.name):
-                tier, at_root = self.fast, False
-            else:
-                continue
-            damage = metadata_damage(tier.location.child(e.name))
-            if damage is None:
-                return e.step, e.name, at_root
-            if step is not None:  # a damaged .metadata: passed over as a damaged manifest is
-                raise damage
-            if e.name not in self._damaged_metadata:
-                self._damaged_metadata.add(e.name)
-                log.warning("checkpoint %s is damaged (%s): loading the step before it",
-                            e.name, damage)
-        if step is not None:  # asked for by its step: a damaged manifest is a ChecksumError
-            for tier in (self.root, self.fast):
-                damage = None if tier is None else tier.manifest_damage(step)
-                if damage is not None:
-                    raise damage
-        raise CheckpointNotFoundError(f"no committed checkpoint{'' if step is None else f' of step {step}'} "
-                                      f"under {self.root.location.url}")
+        """(step, directory name, committed at root) of the checkpoint to load, chosen by rank 0."""
+        return choose(self.root, self.fast, step, self._damaged_metadata)
 
     def load(self, state: dict, step: int | None = None) -> int:
         """Load in place into ``state`` (newest committed step by default); return the step.
@@ -504,11 +442,8 @@ class Checkpointer:
     def _say_unplaced(self, name: str, metadata: Any, loaded: dict) -> None:
         """Warn (once per step and set of entries) of saved entries the state has no place
         for: a load is in place, so a dict saved full and loaded into an empty one stays
-        empty; that should not pass in silence. Other ranks' own entries (README: a value
-        that differs by rank goes under ``f"rank{rank}"`` on each rank) are theirs to load."""
-        own = f"rank{self.coord.rank}"
-        missing = tuple(k for k in unplaced(metadata, loaded)
-                        if not _RANK_KEY.match(k) or k.split(".", 1)[0] == own)
+        empty; that should not pass in silence."""
+        missing = unplaced(metadata, loaded, self.coord.rank)
         if missing and (name, missing) not in self._said_unplaced:
             self._said_unplaced.add((name, missing))
             log.warning("checkpoint %s holds %d entries the state given to load has no place for, "
@@ -578,9 +513,6 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-_RANK_KEY = re.compile(r"^rank\d+(\.|$)")  # a rank's own entries, by the README's convention
 
 
 def _without_frames(error: BaseException) -> BaseException:

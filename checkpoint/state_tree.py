@@ -7,6 +7,7 @@ not mutated, so after ``dcp.load`` they are written back: objects through their 
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -55,13 +56,20 @@ def apply_loaded(state: dict, loaded: dict) -> None:
             state[key] = loaded[key]
 
 
-def unplaced(metadata: Any, loaded: dict) -> tuple[str, ...]:
+_RANK_KEY = re.compile(r"^rank\d+(\.|$)")
+
+
+def unplaced(metadata: Any, loaded: dict, rank: int = 0) -> tuple[str, ...]:
     """The entries of a checkpoint (its DCP ``metadata``) that ``loaded``, the state dict a
-    load filled in place, has no place for (DCP's flattened names); () if unknown."""
+    load filled in place on ``rank``, has no place for (DCP's flattened names); () if
+    unknown. Other ranks' own entries are not among them: a value that differs by rank goes
+    under ``f"rank{rank}"`` on each rank (README), and is theirs to load."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
+    own = f"rank{rank}"
     try:
         held = flatten_state_dict(loaded)[0]
-        return tuple(sorted(k for k in metadata.state_dict_metadata if k not in held))
+        return tuple(sorted(k for k in metadata.state_dict_metadata if k not in held
+                            and (not _RANK_KEY.match(k) or k.split(".", 1)[0] == own)))
     except Exception:  # noqa: BLE001 - only for a warning
         return ()
