@@ -50,7 +50,7 @@ class SlowTarget(LocalFileSystem):
 def files(tmp_path, n: int, size: int) -> dict[str, bytes]:
     rng = random.Random(n * size)
     out = {}
-    (tmp_path / "src").mkdir(exist_ok=True)
+    (tmp_path / "src").mkdir(parents=True, exist_ok=True)
     for i in range(n):
         p = tmp_path / "src" / f"f{i:03d}"
         p.write_bytes(rng.randbytes(size))
@@ -164,3 +164,29 @@ def test_cold_s3_files_of_a_cat_are_fetched_side_by_side(make_cache_fs, s3_serve
     assert fs.cat(sorted(data)) == data
     assert fs.stats()["cold_gets"] == len(data)
     assert state["most"] >= 2
+
+
+@pytest.mark.timeout(120)
+def test_blocks_leased_to_fill_are_fetched_side_by_side(make_cache_fs, tmp_path, monkeypatch):
+    """The daemon's leases (several nodes, or no claims to take) come for a batch at once:
+    the blocks leased to this process are fetched side by side too, and one that fails
+    ends its own lease (the next read fills it)."""
+    data = files(tmp_path, 1, 6 * BS + 100)
+    (path, content), = data.items()
+    other = files(tmp_path / "o", 1, 2 * BS)
+    target = SlowTarget()
+    fs = make_cache_fs(fs=target, block_size=BS, daemon_timeout=30)
+    monkeypatch.setattr(fs.reader, "_take_claim", lambda key: False)  # the lease path
+    assert fs.cat_file(path) == content
+    assert target.most >= 2 and fs.stats()["misses"] == 7
+    published(fs)
+    target.most = 0
+    assert fs.cat_file(path) == content and target.most == 0
+    (opath, ocontent), = other.items()
+    target.failing.add(opath)
+    with pytest.raises(OSError, match="injected"):
+        fs.cat_file(opath)
+    target.failing.clear()
+    started = time.monotonic()
+    assert fs.cat_file(opath) == ocontent
+    assert time.monotonic() - started < 10  # its leases ended: no wait on them

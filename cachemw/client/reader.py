@@ -285,11 +285,12 @@ class BlockReader:
             self.client.count("lease_requests")
             self.client.count("lease_waits", len(unique))
             self.took("lease_seconds", "lease_wait", asked, len(unique))
-        done = 0
+        done = -1  # the leases after it are aborted if this ends early
         try:
+            fetched = self._prefetch_fills(unique, replies)
             for done, p in enumerate(unique):
                 reply = None if replies is None else replies[done]
-                out[first[p.key]] = self._resolve(p, reply)
+                out[first[p.key]] = self._resolve(p, reply, fetched.get(done))
                 if reply is None or reply[0] != "present":  # filled meanwhile: a hit
                     self._missed(started, time.perf_counter())
             done = len(unique)
@@ -350,23 +351,12 @@ class BlockReader:
         self.fills.kick()  # the earlier fills get written while we wait on the source
         asked = time.time()
 
-        def fetch(p: Piece) -> tuple[bytes, float, float]:
-            meta = p.meta
-            fetched = time.perf_counter()
-            block = self.source.read_block(meta.path, p.index, self.block_size, meta.size,
-                                           meta.version)
-            now = time.perf_counter()
-            if trace.ENABLED:  # in the thread that fetched it: a thread's events nest
-                trace.block_event("source_fetch", fetched, now, "source", meta.path, p.index,
-                                  len(block))
-            return block, fetched, now
-
         def dropped(path: str) -> bool:
             return dropped_since is not None and dropped_since(path, asked)
 
         error = None
         try:
-            results = fanout.run_all([partial(fetch, p) for p in pending])
+            results = fanout.run_all([partial(self._fetch_source, p) for p in pending])
             while pending:
                 p, result = pending[0], results[len(claimed) - len(pending)]
                 if isinstance(result, BaseException):
@@ -391,14 +381,37 @@ class BlockReader:
         if error is not None:
             raise error
 
-    def _resolve(self, piece: Piece, reply) -> bytes:
+    def _fetch_source(self, piece: Piece) -> tuple[bytes, float, float]:
+        """(the block from the source, pinned to its version; when the fetch began, ended),
+        traced in the thread that fetched it (a thread's events nest)."""
+        meta = piece.meta
+        started = time.perf_counter()
+        block = self.source.read_block(meta.path, piece.index, self.block_size, meta.size,
+                                       meta.version)
+        now = time.perf_counter()
+        if trace.ENABLED:
+            trace.block_event("source_fetch", started, now, "source", meta.path, piece.index,
+                              len(block))
+        return block, started, now
+
+    def _prefetch_fills(self, unique: list[Piece], replies) -> dict[int, tuple | BaseException]:
+        """The blocks of a batch this process was leased to fill, fetched side by side when
+        there are several (fanout.py), by their place in the batch; {} for one or none."""
+        places = [i for i, r in enumerate(replies or ()) if r[0] == "fill"]
+        if len(places) < 2:
+            return {}
+        self.fills.kick()  # the earlier fills get written while we wait on the source
+        got = fanout.run_all([partial(self._fetch_source, unique[i]) for i in places])
+        return dict(zip(places, got))
+
+    def _resolve(self, piece: Piece, reply, fetched=None) -> bytes:
         client = self.client
         if reply is None:
             client.count("fallbacks")
             return self._direct(piece)
         kind, arg = reply[0], reply[1]
         if kind == "fill":
-            return self._fill(piece, arg, reply[2])
+            return self._fill(piece, arg, reply[2], fetched)
         if kind == "data":
             client.count("remote_reads")
             client.count("remote_bytes", len(arg))
@@ -421,18 +434,24 @@ class BlockReader:
         client.count("fallbacks" if kind == "fallback" else "bypassed")
         return self._direct(piece)
 
-    def _fill(self, piece: Piece, tier_name: str, lease: int) -> bytes:
+    def _fill(self, piece: Piece, tier_name: str, lease: int, fetched=None) -> bytes:
+        """Fill a leased block: fetch it (unless ``fetched`` with the batch's others: the
+        block and its times, or the fetch's error), hand it to the fill writer, return the
+        piece's bytes. The lease ends whatever failed, even Ctrl-C."""
         client = self.client
         meta = piece.meta
-        self.fills.kick()  # the earlier fills get written while we wait on the source
-        started = time.perf_counter()
         try:
-            block = self.source.read_block(meta.path, piece.index, self.block_size, meta.size,
-                                           meta.version)
-        except BaseException:  # the lease ends whatever failed, even Ctrl-C; re-raised
+            if fetched is None:
+                self.fills.kick()  # the earlier fills get written while we wait on the source
+                fetched = self._fetch_source(piece)
+            elif isinstance(fetched, BaseException):
+                raise fetched
+        except BaseException:
             client.abort(piece.key, "source-error")
             raise
-        self._source_read(piece, started, len(block))
+        block, started, now = fetched
+        client.count("source_seconds", now - started)
+        client.count("source_reads")
         client.count("misses")
         client.count("bytes_from_source", len(block))
         tier = self.tier(tier_name)
@@ -440,7 +459,7 @@ class BlockReader:
             client.abort(piece.key, "error")
         else:
             self.fills.submit(Fill(piece.key, tier, block, url_tag(meta.url), client.link(),
-                                   lease), waited=time.perf_counter() - started)
+                                   lease), waited=now - started)
         return block if piece.lo == 0 and piece.hi == len(block) else block[piece.lo:piece.hi]
 
     def read_cold(self, path: str, start: int | None, end: int | None,
