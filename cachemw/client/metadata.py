@@ -30,11 +30,13 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Callable, NamedTuple
 
 from ..files import atomic_write, make_private_dirs
 from ..keys import path_key, version_token
 from ..tiers.fork_safe import ForkSafe
+from ..tiers.source import source_info
 from .metatable import MetaTable
 from .urls import target_url
 
@@ -253,8 +255,8 @@ class MetadataCache:
         """(info, fetched) from the source; shared with the node."""
         self.source_calls += 1
         asked = time.time()  # before the call: a drop during it must win (_dropped_since)
-        try:
-            info = self._ask_source(self.target.info, path)
+        try:  # a failure of the store's own (an HTTP 503) is not a missing file
+            info = self._ask_source(partial(source_info, self.target), path)
         except FileNotFoundError:
             self.forget(path)
             raise

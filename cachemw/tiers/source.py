@@ -19,8 +19,13 @@ its peers, the daemon's prefetches. How a read is pinned depends on the store:
   ETag; the ETag the response carries is compared too, for stores that ignore ``IfMatch``.
 - HTTP (fsspec's ``HTTPFileSystem``): a GET with ``If-Match`` on a strong ETag (412 if the
   resource has another one), and the ETag of the response compared, for servers that
-  ignore ``If-Match`` (and weak ETags, which ``If-Match`` cannot compare).
-- anything else (and the above without an ETag): read, then ask the
+  ignore ``If-Match`` (and weak ETags, which ``If-Match`` cannot compare). Without an
+  ETag, the same GET, checked as below. A server that ignores ``Range`` is read all the
+  same (its whole body, cut). Its errors are told: 404 and 410 FileNotFoundError, 401
+  and 403 PermissionError, others (500, 503, no connection) an OSError naming the URL
+  and the cause, never a missing file (fsspec's ``info`` says FileNotFoundError for
+  all: ``source_info`` tells them apart).
+- anything else (and S3 without an ETag): read, then ask the
   store for the file's info past the target's own caches (``invalidate_cache(path)``
   first) and compare tokens. A change before or during the read is then always seen; a
   change after it costs a spurious retry, never wrong bytes.
@@ -100,7 +105,8 @@ class SourceTier:
 
     def read_first(self, path: str, index: int, block_size: int) -> FirstBlock | None:
         """Block ``index`` of ``path`` and the file's info, both from one GET, for a file
-        whose version is not known yet; FileNotFoundError if the store has no such file.
+        whose version is not known yet; FileNotFoundError if the store has no such file,
+        and on HTTP the OSError its error answer or a failed request says (``_read_http``).
 
         None if the response does not name the version (no ETag, no size, a body encoded
         for transfer, a range the store refused): the caller asks for the file's info, then
@@ -365,32 +371,78 @@ async def _http_get(fs, url: str, headers: dict):
 def _read_http(fs, path: str, start: int, end: int | None, version: str) -> bytes:
     """One GET on fsspec's own session (its client options and request options): the
     response's status and ETag are checked here, which fsspec's ``cat_file`` does not
-    show, so a server that ignores ``If-Match`` (or ``Range``) is still caught."""
+    show, so a server that ignores ``If-Match`` (or ``Range``) is still caught. Without
+    an ETag to pin it to, the same GET (not fsspec's ``cat_file``, which takes the whole
+    body a server that ignores Range sends for the range it asked), checked afterwards."""
     etag = version_fields(version).get("ETag")
-    if not etag:  # no validator to pin the GET to: check the info afterwards
-        return _read_checked(fs, path, start, end, version)
     headers = dict(fs.kwargs.get("headers") or {})
-    if not etag.startswith("W/"):  # If-Match compares strong ETags only
+    if etag and not etag.startswith("W/"):  # If-Match compares strong ETags only
         headers["If-Match"] = etag
     if end is not None or start:
         headers["Range"] = f"bytes={start}-" + ("" if end is None else str(end - 1))
-    status, response, _, data = _sync(fs, _http_get, fs, path, headers)
+    status, response, _, data = _http_request(fs, path, headers)
     got = response.get("ETag")
-    if status == 404:
-        raise FileNotFoundError(errno.ENOENT, f"{path}: not found (HTTP 404)", path)
-    if status == 412 or (status < 300 and got is not None and got != etag):
+    if status == 412 or (etag and status < 300 and got is not None and got != etag):
         raise _changed(path, version,
                        detail=f"the server has ETag {got}" if got else "its ETag moved")
     if status == 416:  # a range within the version's size: the file is shorter now (a
-        # server that ignores If-Match, or a weak ETag, which If-Match cannot name)
+        # server that ignores If-Match, a weak ETag, which If-Match cannot name, or none)
         raise _changed(path, version, detail="it is shorter now (HTTP 416)")
     if status == 200 and "Range" in headers:  # the server ignored Range: all of it came
         data = data[start:end]
     elif status not in (200, 206):
-        raise OSError(errno.EIO, f"{path}: HTTP {status} from the server")
-    if got is None:  # an ETag on HEAD but none on GET: ask again after the read
-        _check_after(fs, path, version)
+        raise _http_status_error(path, status)
+    if not etag or got is None:  # no validator (or an ETag on HEAD but none on GET):
+        _check_after(fs, path, version)  # the version asked again after the read
     return data
+
+
+def _http_request(fs, path: str, headers: dict):
+    """``_http_get``, its failures OSErrors that name the URL: aiohttp's errors are not all
+    OSErrors (a server that hung up mid-response), nor do they name the URL."""
+    try:
+        return _sync(fs, _http_get, fs, path, headers)
+    except Exception as exc:
+        raise _http_request_error(path, exc) from exc
+
+
+def _http_request_error(path: str, exc: BaseException) -> OSError:
+    """``exc`` (a request that got no answer) as an OSError naming ``path`` and the cause,
+    its errno kept (ECONNREFUSED: a ConnectionRefusedError still), EIO if it has none."""
+    code = getattr(exc, "errno", None)
+    if not isinstance(code, int) or code <= 0:  # none, or a resolver's (negative) code
+        code = errno.ETIMEDOUT if isinstance(exc, TimeoutError) else errno.EIO
+    return OSError(code, f"{path}: {type(exc).__name__}: {exc}")
+
+
+def _http_status_error(path: str, status: int) -> OSError:
+    """The OSError for an HTTP error status: a file that is not there (404, 410) is
+    FileNotFoundError, a refusal (401, 403) PermissionError, anything else (a server in
+    trouble: 500, 503) EIO, so an outage never reads as a missing file."""
+    if status in (404, 410):
+        return FileNotFoundError(errno.ENOENT, f"{path}: not found (HTTP {status})", path)
+    if status in (401, 403):
+        return PermissionError(errno.EACCES, f"{path}: HTTP {status} from the server "
+                               f"(access denied)")
+    return OSError(errno.EIO, f"{path}: HTTP {status} from the server")
+
+
+def source_info(fs, path: str) -> dict:
+    """``fs.info(path)``, with what fsspec's HTTP ``info`` hides told: it turns any failure
+    of its requests (a 503, a refused connection) into ``FileNotFoundError(url)``, the
+    failure as its cause; an outage must not read as a missing file (its metadata
+    forgotten, dropped by ``cat(on_error="omit")``)."""
+    try:
+        return fs.info(path)
+    except FileNotFoundError as exc:
+        cause = exc.__cause__
+        # fsspec's mask has no errno; only an HTTP store's failures are told apart here
+        if cause is None or exc.errno is not None or _reads_for(fs) is not _read_http:
+            raise
+        status = getattr(cause, "status", None)  # aiohttp's ClientResponseError
+        if isinstance(status, int):  # (a 404 too: FileNotFoundError, saying why)
+            raise _http_status_error(path, status) from cause
+        raise _http_request_error(path, cause) from cause
 
 
 def _first_http(fs, path: str, start: int, end: int):
@@ -401,14 +453,11 @@ def _first_http(fs, path: str, start: int, end: int):
     headers = dict(fs.kwargs.get("headers") or {})
     headers["Range"] = f"bytes={start}-{end - 1}"
     headers["Accept-Encoding"] = "identity"
-    try:
-        status, response, url, data = _sync(fs, _http_get, fs, path, headers)
-    except Exception:  # aiohttp's errors (not all OSErrors): the info path raises what
-        return None    # fsspec makes of them, as it did before there was this GET
-    if status == 404:
-        raise FileNotFoundError(errno.ENOENT, f"{path}: not found (HTTP 404)", path)
+    status, response, url, data = _http_request(fs, path, headers)
+    if status >= 400 and status != 416:  # 416: empty, or past the end: the info tells
+        raise _http_status_error(path, status)
     if status not in (200, 206) or response.get("Content-Encoding", "identity") not in ("identity", ""):
-        return None  # 416 (empty, or past the end), errors: the info path, as before
+        return None  # 416, an encoded body: the info path, as before
     etag = response.get("ETag")
     if not etag:
         return _NO_VERSION
@@ -440,8 +489,8 @@ def _read_checked(fs, path: str, start: int, end: int | None, version: str) -> b
             data = fs.cat_file(path, start=start, end=end)
     except OSError:
         raise
-    except Exception as exc:  # a client's own error (aiohttp's HTTP 416 of a file that
-        # shrank): a changed file is said so; anything else is an OSError at this boundary
+    except Exception as exc:  # a client's own error (a range refused as the file shrank):
+        # a changed file is said so; anything else is an OSError at this boundary
         _check_after(fs, path, version)
         raise OSError(errno.EIO, f"{path}: {type(exc).__name__}: {exc}") from exc
     _check_after(fs, path, version)
@@ -453,6 +502,6 @@ def _check_after(fs, path: str, version: str) -> None:
         found = stat_token(os.stat(path))  # what its info says (links followed), 3x cheaper
     else:
         fs.invalidate_cache(path)  # the store's answer, not a listing the target kept
-        found = version_token(fs.info(path))
+        found = version_token(source_info(fs, path))
     if found != version:
         raise _changed(path, version, found)

@@ -1,0 +1,227 @@
+"""How an HTTP source's failures surface, and a server without ETags or Range support.
+
+* A server in trouble (500, 503), one that refuses (403) and one that cannot be reached
+  (connection refused) fail a cold ``cat_file`` and an ``open().read()`` with an OSError
+  that names the URL and the cause (PermissionError for 403), never FileNotFoundError: an
+  outage must not read as a missing file (fsspec's HTTP ``info`` says FileNotFoundError for
+  all of them). A 404 (and a 410) stays FileNotFoundError, saying why.
+* The same for a file already known whose later block fails (a server without ETags:
+  its read is checked by asking the info again, which failed as "not found").
+* python's ``http.server`` (no ETag, no Range): a file of several blocks reads whole,
+  again and again, and a file changed between reads is still seen as changed.
+"""
+from __future__ import annotations
+
+import io
+import os
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from cachemw.tiers.source import ChangedSourceError
+
+BS = 64 * 1024
+
+
+class _Failing(BaseHTTPRequestHandler):
+    """Answers ``/<status>/<name>`` with that status, to GET and HEAD alike."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def _fail(self):
+        self.send_response(int(self.path.split("/")[1]))
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_HEAD = _fail
+
+
+class _Plain(SimpleHTTPRequestHandler):
+    """python's own file server (no ETag, Range ignored); ``fail_with``: every request
+    answered with that status instead, while it is set; ``ranges``: Range honoured."""
+
+    root = ""
+    fail_with: int | None = None
+    ranges = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, directory=self.root, **kwargs)
+
+    def log_message(self, *args):
+        pass
+
+    def send_head(self):
+        if self.fail_with is not None:
+            self.send_error(self.fail_with)
+            return None
+        rng = self.headers.get("Range")
+        if not (self.ranges and self.command == "GET" and rng):
+            return super().send_head()
+        data = open(self.translate_path(self.path), "rb").read()
+        first, _, last = rng[len("bytes="):].partition("-")
+        start, end = int(first), min(int(last) + 1 if last else len(data), len(data))
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.send_header("Content-Length", str(end - start))
+        self.end_headers()
+        return io.BytesIO(data[start:end])
+
+
+def _serve(handler):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    return server, thread, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+@pytest.fixture
+def failing():
+    server, thread, base = _serve(_Failing)
+    yield base
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+
+
+@pytest.fixture
+def plain(tmp_path):
+    """(directory, base URL, handler class) of python's file server over a fresh dir."""
+    root = tmp_path / "www"
+    root.mkdir()
+    handler = type("Handler", (_Plain,), {"root": str(root)})
+    server, thread, base = _serve(handler)
+    yield root, base, handler
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+
+
+def _http_fs(make_cache_fs):
+    return make_cache_fs(target_protocol="http", block_size=BS)
+
+
+def _read(fs, url, how):
+    if how == "cat_file":
+        return fs.cat_file(url)
+    with fs.open(url, "rb") as f:
+        return f.read()
+
+
+def _refused_url() -> str:
+    """A URL on a local port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/f.bin"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["cat_file", "open"])
+@pytest.mark.parametrize("status,kind", [(500, OSError), (503, OSError),
+                                         (403, PermissionError)])
+def test_a_server_error_is_an_oserror_naming_the_url_and_status(make_cache_fs, failing, how,
+                                                                status, kind):
+    fs = _http_fs(make_cache_fs)
+    url = f"{failing}/{status}/f.bin"
+    with pytest.raises(kind) as raised:
+        _read(fs, url, how)
+    assert not isinstance(raised.value, FileNotFoundError)
+    assert url in str(raised.value) and f"HTTP {status}" in str(raised.value)
+    # fsspec's on_error="return": the error itself, not a missing file
+    [result] = fs.cat([url], on_error="return").values()
+    assert isinstance(result, kind) and not isinstance(result, FileNotFoundError)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["cat_file", "open"])
+def test_connection_refused_is_an_oserror_naming_the_url(make_cache_fs, how):
+    fs = _http_fs(make_cache_fs)
+    url = _refused_url()
+    with pytest.raises(ConnectionRefusedError) as raised:
+        _read(fs, url, how)
+    assert url in str(raised.value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["cat_file", "open"])
+@pytest.mark.parametrize("status", [404, 410])
+def test_a_missing_file_stays_file_not_found_saying_why(make_cache_fs, failing, how, status):
+    fs = _http_fs(make_cache_fs)
+    url = f"{failing}/{status}/f.bin"
+    with pytest.raises(FileNotFoundError) as raised:
+        _read(fs, url, how)
+    assert url in str(raised.value) and f"HTTP {status}" in str(raised.value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ranges", [False, True], ids=["no-range", "range"])
+def test_a_known_file_whose_server_fails_later_is_not_a_missing_file(make_cache_fs, plain,
+                                                                     ranges):
+    root, base, handler = plain
+    handler.ranges = ranges
+    data = os.urandom(3 * BS + 11)
+    (root / "f.bin").write_bytes(data)
+    fs = _http_fs(make_cache_fs)
+    with fs.open(f"{base}/f.bin", "rb") as f:
+        assert f.read(100) == data[:100]
+        handler.fail_with = 503
+        f.seek(2 * BS)
+        with pytest.raises(OSError) as raised:
+            f.read(10)
+        assert not isinstance(raised.value, (FileNotFoundError, ChangedSourceError))
+        assert "HTTP 503" in str(raised.value) and f"{base}/f.bin" in str(raised.value)
+        handler.fail_with = None
+        f.seek(2 * BS)
+        assert f.read(10) == data[2 * BS:2 * BS + 10]  # the server is back: the same version
+
+
+@pytest.mark.timeout(60)
+def test_a_server_without_etags_or_ranges_reads_multi_block_files(make_cache_fs, plain):
+    root, base, _ = plain
+    data = os.urandom(3 * BS + 1234)
+    (root / "f.bin").write_bytes(data)
+    url = f"{base}/f.bin"
+    fs = _http_fs(make_cache_fs)
+    for _ in range(3):  # cold, then from the cache
+        assert fs.cat_file(url, 100, 200) == data[100:200]
+        assert fs.cat_file(url, BS - 5, 2 * BS + 5) == data[BS - 5:2 * BS + 5]
+        assert fs.cat_file(url) == data
+        with fs.open(url, "rb") as f:
+            assert f.read() == data
+    other = _http_fs(make_cache_fs)  # another reader of the node: the same bytes
+    assert other.cat_file(url) == data
+    (root / "g.bin").write_bytes(data[:2 * BS])  # read through an open file first
+    with fs.open(f"{base}/g.bin", "rb") as f:
+        f.seek(BS + 1)
+        assert f.read() == data[BS + 1:2 * BS]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change", ["resized", "same-size"])
+def test_a_file_changed_between_reads_without_etags_is_still_seen(make_cache_fs, plain,
+                                                                   change):
+    root, base, _ = plain
+    path = root / "f.bin"
+    old = os.urandom(3 * BS + 9)
+    new = os.urandom(len(old) + (BS // 2 if change == "resized" else 0))
+    path.write_bytes(old)
+    url = f"{base}/f.bin"
+    fs = _http_fs(make_cache_fs)
+    with fs.open(url, "rb") as f:
+        assert f.read(100) == old[:100]
+        stat = os.stat(path)
+        path.write_bytes(new)
+        # Last-Modified is in whole seconds: make sure it moves (with the size, the
+        # version of a server without ETags)
+        os.utime(path, (stat.st_atime + 10, stat.st_mtime + 10))
+        f.seek(2 * BS)
+        with pytest.raises(ChangedSourceError):
+            f.read(10)
+    assert fs.cat_file(url) == new
+    with fs.open(url, "rb") as f:
+        assert f.read() == new
