@@ -325,7 +325,7 @@ def test_reads_go_on_through_leases_when_no_claim_can_be_made(make_cache_fs, tmp
 
     fs.reader.claims.take = refused
     before = dict(fs.stats())
-    with caplog.at_level(logging.WARNING, logger="cachemw.client.reader"):
+    with caplog.at_level(logging.WARNING, logger="cachemw.client.misses"):
         for path, data in files.items():
             assert fs.cat_file(path) == data
     after = fs.stats()

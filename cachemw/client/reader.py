@@ -31,18 +31,17 @@ import errno
 import json
 import logging
 import time
-from functools import partial
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
-from . import fanout
 from .adopt import Adoptions, Adopted
 from ..blockfile import CorruptBlock
 from ..claims import Claims, claims_dir
 from .link import DaemonClient
 from .direct import DirectReads
-from .fills import Fill, FillWriter
-from ..keys import block_key, block_length, url_tag
+from .fills import FillWriter
+from ..keys import block_key, block_length
 from .metadata import FileMeta
+from .misses import Misses, Piece
 from .openfile import clip
 from .urls import env_endpoint
 from .. import trace
@@ -62,16 +61,10 @@ TIER_FAULTS = frozenset({errno.EIO, errno.EACCES, errno.EPERM, errno.ENOTDIR, er
 VIEW_MIN = 1 << 20  # blocks from this size are joined from their mappings (see _hit)
 
 
-class Piece(NamedTuple):
-    meta: FileMeta
-    index: int
-    lo: int
-    hi: int
-    key: str
-    length: int
+class BlockReader(Misses):
+    """Byte ranges of source files through the node's tiers: hits here, misses in
+    misses.py (Misses), the source pinned to each file's version."""
 
-
-class BlockReader:
     def __init__(self, source: SourceTier, client: DaemonClient, block_size: int,
                  write_behind: int = 0) -> None:
         self.source = source
@@ -246,221 +239,6 @@ class BlockReader:
 
     def announce_items(self, meta: FileMeta, start: int, end: int) -> list[tuple]:
         return [self.item(p) for p in self._pieces(meta, start, end)] if end > start else []
-
-    def _misses(self, pieces: list[Piece]) -> list[bytes]:
-        with trace.span("miss", trace.READ, blocks=len(pieces)):
-            return self._resolve_misses(pieces)
-
-    def _resolve_misses(self, pieces: list[Piece]) -> list[bytes]:
-        """One lease per distinct block (a batch may name a block twice); every fill lease
-        is finished or aborted, even when resolving an earlier piece raises."""
-        started = time.perf_counter()
-        first: dict[str, int] = {}
-        for i, p in enumerate(pieces):
-            first.setdefault(p.key, i)
-        unique = [pieces[i] for i in first.values()]
-        out: dict[int, bytes] = {}
-        direct = self.direct.fetch([(p.key, p.length) for p in unique])
-        now = self.took("remote_hit_seconds", "remote_hit", started, len(direct))
-        if direct:  # hits at their owner nodes, sent straight from there
-            for p in unique:
-                block = direct.get(p.key)
-                if block is not None:
-                    self.client.count("remote_hits")
-                    self.client.count("remote_bytes", len(block))
-                    self._missed(started, now)
-                    out[first[p.key]] = block if (p.lo, p.hi) == (0, len(block)) else block[p.lo:p.hi]
-            unique = [p for p in unique if p.key not in direct]
-        if unique and self.direct.alone():  # claimed: fetched now, leased behind the read
-            claimed, found = self._claim(unique)
-            for key, data in found.items():
-                out[first[key]] = data
-            if claimed:
-                self._fetch_claimed(claimed, first, out, started)
-            unique = [p for p in unique if p.key not in claimed and p.key not in found]
-        replies = []
-        if unique:
-            asked = time.perf_counter()
-            replies = self.client.lease_many([self.item(p) for p in unique])
-            self.client.count("lease_requests")
-            self.client.count("lease_waits", len(unique))
-            self.took("lease_seconds", "lease_wait", asked, len(unique))
-        done = -1  # the leases after it are aborted if this ends early
-        try:
-            fetched = self._prefetch_fills(unique, replies)
-            for done, p in enumerate(unique):
-                reply = None if replies is None else replies[done]
-                out[first[p.key]] = self._resolve(p, reply, fetched.get(done))
-                if reply is None or reply[0] != "present":  # filled meanwhile: a hit
-                    self._missed(started, time.perf_counter())
-            done = len(unique)
-        finally:
-            if replies is not None:
-                for p, reply in zip(unique[done + 1:], replies[done + 1:]):
-                    if reply[0] == "fill":
-                        self.client.abort(p.key, "error")
-        for i, p in enumerate(pieces):  # the repeats: from the block this call got, the tier,
-            if i not in out:            # or the source
-                block = direct.get(p.key) or self.fills.pending.get(p.key)
-                data = block[p.lo:p.hi] if block is not None else self._hit(p)
-                out[i] = data if data is not None else self._direct(p)
-        self.client.maybe_flush()
-        return [out[i] for i in range(len(pieces))]
-
-    def _claim(self, pieces: list[Piece]) -> tuple[dict[str, Piece], dict[str, bytes]]:
-        """The pieces whose claims this process took, and the ones found cached once their
-        claim was ours (a fill publishes its block before its claim ends: it landed since
-        the hit was missed), both by key; none where the node has no claims directory (no
-        daemon has run there yet: the lease path starts one)."""
-        taken: dict[str, Piece] = {}
-        found: dict[str, bytes] = {}
-        for p in pieces:
-            if not self._take_claim(p.key):
-                continue
-            data = self._hit(p)
-            if data is None:
-                taken[p.key] = p
-            else:
-                self.claims.release(p.key)
-                found[p.key] = data
-        return taken, found
-
-    def _take_claim(self, key: str) -> bool:
-        """``key``'s claim, if this process can take it. No claims directory (no daemon has
-        run here yet), or one where no claim can be made (a full tmpfs): False, and the miss
-        asks the daemon for its lease first, as with several nodes (said once)."""
-        try:
-            return self.claims.take(key)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            if not self._warned_claims:
-                self._warned_claims = True
-                log.warning("cannot make a claim in %s (%s): misses ask the node daemon "
-                            "for their lease before fetching (logged once)", self.claims.dir, exc)
-            return False
-
-    def _fetch_claimed(self, claimed: dict[str, Piece], first: dict, out: dict,
-                       started: float) -> None:
-        """Fetch the claimed blocks, side by side (fanout.py); each is leased and filled
-        behind (adopt), and its claim ends with its lease (or here, if its fetch failed:
-        the first failure is raised once every fetch has ended)."""
-        dropped_since = self.dropped_since
-        self.client.tell_unreachable()  # if a fill's lease behind earlier reads found it so
-        pending = list(claimed.values())
-        self.fills.kick()  # the earlier fills get written while we wait on the source
-        asked = time.time()
-
-        def dropped(path: str) -> bool:
-            return dropped_since is not None and dropped_since(path, asked)
-
-        error = None
-        try:
-            results = fanout.run_all([partial(self._fetch_source, p) for p in pending])
-            while pending:
-                p, result = pending[0], results[len(claimed) - len(pending)]
-                if isinstance(result, BaseException):
-                    error = error or result
-                    self.claims.release(p.key)
-                    pending.pop(0)
-                    continue
-                block, fetched, now = result
-                pending.pop(0)
-                self.client.count("source_seconds", now - fetched)
-                self.client.count("source_reads")
-                self.client.count("bytes_from_source", len(block))
-                self._missed(started, now)
-                self.fills.adopt(p.key, block,
-                                 Adopted(p, block, partial(dropped, p.meta.path), True,
-                                         "claimed_duplicates"),
-                                 self.adoptions)
-                out[first[p.key]] = block if (p.lo, p.hi) == (0, len(block)) else block[p.lo:p.hi]
-        finally:
-            for p in pending:  # not fetched, or not handed on (interrupted): nobody's claim
-                self.claims.release(p.key)
-        if error is not None:
-            raise error
-
-    def _fetch_source(self, piece: Piece) -> tuple[bytes, float, float]:
-        """(the block from the source, pinned to its version; when the fetch began, ended),
-        traced in the thread that fetched it (a thread's events nest)."""
-        meta = piece.meta
-        started = time.perf_counter()
-        block = self.source.read_block(meta.path, piece.index, self.block_size, meta.size,
-                                       meta.version)
-        now = time.perf_counter()
-        if trace.ENABLED:
-            trace.block_event("source_fetch", started, now, "source", meta.path, piece.index,
-                              len(block))
-        return block, started, now
-
-    def _prefetch_fills(self, unique: list[Piece], replies) -> dict[int, tuple | BaseException]:
-        """The blocks of a batch this process was leased to fill, fetched side by side when
-        there are several (fanout.py), by their place in the batch; {} for one or none."""
-        places = [i for i, r in enumerate(replies or ()) if r[0] == "fill"]
-        if len(places) < 2:
-            return {}
-        self.fills.kick()  # the earlier fills get written while we wait on the source
-        got = fanout.run_all([partial(self._fetch_source, unique[i]) for i in places])
-        return dict(zip(places, got))
-
-    def _resolve(self, piece: Piece, reply, fetched=None) -> bytes:
-        client = self.client
-        if reply is None:
-            client.count("fallbacks")
-            return self._direct(piece)
-        kind, arg = reply[0], reply[1]
-        if kind == "fill":
-            return self._fill(piece, arg, reply[2], fetched)
-        if kind == "data":
-            client.count("remote_reads")
-            client.count("remote_bytes", len(arg))
-            return arg if piece.lo == 0 and piece.hi == len(arg) else arg[piece.lo:piece.hi]
-        if kind == "present":
-            tier = self.tier(arg)
-            started = time.perf_counter()
-            try:
-                data = tier.get(piece.key, piece.length, piece.lo, piece.hi) if tier else None
-            except CorruptBlock:
-                client.count("corrupt_repaired")
-                data = None
-            except OSError as exc:
-                self._unreadable(piece, tier, exc)
-                return self._direct(piece)
-            if data is not None:
-                self._hit_done(piece, arg, data, started)
-                return data
-            client.drop(piece.key, "missing")  # indexed but gone: let it be filled again
-        client.count("fallbacks" if kind == "fallback" else "bypassed")
-        return self._direct(piece)
-
-    def _fill(self, piece: Piece, tier_name: str, lease: int, fetched=None) -> bytes:
-        """Fill a leased block: fetch it (unless ``fetched`` with the batch's others: the
-        block and its times, or the fetch's error), hand it to the fill writer, return the
-        piece's bytes. The lease ends whatever failed, even Ctrl-C."""
-        client = self.client
-        meta = piece.meta
-        try:
-            if fetched is None:
-                self.fills.kick()  # the earlier fills get written while we wait on the source
-                fetched = self._fetch_source(piece)
-            elif isinstance(fetched, BaseException):
-                raise fetched
-        except BaseException:
-            client.abort(piece.key, "source-error")
-            raise
-        block, started, now = fetched
-        client.count("source_seconds", now - started)
-        client.count("source_reads")
-        client.count("misses")
-        client.count("bytes_from_source", len(block))
-        tier = self.tier(tier_name)
-        if tier is None:  # a tier this process does not know (the daemon was reconfigured)
-            client.abort(piece.key, "error")
-        else:
-            self.fills.submit(Fill(piece.key, tier, block, url_tag(meta.url), client.link(),
-                                   lease), waited=now - started)
-        return block if piece.lo == 0 and piece.hi == len(block) else block[piece.lo:piece.hi]
 
     def read_cold(self, path: str, start: int | None, end: int | None,
                   metadata: MetadataCache) -> bytes | None:
