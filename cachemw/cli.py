@@ -149,7 +149,7 @@ def cmd_warm(args) -> int:
     node = socket.gethostname()
     progress = None if args.quiet or args.json else warm.progress_printer(node)
     try:
-        report = warm.run(args.urls, config, progress=progress)
+        report = warm.run(args.urls, config, progress=progress, runtime_dir=args.runtime_dir)
     except warm.WarmError as exc:
         print(f"cachemw warm: {node}: {exc}", file=sys.stderr)
         return 2
@@ -167,11 +167,23 @@ def cmd_warm(args) -> int:
     return 0 if report.ok else 1
 
 
+def _own_runtime_dir(args) -> None:
+    """``job`` and ``bench`` run a daemon of their own in a fresh runtime dir and remove that
+    dir when they end: a ``--runtime-dir`` given them would be silently ignored (or, if
+    used, removed), so it is refused."""
+    if args.runtime_dir:
+        raise ValueError(f"--runtime-dir: `cachemw {args.command}` runs its own daemon in a "
+                         f"fresh runtime dir (removed when it ends) and reads no other; "
+                         f"run it without --runtime-dir")
+
+
 def cmd_bench(args) -> int:
+    _own_runtime_dir(args)
     return bench.main(args)
 
 
 def cmd_job(args) -> int:
+    _own_runtime_dir(args)
     return job.main(args)
 
 
