@@ -1,4 +1,5 @@
-"""Configuration: one frozen dataclass per component, and the only place CACHEMW_* is read.
+"""Configuration: one frozen dataclass per component, and the only place CACHEMW_* is read
+(and the other variables that give cachemw's settings their defaults: SLURM_*, RAY_ADDRESS).
 
 Components take their config as keyword arguments; the environment is a fallback mapped
 here, in one function per component, so the rest of the code never looks at os.environ.
@@ -130,6 +131,16 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def ray_address(env: Mapping[str, str] | None = None) -> str | None:
+    """``RAY_ADDRESS``: the Ray cluster ``cachemw status``/``top``/``stop`` reach when no
+    ``--address`` is given and no cluster ``cachemw start`` made for the runtime dir runs
+    (empty or unset: None). It is Ray's own variable (``ray.init()`` and Ray's CLI read it;
+    the Slurm job script exports it), read here because cachemw must decide before Ray
+    does: ``ray.init()`` without an address and without it would start a new cluster."""
+    env = os.environ if env is None else env
+    return env.get("RAY_ADDRESS") or None
 
 
 def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:

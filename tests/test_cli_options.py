@@ -3,6 +3,7 @@ does not say) when something is off: a closed stdout, a refused runtime dir."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -46,3 +47,84 @@ def test_job_and_bench_refuse_a_runtime_dir_they_would_not_use(command, capsys):
     assert cli.main(["--runtime-dir", "/dev/shm/cachemw-elsewhere", command]) == 2
     err = capsys.readouterr().err
     assert "--runtime-dir" in err and "without --runtime-dir" in err, err
+
+
+@pytest.fixture
+def gcs_port():
+    """Something listening where a Ray GCS would: RAY_ADDRESS is taken as answering."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    yield listener.getsockname()[1]
+    listener.close()
+
+
+def test_without_address_status_and_stop_reach_the_cluster_ray_address_names(
+        tmp_path, monkeypatch, gcs_port):
+    """connect() (status, top, stop) never read RAY_ADDRESS: with no cluster of `cachemw
+    start`'s, it raised "no cachemw-managed Ray cluster runs" although one was named."""
+    from cachemw.cluster import actor
+
+    inits = []
+
+    class Ray:  # ray.init only records where it was sent
+        @staticmethod
+        def is_initialized():
+            return False
+
+        @staticmethod
+        def init(address, **_):
+            inits.append(address)
+
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    monkeypatch.setattr(actor, "_ray", lambda: Ray)
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{gcs_port}")
+    state = actor.connect(None, str(tmp_path / "rt"))
+    assert inits == [f"127.0.0.1:{gcs_port}"] and not state["started_by_cachemw"]
+    # --address still wins over the variable
+    actor.connect("10.1.2.3:6379", str(tmp_path / "rt"))
+    assert inits[-1] == "10.1.2.3:6379"
+    # a stale variable is said at once (ray.init would retry for minutes), naming it
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(ConnectionError, match="RAY_ADDRESS=127.0.0.1:1"):
+        actor.connect(None, str(tmp_path / "rt"))
+    monkeypatch.setenv("RAY_ADDRESS", "")  # empty counts as unset
+    with pytest.raises(ConnectionError, match="give --address"):
+        actor.connect(None, str(tmp_path / "rt"))
+    assert len(inits) == 2
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_status_top_and_stop_with_ray_address_set(tmp_path):
+    """The reviewer's case: RAY_ADDRESS names a live cluster with daemons; status said no
+    daemon runs, top showed no node, stop stopped none (exit 1)."""
+    import json
+
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from cachemw.cluster import actor
+
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        os.environ.pop(var, None)
+    rt = str(tmp_path / "rt")
+    # the CLI's own runtime dir is another: its node-local fallback finds no daemon there
+    env = dict(os.environ, RAY_ADDRESS="", CACHEMW_RUNTIME_DIR=str(tmp_path / "cli-rt"))
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        ray.init(address=c.address, namespace="cachemw", log_to_driver=False)
+        assert len(actor.start(c.address, runtime_dir=rt, dram_capacity="64MiB")) == 1
+        env["RAY_ADDRESS"] = c.address
+        r = _cli("status", "--json", env=env)
+        assert r.returncode == 0 and len(json.loads(r.stdout)["nodes"]) == 1, r.stdout + r.stderr
+        r = _cli("top", "--json", "--interval", "0.2", env=env)
+        assert r.returncode == 0 and len(json.loads(r.stdout)["nodes"]) == 1, r.stdout + r.stderr
+        r = _cli("stop", env=env)
+        assert r.returncode == 0 and "stopped 1 daemon" in r.stdout, r.stdout + r.stderr
+    finally:
+        try:
+            actor.stop(c.address, runtime_dir=rt, timeout=10)
+        finally:
+            ray.shutdown()
+            c.shutdown()
