@@ -134,11 +134,9 @@ def format_size(n: float) -> str:
 
 
 def ray_address(env: Mapping[str, str] | None = None) -> str | None:
-    """``RAY_ADDRESS``: the Ray cluster ``cachemw status``/``top``/``stop`` reach when no
-    ``--address`` is given and no cluster ``cachemw start`` made for the runtime dir runs
-    (empty or unset: None). It is Ray's own variable (``ray.init()`` and Ray's CLI read it;
-    the Slurm job script exports it), read here because cachemw must decide before Ray
-    does: ``ray.init()`` without an address and without it would start a new cluster."""
+    """``RAY_ADDRESS`` (empty: None), Ray's own variable, for status/top/stop without
+    ``--address`` (cluster/actor.connect): read here, as cachemw must decide before Ray
+    does (``ray.init()`` with neither an address nor it starts a new cluster)."""
     env = os.environ if env is None else env
     return env.get("RAY_ADDRESS") or None
 
@@ -308,6 +306,18 @@ class DaemonConfig:
         return cls(**d)
 
 
+def _check_resolved(path: str, name: str) -> None:
+    """``{node_id}`` is filled in by the daemons ``cachemw start`` places, never by a
+    reader: its DataLoader workers remake the filesystem where Ray is not connected (spawn)
+    or not usable (fork). Left as it was, reads went to the source, or an autostarted
+    daemon served a directory literally named ``{node_id:.16}``."""
+    if "{node_id" in path:
+        raise ValueError(
+            f"{name}: {path!r} holds the {{node_id}} template, which only the daemons "
+            f"`cachemw start` places fill in; a reader gives its node's own directory, "
+            f"e.g. {name}={path!r}.format(node_id=ray.get_runtime_context().get_node_id())")
+
+
 def _absolute(path, name: str) -> str | None:
     """A tier directory, absolute (see _check_absolute); None if unset."""
     if path is None or path == "":
@@ -367,6 +377,7 @@ class CacheOptions:
         object.__setattr__(self, "daemon_timeout",
                            check_seconds(self.daemon_timeout, "daemon_timeout"))
         check_runtime_dir(self.runtime_dir)
+        _check_resolved(self.runtime_dir, "runtime_dir")
         bs = parse_size(self.block_size, name="block_size")
         if bs < 4096:
             raise ValueError(f"block_size: must be at least 4096 bytes, got {bs}")
