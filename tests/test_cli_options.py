@@ -128,3 +128,45 @@ def test_status_top_and_stop_with_ray_address_set(tmp_path):
         finally:
             ray.shutdown()
             c.shutdown()
+
+
+def _with_stdout_closed(*args, env):
+    """Run the CLI with a stdout pipe whose reader has gone before it writes (`| head`)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run(CLI + list(args), env=env, stdout=w, stderr=subprocess.PIPE,
+                              text=True, timeout=60, cwd="/")
+    finally:
+        os.close(w)
+    return proc
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_stdout_ends_the_command_quietly(runtime_dir, spawn_daemon):
+    """`cachemw stats --json | head -1` said "[Errno 32] Broken pipe" (exit 2)."""
+    spawn_daemon(runtime_dir, dram_capacity="16MiB")
+    env = dict(os.environ, CACHEMW_RUNTIME_DIR=runtime_dir, RAY_ADDRESS="")
+    for args in (["stats", "--json"], ["status", "--json"]):
+        proc = _with_stdout_closed(*args, env=env)
+        assert proc.returncode == 141 and proc.stderr == "", (args, proc.returncode, proc.stderr)
+
+
+def test_a_refused_runtime_dir_is_said_alone(tmp_path):
+    """status and stats said the refusal (as a reader's log line) and then "no cachemw
+    daemon runs (start one ...)", which no start would fix."""
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    env = dict(os.environ, CACHEMW_RUNTIME_DIR=str(tmp_path / "link"), RAY_ADDRESS="")
+    for args in (["status"], ["status", "--json"], ["stats"], ["top", "--json"]):
+        r = _cli(*args, env=env)
+        said = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and r.stdout == "" and len(said) == 1, (args, r.stdout, r.stderr)
+        assert said[0].startswith(f"cachemw {args[0]}: {tmp_path / 'link'}: a symlink"), said
+        assert "refusing to use it" in said[0] and "no cachemw daemon" not in said[0]
+    (tmp_path / "open").mkdir()
+    (tmp_path / "open").chmod(0o777)  # writable by other users: refused the same way
+    r = _cli("stats", env=dict(env, CACHEMW_RUNTIME_DIR=str(tmp_path / "open")))
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"cachemw stats: {tmp_path / 'open'}: writable by other users (mode 777); refusing to "
+        f"use it (another user may have made it: remove it, or set another runtime_dir)"], r.stderr
