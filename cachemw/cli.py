@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import select
 import socket
 import sys
 
@@ -12,7 +14,7 @@ from .client.link import DaemonClient
 from .cluster import actor as daemon
 from .config import WarmConfig, format_size, parse_size, resolve_runtime_dir
 from .job import command as job
-from .protocol import lock_holder, lookup
+from .protocol import check_private_dir, lock_holder, lookup
 from .report import format_stats
 
 
@@ -25,6 +27,16 @@ def _size(value: str) -> int:
 
 def _runtime_dir(args) -> str:
     return resolve_runtime_dir(args.runtime_dir)
+
+
+def _usable_runtime_dir(args) -> str:
+    """The runtime dir of a command that looks into it (status, stats, top). One that is
+    refused (a symlink, another user's: README, Security posture) is the command's error,
+    said alone: the readers' log line about it and "no daemon runs" after it misled."""
+    runtime_dir = _runtime_dir(args)
+    if os.path.lexists(runtime_dir):
+        check_private_dir(runtime_dir)  # UnsafeDirectory (an OSError): main says it
+    return runtime_dir
 
 
 def cmd_start(args) -> int:
@@ -72,6 +84,7 @@ def _tiers(stats: dict) -> str:
 
 def cmd_status(args) -> int:
     logging.getLogger("cachemw.client.link").setLevel(logging.ERROR)  # said below, once
+    _usable_runtime_dir(args)
     try:
         nodes = daemon.status(args.address, runtime_dir=_runtime_dir(args))
     except ConnectionError:
@@ -118,6 +131,7 @@ def _local_stats(args) -> dict | None:
 
 def cmd_stats(args) -> int:
     logging.getLogger("cachemw.client.link").setLevel(logging.ERROR)
+    _usable_runtime_dir(args)
     stats = _local_stats(args)
     if stats is None:
         rt = _runtime_dir(args)
@@ -138,7 +152,7 @@ def cmd_stats(args) -> int:
 
 def cmd_top(args) -> int:
     logging.getLogger("cachemw.client.link").setLevel(logging.ERROR)
-    return top.main(args.address, _runtime_dir(args), as_json=args.json,
+    return top.main(args.address, _usable_runtime_dir(args), as_json=args.json,
                     interval=args.interval)
 
 
@@ -149,7 +163,7 @@ def cmd_warm(args) -> int:
     node = socket.gethostname()
     progress = None if args.quiet or args.json else warm.progress_printer(node)
     try:
-        report = warm.run(args.urls, config, progress=progress)
+        report = warm.run(args.urls, config, progress=progress, runtime_dir=args.runtime_dir)
     except warm.WarmError as exc:
         print(f"cachemw warm: {node}: {exc}", file=sys.stderr)
         return 2
@@ -167,11 +181,23 @@ def cmd_warm(args) -> int:
     return 0 if report.ok else 1
 
 
+def _own_runtime_dir(args) -> None:
+    """``job`` and ``bench`` run a daemon of their own in a fresh runtime dir and remove that
+    dir when they end: a ``--runtime-dir`` given them would be silently ignored (or, if
+    used, removed), so it is refused."""
+    if args.runtime_dir:
+        raise ValueError(f"--runtime-dir: `cachemw {args.command}` runs its own daemon in a "
+                         f"fresh runtime dir (removed when it ends) and reads no other; "
+                         f"run it without --runtime-dir")
+
+
 def cmd_bench(args) -> int:
+    _own_runtime_dir(args)
     return bench.main(args)
 
 
 def cmd_job(args) -> int:
+    _own_runtime_dir(args)
     return job.main(args)
 
 
@@ -248,19 +274,41 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader gone (`| head`) is found here, not at exit
+        return code
     except KeyboardInterrupt:  # Ctrl-C, or a SIGTERM the job turns into one: cleaned up
         print(f"cachemw {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError as exc:
+        if not _reader_gone():  # another pipe (a daemon's socket): an error like any
+            return _failed(args, exc)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit's flush too
+        return 141  # as a tool that SIGPIPE ended, and quietly
     except (ValueError, OSError, RuntimeError) as exc:
-        print(f"cachemw {args.command}: {str(exc) or type(exc).__name__}", file=sys.stderr)
-        return 2
+        return _failed(args, exc)
     except Exception as exc:
         if type(exc).__module__ in ("builtins",) or type(exc).__module__.startswith("cachemw"):
             raise  # a fault of ours: its traceback
         # a library's own error (botocore's missing credentials, aiohttp's): one line
         print(f"cachemw {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+
+
+def _failed(args, exc: Exception) -> int:
+    print(f"cachemw {args.command}: {str(exc) or type(exc).__name__}", file=sys.stderr)
+    return 2
+
+
+def _reader_gone() -> bool:
+    """Has stdout's reader closed it (``cachemw stats --json | head -1``)? The write end
+    of a pipe with no reader polls as an error."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+    except (AttributeError, ValueError, OSError):  # no stdout, or not a file
+        return False
+    return any(events & select.POLLERR for _, events in poll.poll(0))
 
 
 if __name__ == "__main__":

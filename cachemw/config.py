@@ -1,4 +1,5 @@
-"""Configuration: one frozen dataclass per component, and the only place CACHEMW_* is read.
+"""Configuration: one frozen dataclass per component, and the only place CACHEMW_* is read
+(and the other variables that give cachemw's settings their defaults: SLURM_*, RAY_ADDRESS).
 
 Components take their config as keyword arguments; the environment is a fallback mapped
 here, in one function per component, so the rest of the code never looks at os.environ.
@@ -130,6 +131,14 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def ray_address(env: Mapping[str, str] | None = None) -> str | None:
+    """``RAY_ADDRESS`` (empty: None), Ray's own variable, for status/top/stop without
+    ``--address`` (cluster/actor.connect): read here, as cachemw must decide before Ray
+    does (``ray.init()`` with neither an address nor it starts a new cluster)."""
+    env = os.environ if env is None else env
+    return env.get("RAY_ADDRESS") or None
 
 
 def default_runtime_dir(env: Mapping[str, str] | None = None) -> str:
@@ -297,6 +306,18 @@ class DaemonConfig:
         return cls(**d)
 
 
+def _check_resolved(path: str, name: str) -> None:
+    """``{node_id}`` is filled in by the daemons ``cachemw start`` places, never by a
+    reader: its DataLoader workers remake the filesystem where Ray is not connected (spawn)
+    or not usable (fork). Left as it was, reads went to the source, or an autostarted
+    daemon served a directory literally named ``{node_id:.16}``."""
+    if "{node_id" in path:
+        raise ValueError(
+            f"{name}: {path!r} holds the {{node_id}} template, which only the daemons "
+            f"`cachemw start` places fill in; a reader gives its node's own directory, "
+            f"e.g. {name}={path!r}.format(node_id=ray.get_runtime_context().get_node_id())")
+
+
 def _absolute(path, name: str) -> str | None:
     """A tier directory, absolute (see _check_absolute); None if unset."""
     if path is None or path == "":
@@ -356,6 +377,7 @@ class CacheOptions:
         object.__setattr__(self, "daemon_timeout",
                            check_seconds(self.daemon_timeout, "daemon_timeout"))
         check_runtime_dir(self.runtime_dir)
+        _check_resolved(self.runtime_dir, "runtime_dir")
         bs = parse_size(self.block_size, name="block_size")
         if bs < 4096:
             raise ValueError(f"block_size: must be at least 4096 bytes, got {bs}")

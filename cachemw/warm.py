@@ -104,13 +104,17 @@ class Report:
         return line
 
 
-def open_url(url: str):
-    """(cachemw filesystem, path) of a ``cachemw::`` URL, any fsspec URL or a local path."""
+def open_url(url: str, runtime_dir: str | None = None):
+    """(cachemw filesystem, path) of a ``cachemw::`` URL, any fsspec URL or a local path;
+    ``runtime_dir`` (the CLI's ``--runtime-dir``) names the cache to warm, else the
+    filesystem's own default (``CACHEMW_RUNTIME_DIR``, then the per-user one)."""
     if "://" not in url and "::" not in url:  # a path; cachemw:// URLs are absolute
         url = f"cachemw://{os.path.abspath(url)}"
     elif not url.startswith("cachemw:"):
         url = f"cachemw::{url}"
-    return fsspec.core.url_to_fs(url)
+    # the cachemw layer is always the URL's first: unkeyed options are its own
+    return fsspec.core.url_to_fs(url, **({} if runtime_dir is None else
+                                          {"runtime_dir": runtime_dir}))
 
 
 def ensure_daemon(fs) -> None:
@@ -245,10 +249,12 @@ def _listed(url: str, fs, path: str, errors: dict) -> list[FileMeta]:
     return metas
 
 
-def run(urls: list[str], config: WarmConfig, *, progress=None) -> Report:
+def run(urls: list[str], config: WarmConfig, *, progress=None,
+        runtime_dir: str | None = None) -> Report:
     """Warm ``urls`` (files or directories) on this node: its share when several nodes
-    warm together. ``progress(done_bytes, total_bytes)`` is called as batches complete."""
-    opened = [(url, *open_url(url)) for url in urls]
+    warm together, into the cache of ``runtime_dir`` (None: the filesystem's default).
+    ``progress(done_bytes, total_bytes)`` is called as batches complete."""
+    opened = [(url, *open_url(url, runtime_dir)) for url in urls]
     fs0 = opened[0][1]
     if config.local_task > 0:  # one task per node does the node's work
         return Report(socket.gethostname(), config.nodes, skipped=(

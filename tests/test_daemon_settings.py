@@ -83,6 +83,24 @@ def test_cache_options_reject(kwargs, match):
         fsspec.filesystem("cachemw", skip_instance_cache=True, **kwargs)
 
 
+@pytest.mark.parametrize("autostart", [False, True])
+def test_a_reader_s_runtime_dir_template_is_an_error_naming_the_fix(tmp_path, monkeypatch,
+                                                                   autostart):
+    """`{node_id}` is filled in by the daemons `cachemw start` places, never by a reader:
+    a reader given the template read everything from the source (autostart off) or
+    started a daemon in a directory literally named `{node_id:.16}`."""
+    template = str(tmp_path / "{node_id:.16}")
+    with pytest.raises(ValueError, match=r"runtime_dir: .*\{node_id\}.*\.format\(node_id="):
+        fsspec.filesystem("cachemw", runtime_dir=template, autostart=autostart,
+                          skip_instance_cache=True)
+    monkeypatch.setenv("CACHEMW_RUNTIME_DIR", template)  # `cachemw start`'s, as its error says
+    with pytest.raises(ValueError, match="CACHEMW_RUNTIME_DIR"):
+        fsspec.filesystem("cachemw", autostart=autostart, skip_instance_cache=True)
+    assert os.listdir(tmp_path) == []  # no daemon, no directory named by the template
+    resolved = template.format(node_id="0123456789abcdef0123")  # what a reader passes
+    assert CacheOptions.build(env={}, runtime_dir=resolved).runtime_dir.endswith("0123456789abcdef")
+
+
 def test_ttl_nan_from_the_environment_is_rejected():
     with pytest.raises(ValueError, match="CACHEMW_TTL"):
         CacheOptions.build(env={"CACHEMW_TTL": "nan"})

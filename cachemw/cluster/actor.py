@@ -22,7 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict
 
-from ..config import DaemonConfig, format_size, parse_size, resolve_runtime_dir
+from ..config import DaemonConfig, format_size, parse_size, ray_address, resolve_runtime_dir
 from ..launch import remove_checkpoint_copies, stop_local
 from ..node.service import NodeService
 from ..protocol import ensure_private_dir, lock_holder, lookup
@@ -275,7 +275,11 @@ def _free_port() -> int:
 
 def connect(address: str | None = None, runtime_dir: str | None = None, *,
             start_if_needed: bool = False) -> dict:
-    """ray.init into the cluster: the given one, or the local one cachemw started.
+    """ray.init into the cluster: the given one, else the local one ``cachemw start`` made
+    for ``runtime_dir`` (alive), else (``start_if_needed``) a new local one, else the one
+    ``RAY_ADDRESS`` names. The local one comes first: its daemons are this runtime dir's,
+    and a RAY_ADDRESS exported for other work must not send ``stop`` elsewhere. ``start``
+    never reads RAY_ADDRESS: without ``--address`` it makes its private cluster, as said.
 
     Ray reads its auth settings when it is imported: set them before importing it.
     """
@@ -287,10 +291,18 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
     if address is None:
         state = _read_ray_state(runtime_dir)
         if state is None or not _ray_alive(state):
-            if not start_if_needed:
-                raise ConnectionError("no cachemw-managed Ray cluster runs; give --address or "
-                                      "run `cachemw start`")
-            state = dict(_start_local_ray(runtime_dir), started_now=True)
+            state = None
+            if start_if_needed:
+                state = dict(_start_local_ray(runtime_dir), started_now=True)
+            else:
+                address = ray_address()
+                if address is None:
+                    raise ConnectionError("no cachemw-managed Ray cluster runs; give --address "
+                                          "(or set RAY_ADDRESS) or run `cachemw start`")
+                if not _answers(address):  # a stale variable: ray.init would retry minutes
+                    raise ConnectionError(f"no Ray cluster answers at RAY_ADDRESS={address}; "
+                                          f"unset it, or give --address")
+    if state is not None:
         address = state["address"]
         os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN_PATH"] = state["token_path"]
@@ -302,9 +314,17 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
 
 
 def _ray_alive(state: dict) -> bool:
+    return _answers(state["address"])
+
+
+def _answers(address: str) -> bool:
+    """Does something listen at a Ray GCS address ``host:port``? Other forms ("auto", a
+    ``ray://`` client address) are Ray's to resolve: True."""
     import socket
 
-    host, port = state["address"].rsplit(":", 1)
+    host, _, port = address.rpartition(":")
+    if not host or "://" in address or not port.isdigit():
+        return True
     try:
         with socket.create_connection((host, int(port)), timeout=2):
             return True
@@ -472,15 +492,20 @@ def stop(address: str | None = None, *, runtime_dir: str | None = None, timeout:
 
 def _stop_ray_daemons(address: str | None, runtime_dir: str, timeout: float) -> int:
     local = _read_ray_state(runtime_dir) if address is None else None
-    if address is None and local is None and "ray" not in sys.modules:
+    if address is None and local is None and not ray_address() and "ray" not in sys.modules:
         return 0  # no Ray cluster of ours, none given: nothing to stop through Ray
     try:
         state = connect(address, runtime_dir)
     except Exception as exc:  # cluster unreachable: still clean up what cachemw started
         log.warning("could not reach the Ray cluster: %s", exc)
-        if local is not None and local.get("started_by_cachemw"):
-            _stop_local_ray(local["temp_dir"], local.get("strays"))
-            _forget_ray_state(runtime_dir)
+        state = None
+    # the local cluster cachemw started, unreachable or dead (RAY_ADDRESS's was reached
+    # instead): clear what is left of it
+    if local is not None and local.get("started_by_cachemw") and (
+            state is None or not _ray_alive(local)):
+        _stop_local_ray(local["temp_dir"], local.get("strays"))
+        _forget_ray_state(runtime_dir)
+    if state is None:
         return 0
     ray = _ray()
     handles = _daemon_handles()
