@@ -46,31 +46,49 @@ class DirectReads:
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._fetched_at = -REFRESH
-        self._dir = None
-        self._ring: HashRing | None = None
+        # the daemon's directory and its ring, swapped as one (read unlocked)
+        self._view: tuple[dict | None, HashRing | None] = (None, None)
+        self._asked = False  # the daemon has answered (or failed to) once
+        self._asking = threading.Lock()
         self._local = threading.local()
         self._warned = False
 
-    def _directory(self):
+    def _directory(self) -> tuple[dict | None, HashRing | None]:
+        """(the daemon's directory, its ring), asked again every REFRESH seconds by one
+        thread while the others go on with the last answer. Before the first answer they
+        wait for it: taken for "no ring" meanwhile, a reader of a cluster would read its
+        misses as a lone node does (claim, fetch from the source, fill locally: every
+        thread of a warm but one did, for blocks other nodes own or hold)."""
         if self._pid != os.getpid():
             self._reset()
+        if not self._asked:
+            with self._asking:
+                if not self._asked:  # not by another thread meanwhile
+                    self._ask()
+        elif time.monotonic() - self._fetched_at >= REFRESH and self._asking.acquire(False):
+            try:
+                if time.monotonic() - self._fetched_at >= REFRESH:  # not by another, since
+                    self._ask()
+            finally:
+                self._asking.release()
+        return self._view
+
+    def _ask(self) -> None:
         now = time.monotonic()
-        if now - self._fetched_at >= REFRESH:
-            self._fetched_at = now
-            d = self.client.ring()
-            if d != self._dir:
-                self._dir = d
-                if d and d.get("timeout"):
-                    self.timeout = float(d["timeout"])
-                self._ring = None if not d else HashRing(d["members"], d["vnodes"])
-                self._local = threading.local()  # owners may have moved: new connections
-            if d and set(d["members"]) - set(d["blocks"]):  # a peer still starting: ask soon
-                self._fetched_at = now - REFRESH + 0.2
-        return self._dir
+        self._fetched_at = now
+        d = self.client.ring()
+        if d != self._view[0]:
+            if d and d.get("timeout"):
+                self.timeout = float(d["timeout"])
+            self._view = (d, None if not d else HashRing(d["members"], d["vnodes"]))
+            self._local = threading.local()  # owners may have moved: new connections
+        if d and set(d["members"]) - set(d["blocks"]):  # a peer still starting: ask soon
+            self._fetched_at = now - REFRESH + 0.2
+        self._asked = True  # after the view: a thread that finds it set reads the answer
 
     def alone(self) -> bool:
         """True if no other node shares blocks with this one (no ring, or a ring of one)."""
-        d = self._directory()
+        d = self._directory()[0]
         return not d or len(d.get("members") or ()) <= 1
 
     def fetch(self, items: list[tuple[str, int]]) -> dict[str, bytes]:
@@ -81,10 +99,10 @@ class DirectReads:
         thread pool: handing blocks between threads cost more than the receive itself, and
         the owners' sends overlap anyway, into socket buffers that hold a whole reply).
         """
-        d = self._directory()
-        if not d or self._ring is None:
+        d, ring = self._directory()
+        if not d or ring is None:
             return {}
-        me, held, owner_of = d["self"], d["blocks"], self._ring.owner
+        me, held, owner_of = d["self"], d["blocks"], ring.owner
         by_owner: dict[str, list[tuple[str, int]]] = {}
         for item in items:
             owner = owner_of(item[0])
