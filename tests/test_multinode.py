@@ -271,3 +271,57 @@ def test_a_warm_alone_has_each_block_fetched_once_by_its_owner(cluster, tmp_path
                            timeout=120, env=env)
     assert f"0 fetched from the source, {blocks} cached already" in plain.stdout, plain
 
+
+@pytest.mark.timeout(240)
+def test_a_hung_peer_costs_one_timeout_not_two(cluster, tmp_path, make_tree):
+    """A read of a block owned by a peer whose daemon hangs (SIGSTOP) took twice
+    peer_timeout (found by a black-box review: 10.04 s at 5 s, 6.02 s at 3 s): the direct
+    transfer from the peer's block server timed out, then the lease's call to the same
+    peer through Ray waited as long again. The reader now names the silent peer to its
+    daemon before the lease, whose call to it then fails at once: one timeout, the bytes
+    right, counted as before (direct_failures, fallbacks, peer_fallbacks, peer_failures)."""
+    import signal
+
+    import ray
+
+    from cachemw.cluster import actor as daemon
+
+    c, nodes = cluster
+    timeout = 4.0
+    template = str(tmp_path / "{node_id:.16}")
+    daemon.start(c.address, runtime_dir=template, dram_capacity="64MiB",
+                 peer_timeout=timeout, refresh_interval=0.5, timeout=120)
+    head = ray.get_runtime_context().get_node_id()
+    files = make_tree([BLOCK // 2] * 45, name="hang", seed=8, fmt="h{i:04d}")
+    paths = sorted(files)
+    fs = _fs(template, head)
+    got = fs.cat(paths)  # cached at their owners
+    assert all(got[p] == files[p] for p in paths)
+    assert _wait(lambda: _ring_of_three(fs.client), 60)
+    time.sleep(0.5)  # the reader's view of it is new (DirectReads: asked again at once)
+    victim = nodes[0].node_id
+    owned, _ = _shares(fs.client, fs, paths)
+    theirs = [p for p, _ in owned[victim]]
+    assert len(theirs) >= 3
+    pid = _node_stats()[victim]["pid"]
+    fs.client.flush()
+    before = dict(fs.stats())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        times = []
+        for p in theirs:  # one block each, all owned by the hung peer
+            t = time.monotonic()
+            assert fs.cat_file(p) == files[p]
+            times.append(time.monotonic() - t)
+        assert times[0] < timeout * 1.4, times  # one timeout (was two)
+        assert sum(times) < timeout * 1.5, times  # and only once: the ring goes on without it
+        after = fs.stats()
+        assert after.get("direct_failures", 0) - before.get("direct_failures", 0) == 1
+        assert after.get("fallbacks", 0) - before.get("fallbacks", 0) >= 1
+        fs.client.flush()
+        head_stats = _node_stats(timeout=5)[head]
+        assert head_stats["counters"]["peer_fallbacks"] >= 1
+        assert head_stats["peers"]["peer_failures"] >= 1
+        assert victim not in head_stats["peers"]["ring"]
+    finally:
+        os.kill(pid, signal.SIGCONT)

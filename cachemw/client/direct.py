@@ -6,6 +6,12 @@ fetches it from the source at the owner.
 
 The ring, the owners' addresses and the cluster secret come from the local daemon (its
 `ring` op), refreshed every few seconds and after any failure; no Ray in the reader.
+
+A hung owner costs one timeout, not two: an owner that kept a transfer waiting the whole
+timeout is named to the daemon (``peer_silent``) before the lease of its blocks, so the
+daemon's call to it through Ray fails at once (the blocks are read from the source,
+counted as ``peer_fallbacks``) instead of waiting as long again, and this reader asks it
+directly no more for as long (until then the daemon's ring it was told may still list it).
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ class DirectReads:
         self._asking = threading.Lock()
         self._local = threading.local()
         self._warned = False
+        self._silent: dict[str, float] = {}  # owner -> until when it is not asked directly
 
     def _directory(self) -> tuple[dict | None, HashRing | None]:
         """(the daemon's directory, its ring), asked again every REFRESH seconds by one
@@ -103,6 +110,10 @@ class DirectReads:
         if not d or ring is None:
             return {}
         me, held, owner_of = d["self"], d["blocks"], ring.owner
+        if self._silent:  # owners that timed out a moment ago: their blocks go the usual way
+            now = time.monotonic()
+            silent = {o for o, until in list(self._silent.items()) if until > now}
+            held = {o: a for o, a in held.items() if o not in silent}
         by_owner: dict[str, list[tuple[str, int]]] = {}
         for item in items:
             owner = owner_of(item[0])
@@ -225,6 +236,9 @@ class DirectReads:
         self.client.count("direct_failures")
         self._drop(owner)
         self._fetched_at = -REFRESH  # ask the daemon again for who is where
+        if isinstance(exc, TimeoutError):  # silent for the whole timeout: hung, or gone
+            self._silent[owner] = time.monotonic() + self.timeout
+            self.client.peer_silent(owner)  # before the lease of its blocks (same connection)
         if not self._warned:
             log.warning("direct block transfer from node %s failed (%s); reading through "
                         "the daemon instead", owner, exc)
