@@ -68,13 +68,15 @@ STATS = "stats"
 PING = "ping"
 SHUTDOWN = "shutdown"
 CHECKPOINT = "checkpoint"
+PEER_SILENT = "peer_silent"
 BUSY = "busy"  # sent by the daemon, never by a client (see above)
 
 #: What a daemon can do beyond the first release's protocol, named in its HELLO reply (a
 #: daemon of that release names nothing, and a client then sends what it understands).
 ANNOUNCE_STREAMS = "announce-streams"  # ANNOUNCE's (group, rank, ranks, first, replace, owner)
 DROP_IN_TIER = "drop-in-tier"  # DROP's third argument: the tier whose copy failed
-FEATURES = (ANNOUNCE_STREAMS, DROP_IN_TIER)
+PEER_SILENT_NOTE = "peer-silent"  # PEER_SILENT is understood
+FEATURES = (ANNOUNCE_STREAMS, DROP_IN_TIER, PEER_SILENT_NOTE)
 
 OPS: dict[str, Op] = {
     HELLO: Op(True, "client pid[, keepalive seconds: how often to say BUSY]",
@@ -103,6 +105,10 @@ OPS: dict[str, Op] = {
     SHUTDOWN: Op(True, "-", "('ok',), then the daemon stops"),
     CHECKPOINT: Op(False, "{event: begin|end, pid, start, step, stall | ok, bytes, durable}: "
                           "a trainer's save, for the daemon's metrics (node/checkpoints.py)", "-"),
+    PEER_SILENT: Op(False, "owner (its name in the RING directory): its block server did not "
+                           "answer a direct transfer within the peer timeout; the daemon's "
+                           "calls to it fail at once for that long (its time is spent: one "
+                           "timeout, not two); sent to a daemon naming PEER_SILENT_NOTE", "-"),
 }
 
 ANSWERED = frozenset(name for name, op in OPS.items() if op.answered)

@@ -4,6 +4,7 @@ every block against its checksum."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -90,6 +91,7 @@ class _Directory:
         self.servers = servers
         self.timeout = timeout  # the daemon's peer_timeout, if it says
         self.counted: dict[str, int] = {}
+        self.silent: list[str] = []  # owners named to the daemon as silent (peer_silent)
 
     def ring(self):
         members = ["reader", *self.servers]
@@ -102,6 +104,10 @@ class _Directory:
 
     def count(self, name: str, n: int = 1) -> None:
         self.counted[name] = self.counted.get(name, 0) + n
+
+    def peer_silent(self, owner: str) -> bool:
+        self.silent.append(owner)
+        return True
 
 
 RING_NODES = ("reader", "a", "b")
@@ -227,12 +233,94 @@ def test_a_hung_owner_costs_one_bounded_timeout(two_owners):
         assert time.monotonic() - t < 3.0  # one timeout, not one per block
         assert set(got) == {k for k in blocks if ring.owner(k) == "a"}
         assert all(got[k] == blocks[k] for k in got)
-        t = time.monotonic()  # the hung owner alone: the socket's own receive timeout
-        assert reads.fetch([(k, L) for k in blocks if ring.owner(k) == "b"]) == {}
+        # the hung owner alone: the socket's own receive timeout (a reader that has not
+        # found it silent yet: one that has asks it no more for a while, see below)
+        t = time.monotonic()
+        assert DirectReads(directory, timeout=1.0).fetch(
+            [(k, L) for k in blocks if ring.owner(k) == "b"]) == {}
         assert time.monotonic() - t < 3.0
         assert directory.counted["direct_failures"] == 2  # counted, not only logged
     finally:
         hung.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_owner_is_named_to_the_daemon_and_not_asked_again_at_once(two_owners):
+    """A hung owner costs one timeout, not two (found by a black-box review: a read of a
+    block owned by a stopped daemon took twice peer_timeout, the direct transfer's and then
+    the one of the lease's call through Ray). The reader names the owner to its daemon,
+    whose calls to it then fail at once (test_multinode), and asks it directly no more for
+    a timeout's length: the daemon's ring it was told may still list it meanwhile."""
+    import socket
+    import time
+
+    from cachemw.client.direct import DirectReads
+
+    ring, nodes, servers, blocks = two_owners
+    hung = _hung_owner()
+    items = [(k, L) for k in blocks]
+    a_keys = {k for k in blocks if ring.owner(k) == "a"}
+    try:
+        directory = _Directory({"a": servers["a"], "b": hung})
+        reads = DirectReads(directory, timeout=1.0)
+        assert set(reads.fetch(items)) == a_keys
+        assert directory.silent == ["b"]  # told once, before the lease of its blocks
+        t = time.monotonic()
+        got = reads.fetch(items)  # the hung owner is not asked: no second wait
+        assert time.monotonic() - t < 0.5
+        assert set(got) == a_keys and all(got[k] == blocks[k] for k in got)
+        assert directory.counted["direct_failures"] == 1 and directory.silent == ["b"]
+        time.sleep(1.1)  # a timeout later it is asked again (it may be back)
+        assert set(reads.fetch(items)) == a_keys
+        assert directory.silent == ["b", "b"]
+        # a failure that is no timeout (refused: a daemon restarted elsewhere) is not named
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        directory.servers["b"] = SimpleNamespace(address=closed.getsockname())
+        closed.close()
+        reads = DirectReads(directory, timeout=1.0)
+        assert set(reads.fetch(items)) == a_keys
+        assert directory.silent == ["b", "b"] and directory.counted["direct_failures"] == 3
+    finally:
+        hung.close()
+
+
+@pytest.mark.timeout(60)
+def test_threads_wait_for_the_first_directory_rather_than_read_alone():
+    """The threads of a reader (a warm's eight) that met their first misses while one of
+    them asked the daemon for the ring took "no answer yet" for "no ring": they read as a
+    lone node does, fetching blocks other nodes own from the source and filling them here
+    (found by a black-box review: a warm alone on a warm 3-node cache fetched 69 of its 104
+    blocks from the source again). They wait for that first answer now."""
+    import threading
+    import time
+
+    from cachemw.client.direct import DirectReads
+
+    class SlowDirectory(_Directory):
+        asked = 0
+
+        def ring(self):
+            SlowDirectory.asked += 1
+            time.sleep(0.3)  # a first connection to the daemon, a busy daemon
+            return super().ring()
+
+    nowhere = SimpleNamespace(address=("127.0.0.1", 9))
+    reads = DirectReads(SlowDirectory({"a": nowhere, "b": nowhere}), timeout=1.0)
+    results = []
+    start = threading.Barrier(8)
+
+    def reader():
+        start.wait()
+        results.append(reads.alone())
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == [False] * 8  # a ring of three: none of them alone
+    assert SlowDirectory.asked == 1  # asked once for all of them
 
 
 @pytest.mark.timeout(60)
@@ -375,3 +463,57 @@ def test_an_exchange_cut_short_never_passes_one_blocks_bytes_off_as_anothers(two
     with pytest.raises(ConnectionError):
         client.receive([(a_keys[1], L)])
     client.close()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(60)
+def test_a_daemon_told_an_owner_is_silent_fails_its_calls_at_once():
+    """The daemon's side of one timeout, not two: once a reader of the node names an
+    owner whose block server kept it waiting the whole timeout, the lease of those blocks
+    does not call that owner through Ray and wait as long again: the call fails at once,
+    as a timed-out one does (the owner suspected and out of the ring, counted), for a
+    timeout's length."""
+    import time
+
+    from cachemw.cluster.peers import PeerSet
+
+    class GetTimeoutError(Exception):
+        pass
+
+    class HungRay:  # ray.get on a stopped peer: the whole timeout, then GetTimeoutError
+        def get(self, ref, timeout):
+            time.sleep(timeout)
+            raise GetTimeoutError()
+
+        def cancel(self, ref):
+            pass
+
+    def peer_set():
+        calls = []
+        handle = SimpleNamespace(serve_blocks=SimpleNamespace(
+            remote=lambda requests: calls.append(requests) or object()))
+        peers = PeerSet("me", timeout=0.5, vnodes=64)
+        peers._ray = HungRay()
+        peers._names = {"me": "me", "x": "x"}
+        peers._handles["x"] = handle
+        peers._set_members(["me", "x"])
+        return peers, calls
+
+    request = {"x": [("k" * 32, 10, "file:///f", None)]}
+    peers, calls = peer_set()  # not told: the call waits its timeout
+    t = time.monotonic()
+    assert peers.fetch_many(request) == {"x": None}
+    assert time.monotonic() - t >= 0.5 and len(calls) == 1
+    peers, calls = peer_set()
+    peers.silent("me")  # itself, or a name not in the ring: nothing to do
+    peers.silent("nobody")
+    assert peers.members == ("me", "x")
+    peers.silent("x")
+    t = time.monotonic()
+    assert peers.fetch_many(request) == {"x": None}
+    assert time.monotonic() - t < 0.1 and calls == []  # no call, no second wait
+    assert peers.members == ("me",) and peers.counters["peer_failures"] == 1
+    peers, calls = peer_set()
+    peers.silent("x")
+    time.sleep(0.6)  # a timeout later, calls are made again (it may answer by then)
+    assert peers.fetch_many(request) == {"x": None} and len(calls) == 1

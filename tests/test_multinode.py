@@ -184,3 +184,144 @@ def test_hung_daemon_times_out_and_reads_fall_back(cluster, tmp_path, make_tree)
         os.kill(pid, signal.SIGCONT)
     # once it answers again it rejoins the ring
     assert _wait(lambda: victim in _node_stats()[head]["peers"]["ring"], 60)
+
+
+def _ring_of_three(client) -> bool:
+    """The daemon's directory lists three members and each one's block server (a peer's
+    is learned once it answers: until then, reads of its blocks go through Ray only)."""
+    d = client.ring() or {}
+    return len(d.get("members", ())) == 3 and set(d["blocks"]) == set(d["members"])
+
+
+def _shares(client, fs, paths):
+    """Per ring member (a node id: simulated nodes share a hostname), the (path, block
+    index) pairs it owns and their bytes, by the ring of the daemon ``client`` talks to."""
+    from cachemw.keys import block_count, block_key, block_length
+    from cachemw.ring import HashRing
+
+    d = client.ring()
+    ring = HashRing(d["members"], d["vnodes"])
+    owned = {n: [] for n in d["members"]}
+    size = {n: 0 for n in d["members"]}
+    for p in paths:
+        meta = fs.meta.file(p)
+        for i in range(block_count(meta.size, BLOCK)):
+            owner = ring.owner(block_key(meta.url, meta.version, i, BLOCK))
+            owned[owner].append((p, i))
+            size[owner] += block_length(meta.size, i, BLOCK)
+    return owned, size
+
+
+@pytest.mark.timeout(240)
+def test_a_warm_alone_has_each_block_fetched_once_by_its_owner(cluster, tmp_path, make_tree):
+    """`cachemw warm` alone on one node of a cluster (found by a black-box review: on a warm
+    3-node cache it fetched 69 of 104 blocks from the source again and copied them into its
+    own tier, 31 -> 100 blocks; cold, 49-73 of them instead of its third). Its threads that
+    met their first misses while one of them asked the daemon for the ring took "no answer
+    yet" for "no ring" and read as a lone node does (claim, source, local fill). Now each
+    block is fetched once, by its owner, and kept there only; a second warm fetches
+    nothing, and the counts it prints say so."""
+    import json
+
+    import ray
+
+    from cachemw.client.link import DaemonClient
+
+    c, _ = cluster
+    template = _start(tmp_path, c.address)
+    head = ray.get_runtime_context().get_node_id()
+    files = make_tree([BLOCK // 3 + 101 * i for i in range(90)] + [5 * BLOCK + 7],
+                      name="warm", seed=7, fmt="w{i:04d}")
+    paths = sorted(files)
+    rt = template.format(node_id=head)
+    client = DaemonClient(rt, autostart=False)
+    assert _wait(lambda: _ring_of_three(client), 60)
+    owned, size = _shares(client, _fs(template, head), paths)
+    assert all(owned.values()) and set(owned) == set(_node_stats())
+    blocks = sum(len(v) for v in owned.values())
+    env = dict(os.environ, CACHEMW_RUNTIME_DIR=rt, CACHEMW_BLOCK_SIZE=str(BLOCK))
+
+    def warm():
+        r = subprocess.run([sys.executable, "-m", "cachemw.cli", "warm", "--json",
+                            str(tmp_path / "warm")], capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    def cached():  # per node: (blocks in its tier, bytes it fetched from the source)
+        stats = _node_stats()
+        return {n: (s["tiers"]["dram"]["blocks"], s["counters"]["bytes_from_source"])
+                for n, s in stats.items()}
+
+    report = warm()  # cold: the head fetches its share, the owners theirs
+    assert report["blocks"] == blocks and report["ok"]
+    counters = report["counters"]
+    assert counters.get("misses", 0) == len(owned[head]), counters
+    assert counters.get("remote_reads", 0) == blocks - len(owned[head]), counters
+    assert not counters.get("hits") and not counters.get("remote_hits")
+    assert cached() == {n: (len(owned[n]), size[n]) for n in owned}
+    report = warm()  # warm: nothing from the source, nothing copied to the head
+    counters = report["counters"]
+    assert not counters.get("misses") and not counters.get("remote_reads"), counters
+    assert counters.get("hits", 0) == len(owned[head])
+    assert counters.get("remote_hits", 0) == blocks - len(owned[head])
+    assert cached() == {n: (len(owned[n]), size[n]) for n in owned}
+    plain = subprocess.run([sys.executable, "-m", "cachemw.cli", "warm",
+                            str(tmp_path / "warm")], capture_output=True, text=True,
+                           timeout=120, env=env)
+    assert f"0 fetched from the source, {blocks} cached already" in plain.stdout, plain
+
+
+@pytest.mark.timeout(240)
+def test_a_hung_peer_costs_one_timeout_not_two(cluster, tmp_path, make_tree):
+    """A read of a block owned by a peer whose daemon hangs (SIGSTOP) took twice
+    peer_timeout (found by a black-box review: 10.04 s at 5 s, 6.02 s at 3 s): the direct
+    transfer from the peer's block server timed out, then the lease's call to the same
+    peer through Ray waited as long again. The reader now names the silent peer to its
+    daemon before the lease, whose call to it then fails at once: one timeout, the bytes
+    right, counted as before (direct_failures, fallbacks, peer_fallbacks, peer_failures)."""
+    import signal
+
+    import ray
+
+    from cachemw.cluster import actor as daemon
+
+    c, nodes = cluster
+    timeout = 4.0
+    template = str(tmp_path / "{node_id:.16}")
+    daemon.start(c.address, runtime_dir=template, dram_capacity="64MiB",
+                 peer_timeout=timeout, refresh_interval=0.5, timeout=120)
+    head = ray.get_runtime_context().get_node_id()
+    files = make_tree([BLOCK // 2] * 45, name="hang", seed=8, fmt="h{i:04d}")
+    paths = sorted(files)
+    fs = _fs(template, head)
+    got = fs.cat(paths)  # cached at their owners
+    assert all(got[p] == files[p] for p in paths)
+    assert _wait(lambda: _ring_of_three(fs.client), 60)
+    time.sleep(0.5)  # the reader's view of it is new (DirectReads: asked again at once)
+    victim = nodes[0].node_id
+    owned, _ = _shares(fs.client, fs, paths)
+    theirs = [p for p, _ in owned[victim]]
+    assert len(theirs) >= 3
+    pid = _node_stats()[victim]["pid"]
+    fs.client.flush()
+    before = dict(fs.stats())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        times = []
+        for p in theirs:  # one block each, all owned by the hung peer
+            t = time.monotonic()
+            assert fs.cat_file(p) == files[p]
+            times.append(time.monotonic() - t)
+        assert times[0] < timeout * 1.4, times  # one timeout (was two)
+        assert sum(times) < timeout * 1.5, times  # and only once: the ring goes on without it
+        after = fs.stats()
+        assert after.get("direct_failures", 0) - before.get("direct_failures", 0) == 1
+        assert after.get("fallbacks", 0) - before.get("fallbacks", 0) >= 1
+        fs.client.flush()
+        head_stats = _node_stats(timeout=5)[head]
+        assert head_stats["counters"]["peer_fallbacks"] >= 1
+        assert head_stats["peers"]["peer_failures"] >= 1
+        assert victim not in head_stats["peers"]["ring"]
+    finally:
+        os.kill(pid, signal.SIGCONT)

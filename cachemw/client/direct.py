@@ -6,6 +6,12 @@ fetches it from the source at the owner.
 
 The ring, the owners' addresses and the cluster secret come from the local daemon (its
 `ring` op), refreshed every few seconds and after any failure; no Ray in the reader.
+
+A hung owner costs one timeout, not two: an owner that kept a transfer waiting the whole
+timeout is named to the daemon (``peer_silent``) before the lease of its blocks, so the
+daemon's call to it through Ray fails at once (the blocks are read from the source,
+counted as ``peer_fallbacks``) instead of waiting as long again, and this reader asks it
+directly no more for as long (until then the daemon's ring it was told may still list it).
 """
 from __future__ import annotations
 
@@ -46,31 +52,50 @@ class DirectReads:
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._fetched_at = -REFRESH
-        self._dir = None
-        self._ring: HashRing | None = None
+        # the daemon's directory and its ring, swapped as one (read unlocked)
+        self._view: tuple[dict | None, HashRing | None] = (None, None)
+        self._asked = False  # the daemon has answered (or failed to) once
+        self._asking = threading.Lock()
         self._local = threading.local()
         self._warned = False
+        self._silent: dict[str, float] = {}  # owner -> until when it is not asked directly
 
-    def _directory(self):
+    def _directory(self) -> tuple[dict | None, HashRing | None]:
+        """(the daemon's directory, its ring), asked again every REFRESH seconds by one
+        thread while the others go on with the last answer. Before the first answer they
+        wait for it: taken for "no ring" meanwhile, a reader of a cluster would read its
+        misses as a lone node does (claim, fetch from the source, fill locally: every
+        thread of a warm but one did, for blocks other nodes own or hold)."""
         if self._pid != os.getpid():
             self._reset()
+        if not self._asked:
+            with self._asking:
+                if not self._asked:  # not by another thread meanwhile
+                    self._ask()
+        elif time.monotonic() - self._fetched_at >= REFRESH and self._asking.acquire(False):
+            try:
+                if time.monotonic() - self._fetched_at >= REFRESH:  # not by another, since
+                    self._ask()
+            finally:
+                self._asking.release()
+        return self._view
+
+    def _ask(self) -> None:
         now = time.monotonic()
-        if now - self._fetched_at >= REFRESH:
-            self._fetched_at = now
-            d = self.client.ring()
-            if d != self._dir:
-                self._dir = d
-                if d and d.get("timeout"):
-                    self.timeout = float(d["timeout"])
-                self._ring = None if not d else HashRing(d["members"], d["vnodes"])
-                self._local = threading.local()  # owners may have moved: new connections
-            if d and set(d["members"]) - set(d["blocks"]):  # a peer still starting: ask soon
-                self._fetched_at = now - REFRESH + 0.2
-        return self._dir
+        self._fetched_at = now
+        d = self.client.ring()
+        if d != self._view[0]:
+            if d and d.get("timeout"):
+                self.timeout = float(d["timeout"])
+            self._view = (d, None if not d else HashRing(d["members"], d["vnodes"]))
+            self._local = threading.local()  # owners may have moved: new connections
+        if d and set(d["members"]) - set(d["blocks"]):  # a peer still starting: ask soon
+            self._fetched_at = now - REFRESH + 0.2
+        self._asked = True  # after the view: a thread that finds it set reads the answer
 
     def alone(self) -> bool:
         """True if no other node shares blocks with this one (no ring, or a ring of one)."""
-        d = self._directory()
+        d = self._directory()[0]
         return not d or len(d.get("members") or ()) <= 1
 
     def fetch(self, items: list[tuple[str, int]]) -> dict[str, bytes]:
@@ -81,10 +106,14 @@ class DirectReads:
         thread pool: handing blocks between threads cost more than the receive itself, and
         the owners' sends overlap anyway, into socket buffers that hold a whole reply).
         """
-        d = self._directory()
-        if not d or self._ring is None:
+        d, ring = self._directory()
+        if not d or ring is None:
             return {}
-        me, held, owner_of = d["self"], d["blocks"], self._ring.owner
+        me, held, owner_of = d["self"], d["blocks"], ring.owner
+        if self._silent:  # owners that timed out a moment ago: their blocks go the usual way
+            now = time.monotonic()
+            silent = {o for o, until in list(self._silent.items()) if until > now}
+            held = {o: a for o, a in held.items() if o not in silent}
         by_owner: dict[str, list[tuple[str, int]]] = {}
         for item in items:
             owner = owner_of(item[0])
@@ -207,6 +236,9 @@ class DirectReads:
         self.client.count("direct_failures")
         self._drop(owner)
         self._fetched_at = -REFRESH  # ask the daemon again for who is where
+        if isinstance(exc, TimeoutError):  # silent for the whole timeout: hung, or gone
+            self._silent[owner] = time.monotonic() + self.timeout
+            self.client.peer_silent(owner)  # before the lease of its blocks (same connection)
         if not self._warned:
             log.warning("direct block transfer from node %s failed (%s); reading through "
                         "the daemon instead", owner, exc)

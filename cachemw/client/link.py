@@ -507,6 +507,16 @@ class DaemonClient(reporting.Reporter):
             return False
         return self._send(ops.DROP, key, reason, tier)
 
+    def peer_silent(self, owner: str) -> bool:
+        """Tell the daemon that ``owner``'s block server (its name in the ring directory)
+        kept a direct transfer waiting the whole peer timeout: the lease of the same blocks
+        that follows on this connection then does not wait on that peer again (ops
+        PEER_SILENT). Not sent to a daemon that does not know the note (an earlier
+        release); True if sent."""
+        if self._connect() is None or ops.PEER_SILENT_NOTE not in self._features:
+            return False
+        return self._send(ops.PEER_SILENT, owner)
+
     def invalidate(self, url: str) -> bool:
         """Drop every cached block of ``url`` node-wide; False if the daemon is unreachable."""
         return self._call(ops.INVALIDATE, url) is not None

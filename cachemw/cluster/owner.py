@@ -105,6 +105,10 @@ class RemoteReads:
         """For readers of this node: the ring and the owners' block servers (blockserver.py)."""
         return self.router.directory()
 
+    def peer_silent(self, owner: str) -> None:
+        """A reader's direct transfer from ``owner`` (a name on the ring) timed out."""
+        self.router.silent(owner)
+
     def is_remote(self, key: str) -> bool:
         return self.router.owner(key) != self.router.self_id
 

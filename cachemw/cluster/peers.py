@@ -5,7 +5,10 @@ Ray nodes that run a daemon, minus peers that recently failed a call, hashed int
 their hostnames (cachemw.ring.ring_names: Ray's node ids change from one job to the next,
 hostnames do not, so a node owns the same blocks again and its NVMe tier is warm).
 A failed or slow peer costs one bounded timeout, then the ring is recomputed without it
-and its blocks are read from the source (counted); it rejoins when it answers again.
+and its blocks are read from the source (counted); it rejoins when it answers again. The
+timeout is one for a reader's direct transfer from the peer's block server and the call
+through Ray that follows it: a reader whose transfer timed out says so (``silent``), and
+this daemon's calls to that peer then fail at once for a timeout's length.
 
 The leader (the alive daemon with the smallest node id) also places a daemon on any alive
 node that lacks one, so nodes that join later get a daemon without a re-run of
@@ -44,6 +47,9 @@ class PeerSet:
         self.secret = secret  # the cluster secret of the block servers (hex)
         self._blocks: dict[str, tuple] = {self_id: blocks} if blocks else {}
         self._suspect_until: dict[str, float] = {}
+        # node id -> until when calls to it fail at once: a reader of this node waited a
+        # whole timeout on its block server just before (see silent)
+        self._silent_until: dict[str, float] = {}
         self._lock = threading.Lock()
         self._names: dict[str, str] = {}  # node id -> name on the ring, of the alive nodes
         self.alive = 1  # alive Ray nodes at the last refresh (a reader tells a forming ring)
@@ -97,6 +103,7 @@ class PeerSet:
                 if self._suspect_until[node_id] > now or not self._answers(handle):
                     continue
                 del self._suspect_until[node_id]  # it answers again: back in the ring
+                self._silent_until.pop(node_id, None)
             members.append(node_id)
         if self.self_id not in members:
             members.append(self.self_id)
@@ -163,8 +170,23 @@ class PeerSet:
                                {name: n for n, name in names.items()}, names)
                 self.members = members
 
+    def silent(self, name: str) -> None:
+        """A reader of this node waited ``timeout`` on the block server of the member named
+        ``name`` (as the directory names it) in vain. The reads it sends its daemon next
+        (the same blocks, through Ray) would wait on the same peer as long again: calls to
+        it fail at once instead, for as long as a timeout, as a call of it timing out
+        would (the peer suspected, its blocks read from the source, counted). A peer that
+        answers again rejoins as any suspect does."""
+        node_id = self._route[1].get(name)
+        if node_id is None or node_id == self.self_id:
+            return  # not (or no longer) a member: its blocks go elsewhere already
+        log.info("a reader's direct transfer from peer %s timed out (%s s): calls to it fail "
+                 "at once for as long", node_id, self.timeout)
+        self._silent_until[node_id] = time.monotonic() + self.timeout
+
     def _suspect(self, node_id: str, why: str) -> None:
         log.warning("peer %s failed (%s); reading its blocks from the source for now", node_id, why)
+        self._silent_until.pop(node_id, None)  # its own window from here (_suspect_until)
         self.counters["peer_failures"] += 1
         self._suspect_until[node_id] = time.monotonic() + max(5.0, 3 * self.refresh_interval)
         self._set_members([n for n in self.members if n != node_id])
@@ -184,9 +206,15 @@ class PeerSet:
         """
         refs = {}
         out: dict[str, list | None] = {}
+        now = time.monotonic()
         for owner, requests in by_owner.items():
             handle = self._handles.get(owner)
             if handle is None:
+                out[owner] = None
+                continue
+            if self._silent_until.get(owner, 0.0) > now:  # its timeout is spent already
+                self._suspect(owner, "its block server did not answer a reader here within "
+                                     f"{self.timeout} s")
                 out[owner] = None
                 continue
             refs[owner] = handle.serve_blocks.remote(requests)

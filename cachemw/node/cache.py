@@ -260,6 +260,13 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
             replies.append(reply)
         return replies
 
+    def peer_silent(self, owner: str) -> None:
+        """A reader of this node waited the peer timeout on ``owner``'s block server (a
+        name on the ring) in vain: the calls the leases that follow make to it fail at
+        once (cluster/peers.py ``silent``) rather than wait that long again."""
+        if self.remote is not None:
+            self.remote.peer_silent(owner)
+
     def read_local(self, key: str, length: int) -> bytes | None:
         """A block from this node's tiers, verified; a corrupt copy is dropped (None)."""
         with self._lock:

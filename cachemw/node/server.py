@@ -209,6 +209,7 @@ class SocketServer:
             ops.PING: lambda conn, link: ("pong",),
             ops.SHUTDOWN: lambda conn, link: ("ok",),
             ops.CHECKPOINT: lambda conn, link, record: node.checkpoints.note(record),
+            ops.PEER_SILENT: lambda conn, link, owner: node.peer_silent(owner),
         }
 
     def _loop(self, conn: Connection) -> None:
