@@ -36,7 +36,7 @@ from .chunk_plan import DEFAULT_CHUNK_BYTES
 from .coordination import Coordinator, check_same_step, failed_on, message_of, report, same_type
 from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
-from .choosing import choose, counted_entries, drop_stale_fast_copies
+from .choosing import adopt_root, choose, counted_entries
 from .errors import CheckpointBusyError, CheckpointNotFoundError
 from .handle import SaveHandle
 from .layout import CheckpointDir, step_dir_name
@@ -165,10 +165,11 @@ class Checkpointer:
         if self.coord.is_coordinator:
             self.root.location.makedirs()
             self.root.sweep(self.config.stale_after_s)
-        if self.fast is not None:
+        if self.fast is not None:  # the root's id, for its fast tiers (choosing.adopt_root)
+            root_id = self._coordinator_value(self.root.root_id)
             self.fast.location.makedirs()
             self.fast.sweep(self.config.stale_after_s)
-            drop_stale_fast_copies(self.root, self.fast)
+            adopt_root(self.fast, root_id, self.root.location.url)
             self.fast.drop_spare()
             if self.fast.location.local:
                 sweep_pools(self.fast.location.path)
@@ -369,6 +370,22 @@ class Checkpointer:
         root, fast = counted_entries(self.root, self.fast)
         return sorted({e.step for e in root + fast})
 
+    def _coordinator_value(self, make: Any) -> Any:
+        """``make()`` run by rank 0, its value on every rank; its failure is every rank's,
+        of its type (the others would wait for the value until the collective timeout)."""
+        value, error = None, None
+        if self.coord.is_coordinator:
+            try:
+                value = ("ok", make())
+            except Exception as exc:  # noqa: BLE001 - any: the other ranks wait for it
+                value, error = ("failed", report(exc), message_of(exc)), exc
+        value = self.coord.broadcast(value)
+        if value[0] == "failed":
+            if error is not None:
+                raise error
+            raise same_type(value[1], value[2])
+        return value[1]
+
     def _choose(self, step: int | None) -> tuple[int, str, bool]:
         """(step, directory name, committed at root) of the checkpoint to load, chosen by rank 0."""
         return choose(self.root, self.fast, step, self._damaged_metadata)
@@ -382,18 +399,8 @@ class Checkpointer:
         since a step chosen while in memory only is committed there before it is recycled.
         """
         self.wait_quietly()
-        choice, error = None, None
-        if self.coord.is_coordinator:  # rank 0 chooses; its failure is every rank's, of its type
-            try:
-                choice = ("chosen", self._choose(step))
-            except Exception as exc:  # noqa: BLE001 - any: the other ranks wait for the choice
-                choice, error = ("failed", report(exc), message_of(exc)), exc
-        choice = self.coord.broadcast(choice)
-        if choice[0] == "failed":
-            if error is not None:
-                raise error
-            raise same_type(choice[1], choice[2])
-        step, name, at_root = choice[1]
+        asked = step
+        step, name, at_root = self._coordinator_value(lambda: self._choose(asked))
         fast_ok = self.fast is not None and self.fast.complete(name)
         fast_ok = all(self.coord.all_gather(fast_ok))
         tiers = ([self.fast] if fast_ok else []) + ([self.root] if at_root else [])
@@ -443,7 +450,8 @@ class Checkpointer:
         """Warn (once per step and set of entries) of saved entries the state has no place
         for: a load is in place, so a dict saved full and loaded into an empty one stays
         empty; that should not pass in silence."""
-        missing = unplaced(metadata, loaded, self.coord.rank)
+        ranks = getattr(self.coord, "ranks", [0])  # global ranks, as users name them
+        missing = unplaced(metadata, loaded, frozenset(ranks) - {ranks[self.coord.rank]})
         if missing and (name, missing) not in self._said_unplaced:
             self._said_unplaced.add((name, missing))
             log.warning("checkpoint %s holds %d entries the state given to load has no place for, "

@@ -1,20 +1,21 @@
 """Which step a Checkpointer loads: the newest one committed at the root, or in the fast
 tier (a node daemon's DRAM) while that copy still counts.
 
-A fast-tier copy counts while its step's directory is at the root, committed there with a
-sound manifest or still being written (its drain under way). The fast tier outlives the
-root's files (it is the node daemon's, kept until ``cachemw stop``), so a copy whose root
-directory is gone (the root removed to start afresh, a crashed save's leftover swept) is a
-stale one, never loaded; and a step whose root manifest is damaged is passed over as it is
-without a fast tier, so that every node, with the copy in its memory or not, loads the same
-step.
+A fast-tier copy is of the root that made it: the fast tier keeps the root's id
+(layout.ROOT_ID_NAME), and when a Checkpointer of a root finds another id there (the root
+was removed and made again, to start afresh: the fast tier, the node daemon's, outlives the
+root's files), the copies are another root's and are removed, never loaded. A copy of this
+root counts whether or not its step is at the root yet (its drain under way, or failed:
+``handle.in_memory`` promises it loadable on its node), unless the root holds that step
+with a damaged manifest: then the step is passed over, as it is without a fast tier, so
+that every node, with the copy in its memory or not, loads the same step.
 """
 from __future__ import annotations
 
 import logging
 
 from .errors import CheckpointNotFoundError
-from .layout import CheckpointDir, Entry
+from .layout import ROOT_ID_NAME, CheckpointDir, Entry
 from .reader import metadata_damage
 
 log = logging.getLogger(__name__)
@@ -26,24 +27,30 @@ def counted_entries(root: CheckpointDir, fast: CheckpointDir | None) -> tuple[li
     if fast is None:
         return at_root, []
     committed = {e.name for e in at_root}
-    begun = {name for _, name in root.step_dirs()}
-    copies = [e for e in fast.committed() if e.name in committed
-              or (e.name in begun and not root.is_committed(e.name))]
+    copies = [e for e in fast.committed()
+              if e.name in committed or not root.is_committed(e.name)]  # else: damaged there
     return at_root, copies
 
 
-def drop_stale_fast_copies(root: CheckpointDir, fast: CheckpointDir) -> None:
-    """Remove the fast tier's committed copies whose root directory is gone: their memory is
-    the node's. Best effort: the node's other ranks may be removing them too."""
-    begun = {name for _, name in root.step_dirs()}
-    for e in fast.committed():
-        if e.name not in begun:
+def adopt_root(fast: CheckpointDir, root_id: str, root_url: str) -> None:
+    """Make ``fast`` the fast tier of the root whose id is ``root_id``: copies it holds of
+    a root of another id are removed first (best effort: the node's other ranks may be
+    removing them too)."""
+    held = fast.held_root_id()
+    if held == root_id:
+        return
+    if held is not None:
+        removed = []
+        for _, name in fast.step_dirs():
             try:
-                fast.remove(e.name)
-                log.info("removed %s from the fast tier %s: its step is no longer at the root %s",
-                         e.name, fast.location.url, root.location.url)
-            except OSError:
-                pass
+                fast.remove(name)
+                removed.append(name)
+            except OSError as exc:
+                log.debug("could not remove %s from %s: %s", name, fast.location.url, exc)
+        if removed:
+            log.info("removed %s from the fast tier %s: copies of an earlier root at %s, "
+                     "removed and made again since", removed, fast.location.url, root_url)
+    fast.location.write_atomic(ROOT_ID_NAME, root_id.encode())
 
 
 def choose(root: CheckpointDir, fast: CheckpointDir | None, step: int | None,

@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import time
+import uuid
 
 from cachemw.processes import process_alive, process_start
 from .storage_io import Location
@@ -27,6 +28,7 @@ STEP_DIR = re.compile(r"^step_(\d{12})-([0-9a-f]{8})$")
 OWNER_NAME = ".owner.json"
 LATEST_NAME = "latest"
 SPARE_NAME = ".spare"
+ROOT_ID_NAME = ".cachemw-root-id"  # at a root: its id; in a fast tier: the root's it serves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +131,25 @@ class CheckpointDir:
         owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                  "pid_start": process_start(os.getpid())}
         self.location.child(name).write_atomic(OWNER_NAME, json.dumps(owner).encode())
+
+    def root_id(self) -> str:
+        """This root's id, made by the first Checkpointer of it: a root removed and made
+        again has a new one, so that copies of its old steps kept elsewhere (the fast tier,
+        a node daemon's, outlives the root's files) are known as another root's."""
+        found = self.held_root_id()
+        if found is None:
+            self.location.write_atomic(ROOT_ID_NAME, uuid.uuid4().hex.encode())
+            found = self.held_root_id()  # another's, if two were made at once: the last one
+        if not found:
+            raise OSError(f"{self.location.url}/{ROOT_ID_NAME}: not readable after writing it")
+        return found
+
+    def held_root_id(self) -> str | None:
+        """The root id kept here (None if none is)."""
+        try:
+            return self.location.read_bytes(ROOT_ID_NAME).decode().strip() or None
+        except FileNotFoundError:
+            return None
 
     def mark_latest(self, name: str) -> None:
         self.location.write_atomic(LATEST_NAME, name.encode())

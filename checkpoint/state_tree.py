@@ -56,20 +56,24 @@ def apply_loaded(state: dict, loaded: dict) -> None:
             state[key] = loaded[key]
 
 
-_RANK_KEY = re.compile(r"^rank\d+(\.|$)")
+_RANK_KEY = re.compile(r"^rank(\d+)(\.|$)")
 
 
-def unplaced(metadata: Any, loaded: dict, rank: int = 0) -> tuple[str, ...]:
+def unplaced(metadata: Any, loaded: dict, others: frozenset[int] = frozenset()) -> tuple[str, ...]:
     """The entries of a checkpoint (its DCP ``metadata``) that ``loaded``, the state dict a
-    load filled in place on ``rank``, has no place for (DCP's flattened names); () if
-    unknown. Other ranks' own entries are not among them: a value that differs by rank goes
-    under ``f"rank{rank}"`` on each rank (README), and is theirs to load."""
+    load filled in place, has no place for (DCP's flattened names); () if unknown. Entries
+    under ``rank<r>`` for a rank ``r`` in ``others`` (the other ranks loading with this one,
+    by global rank) are theirs: a value that differs by rank goes under ``f"rank{rank}"``
+    on each rank (README). A rank no one loads now (a resume with fewer ranks) is named."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    own = f"rank{rank}"
+    def theirs(key: str) -> bool:
+        found = _RANK_KEY.match(key)
+        return found is not None and int(found.group(1)) in others
+
     try:
         held = flatten_state_dict(loaded)[0]
-        return tuple(sorted(k for k in metadata.state_dict_metadata if k not in held
-                            and (not _RANK_KEY.match(k) or k.split(".", 1)[0] == own)))
+        return tuple(sorted(k for k in metadata.state_dict_metadata
+                            if k not in held and not theirs(k)))
     except Exception:  # noqa: BLE001 - only for a warning
         return ()

@@ -426,17 +426,30 @@ def test_a_fast_copy_of_a_root_removed_is_never_loaded_and_is_dropped(tmp_path):
         assert ck.steps() == [1] and ck.load(out) == 1 and torch.all(out["t"] == 1.0)
 
 
-def test_a_fast_copy_whose_root_dir_is_gone_under_a_running_checkpointer_is_not_loaded(tmp_path):
-    import shutil
+def test_a_step_whose_drain_failed_stays_loadable_from_memory(tmp_path, monkeypatch):
+    """``handle.in_memory``: loadable on its node whatever becomes of its drain; a failed
+    drain (a full root) removes the step's directory at the root, not its copy in memory,
+    and a Checkpointer made again (the trainer restarted) still finds it."""
+    import cachemw.checkpoint.tiers as tiers
 
     root, fast = tmp_path / "root", tmp_path / "fast"
     with Checkpointer(str(root), fast_root=str(fast)) as ck:
         ck.save(1, {"t": torch.full((300, 10), 1.0)}).wait(60)
-        ck.save(2, {"t": torch.full((300, 10), 2.0)}).wait(60)
-        newest = max(p.name for p in root.iterdir() if p.name.startswith("step_"))
-        shutil.rmtree(root / newest)  # step 2 removed at the root; its copy stays in memory
+
+        def full(src, dst, rel):
+            raise OSError(28, "No space left on device (injected)")
+
+        monkeypatch.setattr(tiers, "copy_file", full)
+        handle = ck.save(2, {"t": torch.full((300, 10), 2.0)})
+        handle.wait_in_memory(60)
+        with pytest.raises(OSError, match="injected"):
+            handle.wait(60)
+        monkeypatch.undo()
         out = {"t": torch.zeros(300, 10)}
-        assert ck.steps() == [1] and ck.load(out) == 1 and torch.all(out["t"] == 1.0)
+        assert ck.steps() == [1, 2] and ck.load(out) == 2 and torch.all(out["t"] == 2.0)
+    with Checkpointer(str(root), fast_root=str(fast)) as ck:
+        out = {"t": torch.zeros(300, 10)}
+        assert ck.steps() == [1, 2] and ck.load(out) == 2 and torch.all(out["t"] == 2.0)
 
 
 def test_a_damaged_root_manifest_is_passed_over_with_a_fast_copy_too(tmp_path, caplog):
