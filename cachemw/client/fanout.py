@@ -1,13 +1,23 @@
 """Requests to the source that one call needs, sent side by side: the blocks a batch misses
 (``cat`` of many files, ``cat_ranges``, a read spanning blocks) wait on the store once, not
 once per block, as fsspec's own batches over an async store do (S3, HTTP: each request
-waits its first byte's latency, 10-100 ms, doing nothing).
+waits its first byte's latency, 10-100 ms, doing nothing). Only over a source that takes
+requests from several threads at once (tiers/source.py ``concurrent``): fsspec's tar and
+zip readers share one file object, its FTP one connection; those go one after another.
 
-A pool of threads per process, made at the first batch of two or more (a DataLoader
-worker reading one sample at a time never makes one) and made again in a forked child
-(a child has none of its parent's threads). A call made from one of the pool's threads runs
-its own batch in that thread, one request after another: a batch never waits on a pool its
-own caller fills.
+Two pools of threads per process, each made at its first batch of two or more (a
+DataLoader worker reading one sample at a time never makes one) and made again in a forked
+child (a child has none of its parent's threads):
+
+* ``FETCH``: source requests only. Such a call waits on the store and nothing else, so the
+  pool always drains; a call made from one of its threads runs its own batch inline.
+* ``READ``: whole reads (the cold files of a ``cat``), which may wait on a claim another
+  thread of the process holds while that thread's fetches run in the FETCH pool: in one
+  pool, a READ batch filling every thread could hold those fetches back until the daemon's
+  lease wait ran out.
+
+A caller interrupted (Ctrl-C) cancels what has not started; a batch made while the
+interpreter shuts down runs inline.
 """
 from __future__ import annotations
 
@@ -20,56 +30,69 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-LIMIT = 16  # requests in flight per process: a DataLoader worker's batch, a cat of shards
+LIMIT = 16  # requests in flight per batch and pool: a DataLoader worker's batch, a cat of shards
+FETCH, READ = "fetch", "read"
 
-_pool: ThreadPoolExecutor | None = None
+_pools: dict[str, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
-_inside = threading.local()  # set in the pool's threads
-
-
-def _mark_inside() -> None:
-    _inside.yes = True
+_inside = threading.local()  # .pool: the pool whose thread this is
 
 
 def _forget_in_child() -> None:
-    """A forked child has none of the pool's threads, and the lock may have been held."""
-    global _pool, _lock
-    _pool, _lock = None, threading.Lock()
+    """A forked child has none of the pools' threads, and the lock may have been held."""
+    global _lock
+    _pools.clear()
+    _lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _pool
+def _executor(kind: str) -> ThreadPoolExecutor:
     with _lock:
-        if _pool is None:
+        pool = _pools.get(kind)
+        if pool is None:
             # imported here: a DataLoader worker reading one sample at a time never needs
             # it, and each module a worker imports costs it time every epoch
             from concurrent.futures import ThreadPoolExecutor
 
-            _pool = ThreadPoolExecutor(LIMIT, thread_name_prefix="cachemw-fetch",
-                                       initializer=_mark_inside)
-        return _pool
+            def mark() -> None:
+                _inside.pool = kind
+
+            # the caller runs one call of its batch itself: LIMIT in flight in all
+            pool = _pools[kind] = ThreadPoolExecutor(LIMIT - 1, initializer=mark,
+                                                     thread_name_prefix=f"cachemw-{kind}")
+        return pool
 
 
-def run_all(calls: list[Callable[[], T]]) -> list[T | BaseException]:
-    """The result of each call, in order, or the exception it raised (every call runs to
-    its end, so that the caller can finish or release what each one holds). The first runs
-    in the caller's thread."""
-    if len(calls) < 2 or getattr(_inside, "yes", False):
+def run_all(calls: list[Callable[[], T]], kind: str = FETCH,
+            parallel: bool = True) -> list[T | Exception]:
+    """The result of each call, in order, or the exception it raised (every call that
+    started runs to its end, so that the caller can finish or release what each holds).
+    ``parallel`` False (a source that takes one request at a time), a single call, or a
+    call from a thread of the same pool or of the FETCH pool: one after another, here."""
+    inside = getattr(_inside, "pool", None)
+    if not parallel or len(calls) < 2 or inside in (kind, FETCH):
         return [_outcome(c) for c in calls]
-    futures = [_executor().submit(c) for c in calls[1:]]
-    out = [_outcome(calls[0])]
-    for f in futures:
-        try:
-            out.append(f.result())
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller, as the call's
-            out.append(exc)
-    return out
+    try:
+        futures = [_executor(kind).submit(c) for c in calls[1:]]
+    except RuntimeError:  # the interpreter is shutting down: no new threads
+        return [_outcome(c) for c in calls]
+    try:
+        out = [_outcome(calls[0])]
+        for f in futures:
+            try:
+                out.append(f.result())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller, as the call's
+                out.append(exc)
+        return out
+    except BaseException:  # Ctrl-C: what has not started does not start
+        for f in futures:
+            f.cancel()
+        raise
 
 
-def _outcome(call: Callable[[], T]) -> T | BaseException:
+def _outcome(call: Callable[[], T]) -> T | Exception:
     try:
         return call()
     except Exception as exc:  # noqa: BLE001 - handed to the caller, as the call's

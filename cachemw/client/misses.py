@@ -153,7 +153,8 @@ class Misses:
 
         error = None
         try:
-            results = fanout.run_all([partial(self._fetch_source, p) for p in pending])
+            results = fanout.run_all([partial(self._fetch_source, p) for p in pending],
+                                     parallel=self.source.concurrent)
             while pending:
                 p, result = pending[0], results[len(claimed) - len(pending)]
                 if isinstance(result, BaseException):
@@ -198,7 +199,8 @@ class Misses:
         if len(places) < 2:
             return {}
         self.fills.kick()  # the earlier fills get written while we wait on the source
-        got = fanout.run_all([partial(self._fetch_source, unique[i]) for i in places])
+        got = fanout.run_all([partial(self._fetch_source, unique[i]) for i in places],
+                             parallel=self.source.concurrent)
         return dict(zip(places, got))
 
     def _resolve(self, piece: Piece, reply, fetched=None) -> bytes:

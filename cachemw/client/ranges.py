@@ -87,7 +87,8 @@ def _read_ranges(fs: CacheFileSystem, by_path: dict[str, list[int]], starts, end
             requests.append((meta, *clip(starts[i], ends[i], meta.size)))
             where.append(i)
     if cold:  # each file's GET names its version (fs._read_path); side by side
-        got = fanout.run_all([partial(fs.cat_file, path, starts[i], ends[i]) for path, i in cold])
+        got = fanout.run_all([partial(fs.cat_file, path, starts[i], ends[i]) for path, i in cold],
+                             kind=fanout.READ, parallel=fs.reader.source.concurrent)
         for (_, i), data in zip(cold, got):
             if isinstance(data, Exception) and on_error != "return":
                 raise data

@@ -99,6 +99,14 @@ class SourceTier:
         self._versioned = False  # a first GET of this store has named a version
 
     @property
+    def concurrent(self) -> bool:
+        """True if the store takes requests from several threads at once (client/fanout.py):
+        fsspec's local filesystem, its async ones (S3, HTTP, GCS, Azure: each request a task
+        on the store's loop), a ``dir`` filesystem over either. Not fsspec's tar or zip
+        readers (one shared file object, sought then read) nor its FTP (one connection)."""
+        return _takes_threads(self.fs)
+
+    @property
     def tells_versions(self) -> bool:
         """True if a GET of this store may name the file's version (see read_first)."""
         return self._first is not None
@@ -169,6 +177,13 @@ def source_for(target_json: str) -> SourceTier:
         if src is None:
             src = _sources[target_json] = SourceTier(fsspec.AbstractFileSystem.from_json(target_json))
         return src
+
+
+def _takes_threads(fs) -> bool:
+    inner = getattr(fs, "fs", None)
+    if type(fs).__name__ == "DirFileSystem" and inner is not None:
+        return _takes_threads(inner)
+    return isinstance(fs, LocalFileSystem) or bool(getattr(fs, "async_impl", False))
 
 
 def _reads_for(fs):
