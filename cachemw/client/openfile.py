@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from fsspec.spec import AbstractBufferedFile
 
 from .. import trace
-from ..blockfile import CorruptBlock, OpenBlock
+from ..blockfile import TIER_FAULTS, CorruptBlock, OpenBlock
 from ..keys import block_key, block_length
 from ..tiers.source import MOVED_ON
 
@@ -84,9 +84,15 @@ class CachedFile(AbstractBufferedFile):
                     base = index * bs
                     try:
                         data = block.read(loc - base, end - base)
-                    except CorruptBlock:
+                    except OSError as exc:
+                        # a damaged page, or the tier's disk failing the read (EIO): the
+                        # normal path reads the block from another tier or the source,
+                        # counts it and repairs it, as it does for any read; this
+                        # process's own errors (EMFILE, ENOMEM) are raised, as there
+                        if not isinstance(exc, CorruptBlock) and exc.errno not in TIER_FAULTS:
+                            raise
                         self._close_block(index)
-                        self._blocks[index] = None  # the normal path repairs it from now on
+                        self._blocks[index] = None  # the normal path from now on
                     else:
                         self.loc = end
                         tally = self._tally
