@@ -431,6 +431,42 @@ def test_a_dripping_owner_costs_at_most_the_fetch_budget(two_owners, chunk, peri
 
 
 @pytest.mark.timeout(60)
+def test_an_owner_that_answered_then_stalled_is_not_named_to_the_daemon(two_owners):
+    """An owner that sent its reply's headers, then no block within the fetch's budget, is
+    alive (slow, a disk or a link crawling), not silent: named to the daemon, it would be
+    suspected (out of the ring for seconds, counted as a peer failure). Its blocks go the
+    usual way, counted; it is not named, alone or beside another owner (whose reply may
+    wait unread meanwhile: not named either)."""
+    import socket
+    import struct
+
+    from cachemw.blockfile import hash_of
+    from cachemw.client.direct import DirectReads
+
+    def serve(conn):  # headers for every block, then nothing until the reader hangs up
+        (count,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
+        body = conn.recv(count * 24, socket.MSG_WAITALL)
+        keys = [body[i * 24:i * 24 + 16] for i in range(count)]
+        conn.sendall(b"".join(struct.pack("<16sBQQ", k, 1, L, hash_of(blocks[k.hex()]))
+                              for k in keys))
+        conn.recv(1)
+
+    ring, nodes, servers, blocks = two_owners
+    stalled = _FakeOwner(serve)
+    try:
+        directory = _Directory({"a": servers["a"], "b": stalled})
+        b_items = [(k, L) for k in blocks if ring.owner(k) == "b"]
+        # alone (the single reply's path), then beside a healthy owner (several replies')
+        assert DirectReads(directory, timeout=0.5).fetch(b_items) == {}
+        assert directory.counted["direct_failures"] == 1 and directory.silent == []
+        got = DirectReads(directory, timeout=0.5).fetch([(k, L) for k in blocks])
+        assert {ring.owner(k) for k in got} <= {"a"} and all(got[k] == blocks[k] for k in got)
+        assert directory.counted["direct_failures"] >= 2 and directory.silent == []
+    finally:
+        stalled.close()
+
+
+@pytest.mark.timeout(60)
 def test_an_exchange_cut_short_never_passes_one_blocks_bytes_off_as_anothers(two_owners,
                                                                               monkeypatch):
     """A fetch interrupted between its request and its reply (a signal handler raising, as
