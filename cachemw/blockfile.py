@@ -15,6 +15,7 @@ foreign file in a tier directory is detected, never served.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -39,6 +40,14 @@ _pread = os.pread
 
 class CorruptBlock(OSError):
     """A cached block failed verification; the caller drops it and refetches from the source."""
+
+
+# What a tier's block file may fail with that is the tier's fault (the disk, its permissions,
+# its directories), not this process's (EMFILE, ENOMEM) nor a block that is not there. Here,
+# with the block files, because every reader of them (the read path, open files) tells the
+# two apart the same way.
+TIER_FAULTS = frozenset({errno.EIO, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.ELOOP,
+                         errno.ENXIO, errno.ESTALE, errno.EROFS})
 
 
 def key_id(key: str) -> bytes:

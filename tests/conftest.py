@@ -15,7 +15,8 @@ from fsspec.implementations.local import LocalFileSystem
 # the session's dir and its environment as the test set it (a test's own runtime dir), and
 # makes no dir of its own.
 _SESSION_DIR = os.environ.get("TEST_CACHEMW_SESSION_DIR", "")
-if not os.path.isdir(_SESSION_DIR):
+_MADE_SESSION_DIR = not os.path.isdir(_SESSION_DIR)  # this process made it: it removes it
+if _MADE_SESSION_DIR:
     _SESSION_DIR = tempfile.mkdtemp(prefix="cachemw-test-")
     os.environ["TEST_CACHEMW_SESSION_DIR"] = _SESSION_DIR
     os.environ["CACHEMW_RUNTIME_DIR"] = os.path.join(_SESSION_DIR, "runtime")
@@ -24,7 +25,12 @@ if not os.path.isdir(_SESSION_DIR):
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_runtime():
+    """The session's daemon is stopped and its dir removed by the process that made the
+    dir: a pytest run inside the session (a nested pytest, an xdist worker) inherits it
+    and would otherwise stop the daemon and delete the dir under the outer session."""
     yield os.environ["CACHEMW_RUNTIME_DIR"]
+    if not _MADE_SESSION_DIR:
+        return
     from cachemw.launch import stop_local
 
     stop_local(os.environ["CACHEMW_RUNTIME_DIR"])

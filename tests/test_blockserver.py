@@ -260,17 +260,18 @@ def test_a_hung_owner_is_named_to_the_daemon_and_not_asked_again_at_once(two_own
     hung = _hung_owner()
     items = [(k, L) for k in blocks]
     a_keys = {k for k in blocks if ring.owner(k) == "a"}
+    timeout = 1.5
     try:
         directory = _Directory({"a": servers["a"], "b": hung})
-        reads = DirectReads(directory, timeout=1.0)
+        reads = DirectReads(directory, timeout=timeout)
         assert set(reads.fetch(items)) == a_keys
         assert directory.silent == ["b"]  # told once, before the lease of its blocks
         t = time.monotonic()
         got = reads.fetch(items)  # the hung owner is not asked: no second wait
-        assert time.monotonic() - t < 0.5
+        assert time.monotonic() - t < timeout  # (asked, it would wait the timeout again)
         assert set(got) == a_keys and all(got[k] == blocks[k] for k in got)
         assert directory.counted["direct_failures"] == 1 and directory.silent == ["b"]
-        time.sleep(1.1)  # a timeout later it is asked again (it may be back)
+        time.sleep(timeout + 0.1)  # a timeout later it is asked again (it may be back)
         assert set(reads.fetch(items)) == a_keys
         assert directory.silent == ["b", "b"]
         # a failure that is no timeout (refused: a daemon restarted elsewhere) is not named
@@ -278,7 +279,7 @@ def test_a_hung_owner_is_named_to_the_daemon_and_not_asked_again_at_once(two_own
         closed.bind(("127.0.0.1", 0))
         directory.servers["b"] = SimpleNamespace(address=closed.getsockname())
         closed.close()
-        reads = DirectReads(directory, timeout=1.0)
+        reads = DirectReads(directory, timeout=timeout)
         assert set(reads.fetch(items)) == a_keys
         assert directory.silent == ["b", "b"] and directory.counted["direct_failures"] == 3
     finally:
@@ -298,12 +299,19 @@ def test_threads_wait_for_the_first_directory_rather_than_read_alone():
     from cachemw.client.direct import DirectReads
 
     class SlowDirectory(_Directory):
-        asked = 0
+        asked = 0  # before the first answer (a thread scheduled late may ask again after)
+        answered = False
 
         def ring(self):
-            SlowDirectory.asked += 1
+            if not SlowDirectory.answered:
+                SlowDirectory.asked += 1
             time.sleep(0.3)  # a first connection to the daemon, a busy daemon
-            return super().ring()
+            d = super().ring()
+            # every member's block server up (the reader's too): no refresh asked a
+            # moment later, as for a peer still starting (DirectReads._ask)
+            d["blocks"]["reader"] = ["127.0.0.1", 9]
+            SlowDirectory.answered = True
+            return d
 
     nowhere = SimpleNamespace(address=("127.0.0.1", 9))
     reads = DirectReads(SlowDirectory({"a": nowhere, "b": nowhere}), timeout=1.0)
@@ -431,6 +439,42 @@ def test_a_dripping_owner_costs_at_most_the_fetch_budget(two_owners, chunk, peri
 
 
 @pytest.mark.timeout(60)
+def test_an_owner_that_answered_then_stalled_is_not_named_to_the_daemon(two_owners):
+    """An owner that sent its reply's headers, then no block within the fetch's budget, is
+    alive (slow, a disk or a link crawling), not silent: named to the daemon, it would be
+    suspected (out of the ring for seconds, counted as a peer failure). Its blocks go the
+    usual way, counted; it is not named, alone or beside another owner (whose reply may
+    wait unread meanwhile: not named either)."""
+    import socket
+    import struct
+
+    from cachemw.blockfile import hash_of
+    from cachemw.client.direct import DirectReads
+
+    def serve(conn):  # headers for every block, then nothing until the reader hangs up
+        (count,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
+        body = conn.recv(count * 24, socket.MSG_WAITALL)
+        keys = [body[i * 24:i * 24 + 16] for i in range(count)]
+        conn.sendall(b"".join(struct.pack("<16sBQQ", k, 1, L, hash_of(blocks[k.hex()]))
+                              for k in keys))
+        conn.recv(1)
+
+    ring, nodes, servers, blocks = two_owners
+    stalled = _FakeOwner(serve)
+    try:
+        directory = _Directory({"a": servers["a"], "b": stalled})
+        b_items = [(k, L) for k in blocks if ring.owner(k) == "b"]
+        # alone (the single reply's path), then beside a healthy owner (several replies')
+        assert DirectReads(directory, timeout=0.5).fetch(b_items) == {}
+        assert directory.counted["direct_failures"] == 1 and directory.silent == []
+        got = DirectReads(directory, timeout=0.5).fetch([(k, L) for k in blocks])
+        assert {ring.owner(k) for k in got} <= {"a"} and all(got[k] == blocks[k] for k in got)
+        assert directory.counted["direct_failures"] >= 2 and directory.silent == []
+    finally:
+        stalled.close()
+
+
+@pytest.mark.timeout(60)
 def test_an_exchange_cut_short_never_passes_one_blocks_bytes_off_as_anothers(two_owners,
                                                                               monkeypatch):
     """A fetch interrupted between its request and its reply (a signal handler raising, as
@@ -488,11 +532,13 @@ def test_a_daemon_told_an_owner_is_silent_fails_its_calls_at_once():
         def cancel(self, ref):
             pass
 
+    timeout = 1.0  # the margins are the timeout: a loaded machine's delays stay below it
+
     def peer_set():
         calls = []
         handle = SimpleNamespace(serve_blocks=SimpleNamespace(
             remote=lambda requests: calls.append(requests) or object()))
-        peers = PeerSet("me", timeout=0.5, vnodes=64)
+        peers = PeerSet("me", timeout=timeout, vnodes=64)
         peers._ray = HungRay()
         peers._names = {"me": "me", "x": "x"}
         peers._handles["x"] = handle
@@ -503,7 +549,7 @@ def test_a_daemon_told_an_owner_is_silent_fails_its_calls_at_once():
     peers, calls = peer_set()  # not told: the call waits its timeout
     t = time.monotonic()
     assert peers.fetch_many(request) == {"x": None}
-    assert time.monotonic() - t >= 0.5 and len(calls) == 1
+    assert time.monotonic() - t >= timeout and len(calls) == 1
     peers, calls = peer_set()
     peers.silent("me")  # itself, or a name not in the ring: nothing to do
     peers.silent("nobody")
@@ -511,9 +557,9 @@ def test_a_daemon_told_an_owner_is_silent_fails_its_calls_at_once():
     peers.silent("x")
     t = time.monotonic()
     assert peers.fetch_many(request) == {"x": None}
-    assert time.monotonic() - t < 0.1 and calls == []  # no call, no second wait
+    assert time.monotonic() - t < timeout and calls == []  # no call, no second wait
     assert peers.members == ("me",) and peers.counters["peer_failures"] == 1
     peers, calls = peer_set()
     peers.silent("x")
-    time.sleep(0.6)  # a timeout later, calls are made again (it may answer by then)
+    time.sleep(timeout + 0.1)  # a timeout later, calls are made again (it may answer by then)
     assert peers.fetch_many(request) == {"x": None} and len(calls) == 1

@@ -313,8 +313,10 @@ def test_a_hung_peer_costs_one_timeout_not_two(cluster, tmp_path, make_tree):
             t = time.monotonic()
             assert fs.cat_file(p) == files[p]
             times.append(time.monotonic() - t)
-        assert times[0] < timeout * 1.4, times  # one timeout (was two)
-        assert sum(times) < timeout * 1.5, times  # and only once: the ring goes on without it
+        # one timeout (was two: at least 2 x timeout), and only once (the ring goes on
+        # without it); the margins, relative to the timeout, are a loaded machine's
+        assert times[0] < timeout * 1.5, times
+        assert sum(times) < timeout * 1.75, times
         after = fs.stats()
         assert after.get("direct_failures", 0) - before.get("direct_failures", 0) == 1
         assert after.get("fallbacks", 0) - before.get("fallbacks", 0) >= 1

@@ -8,10 +8,12 @@ The ring, the owners' addresses and the cluster secret come from the local daemo
 `ring` op), refreshed every few seconds and after any failure; no Ray in the reader.
 
 A hung owner costs one timeout, not two: an owner that kept a transfer waiting the whole
-timeout is named to the daemon (``peer_silent``) before the lease of its blocks, so the
-daemon's call to it through Ray fails at once (the blocks are read from the source,
-counted as ``peer_fallbacks``) instead of waiting as long again, and this reader asks it
-directly no more for as long (until then the daemon's ring it was told may still list it).
+timeout without a word of its reply (not even its headers) is named to the daemon
+(``peer_silent``) before the lease of its blocks, so the daemon's call to it through Ray
+fails at once (the blocks are read from the source, counted as ``peer_fallbacks``)
+instead of waiting as long again, and this reader asks it directly no more for as long
+(until then the daemon's ring it was told may still list it). An owner that answered and
+then sent its blocks too slowly is alive: it is not named.
 """
 from __future__ import annotations
 
@@ -137,7 +139,7 @@ class DirectReads:
             try:
                 conn.request(batch)
             except OSError as exc:
-                self._failed(owner, exc)
+                self._failed(owner, exc, silent=True)  # not even taking the request
                 continue
             pending[conn.fileno()] = _Reply(owner, conn, batch, deadline)
         try:
@@ -146,7 +148,7 @@ class DirectReads:
                 try:
                     self._take(reply, out, len(reply.batch))
                 except OSError as exc:
-                    self._failed(reply.owner, exc)
+                    self._failed(reply.owner, exc, silent=reply.headers is None)
                 pending.clear()
             elif pending:
                 self._receive_all(pending, out)
@@ -165,10 +167,14 @@ class DirectReads:
             left = min(r.deadline for r in pending.values()) - time.monotonic()
             ready = poller.poll(max(1, int(left * 1000) + 1)) if left > 0 else []
             if not ready and time.monotonic() >= min(r.deadline for r in pending.values()):
+                # an owner whose reply waits unread (this thread sat in a slow owner's
+                # receive meanwhile) answered: not silent
+                answered = {fd for fd, _ in poller.poll(0)}
                 for fd, reply in list(pending.items()):
                     poller.unregister(fd)
                     del pending[fd]
-                    self._failed(reply.owner, TimeoutError(f"no reply within {self.timeout} s"))
+                    self._failed(reply.owner, TimeoutError(f"no reply within {self.timeout} s"),
+                                 silent=reply.headers is None and fd not in answered)
                 return
             for fd, _ in ready:
                 reply = pending[fd]
@@ -176,7 +182,9 @@ class DirectReads:
                     done = self._take(reply, out, 1)
                 except OSError as exc:
                     done = True
-                    self._failed(reply.owner, exc)
+                    # not silent: its socket had data (a deadline that another owner's
+                    # receive used up may time it out here, answered or not)
+                    self._failed(reply.owner, exc, silent=False)
                 if done:
                     poller.unregister(fd)
                     del pending[fd]
@@ -223,7 +231,7 @@ class DirectReads:
                 conn = conns[owner] = BlockClient(d["blocks"][owner], bytes.fromhex(d["secret"]),
                                                   self.timeout)
             except (OSError, PermissionError) as exc:
-                self._failed(owner, exc)
+                self._failed(owner, exc, silent=True)  # the connect or handshake
                 return None
         return conn
 
@@ -232,11 +240,17 @@ class DirectReads:
         if conn is not None:
             conn.close()
 
-    def _failed(self, owner: str, exc: Exception) -> None:
+    def _failed(self, owner: str, exc: Exception, silent: bool) -> None:
+        """A transfer from ``owner`` failed: its blocks go the usual way. ``silent``: the
+        owner sent nothing of its reply (no headers) before ``exc``; an owner that timed
+        out so is hung or gone, and is named to the daemon. One that answered its headers
+        and then sent its blocks slower than the fetch's budget (50 MB/s) is alive: named,
+        the daemon would suspect it (out of its ring for seconds, counted as a peer
+        failure) for being slow."""
         self.client.count("direct_failures")
         self._drop(owner)
         self._fetched_at = -REFRESH  # ask the daemon again for who is where
-        if isinstance(exc, TimeoutError):  # silent for the whole timeout: hung, or gone
+        if silent and isinstance(exc, TimeoutError):  # for the whole timeout: hung, or gone
             self._silent[owner] = time.monotonic() + self.timeout
             self.client.peer_silent(owner)  # before the lease of its blocks (same connection)
         if not self._warned:

@@ -2,13 +2,16 @@
 pinned to the version it was opened at) and ``BytesFile`` (a file read whole on open)."""
 from __future__ import annotations
 
+import os
+import threading
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 from fsspec.spec import AbstractBufferedFile
 
 from .. import trace
-from ..blockfile import CorruptBlock, OpenBlock
+from ..blockfile import TIER_FAULTS, CorruptBlock, OpenBlock
 from ..keys import block_key, block_length
 from ..tiers.source import MOVED_ON
 
@@ -21,6 +24,48 @@ def clip(start, end, size):
     start = 0 if start is None else (max(size + start, 0) if start < 0 else min(start, size))
     end = size if end is None else (max(size + end, 0) if end < 0 else min(end, size))
     return start, end
+
+
+class _Held:
+    """The block files this process's open files hold open, all of them together: each
+    OpenBlock holds a descriptor, and a dataset that keeps 20 large files open and reads
+    them at random would otherwise reach the usual soft limit of 1024 (MAX_OPEN each).
+    At ``cap``, a file closes its oldest open block for a new one, and a file holding none
+    reads the normal way (open, read, close each time).
+
+    Fork-safe: a forked child (a DataLoader worker) inherits the parent's open files with
+    their blocks and their descriptors, and closes them as it closes those files, so it
+    starts from the number of blocks it holds in them: counted afresh in the child (the
+    parent's count may include a block another thread was between opening and storing,
+    which the child holds in no file), under a lock of its own (the parent's may have been
+    held by a thread the child does not have)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.n = 0
+        self.lock = threading.Lock()
+        self.files: weakref.WeakSet = weakref.WeakSet()  # the open files, for the recount
+
+    def take(self) -> bool:
+        """One more block file held open, if the cap allows."""
+        with self.lock:
+            if self.n >= self.cap:
+                return False
+            self.n += 1
+            return True
+
+    def give(self) -> None:
+        with self.lock:
+            self.n -= 1
+
+    def forked(self) -> None:
+        self.lock = threading.Lock()
+        self.n = sum(block is not None for f in list(self.files)
+                     for block in list(f._blocks.values()))
+
+
+HELD = _Held(256)
+os.register_at_fork(after_in_child=HELD.forked)
 
 
 class CachedFile(AbstractBufferedFile):
@@ -40,6 +85,7 @@ class CachedFile(AbstractBufferedFile):
     """
 
     MAX_OPEN = 64  # block files held open (512 MiB of 8 MiB blocks); evicted ones are closed
+    # (and HELD.cap, 256, in all: see _Held)
 
     def __init__(self, fs: CacheFileSystem, path: str, meta, **kwargs) -> None:
         self.meta = meta
@@ -48,6 +94,7 @@ class CachedFile(AbstractBufferedFile):
         self._client = fs.client
         self._bs = fs.options.block_size
         super().__init__(fs, path, mode="rb", size=meta.size, **kwargs)
+        HELD.files.add(self)
 
     def _fetch_range(self, start, end):
         start, end = clip(start, end, self.meta.size)
@@ -84,9 +131,15 @@ class CachedFile(AbstractBufferedFile):
                     base = index * bs
                     try:
                         data = block.read(loc - base, end - base)
-                    except CorruptBlock:
+                    except OSError as exc:
+                        # a damaged page, or the tier's disk failing the read (EIO): the
+                        # normal path reads the block from another tier or the source,
+                        # counts it and repairs it, as it does for any read; this
+                        # process's own errors (EMFILE, ENOMEM) are raised, as there
+                        if not isinstance(exc, CorruptBlock) and exc.errno not in TIER_FAULTS:
+                            raise
                         self._close_block(index)
-                        self._blocks[index] = None  # the normal path repairs it from now on
+                        self._blocks[index] = None  # the normal path from now on
                     else:
                         self.loc = end
                         tally = self._tally
@@ -104,22 +157,43 @@ class CachedFile(AbstractBufferedFile):
         key = block_key(meta.url, meta.version, index, bs)
         length = block_length(meta.size, index, bs)
         started = time.perf_counter()
-        for tier in self.fs.client.tiers():
-            try:
-                block = OpenBlock(tier.block_path(key), length)
-            except FileNotFoundError:
-                continue
-            except (CorruptBlock, ValueError, OSError):
-                return None  # let the normal path detect, count and repair it
-            if len(self._blocks) >= self.MAX_OPEN:
-                self._close_block(next(iter(self._blocks)))
-            self._blocks[index] = block
-            self.fs.client.accessed(key, tier.name)  # reads are counted as they happen
-            if trace.ENABLED:  # its reads are not traced one by one: each costs less
-                trace.block_event("map", started, time.perf_counter(), tier.name, meta.path,
-                                  index, length)
-            return block
-        return None
+        if not self._held():
+            return None
+        block = None
+        try:
+            for tier in self.fs.client.tiers():
+                try:
+                    block = OpenBlock(tier.block_path(key), length)
+                except FileNotFoundError:
+                    continue
+                except (CorruptBlock, ValueError, OSError):
+                    return None  # let the normal path detect, count and repair it
+                break
+        finally:
+            if block is None:
+                HELD.give()
+        if block is None:
+            return None
+        self._blocks[index] = block
+        self.fs.client.accessed(key, tier.name)  # reads are counted as they happen
+        if trace.ENABLED:  # its reads are not traced one by one: each costs less
+            trace.block_event("map", started, time.perf_counter(), tier.name, meta.path,
+                              index, length)
+        return block
+
+    def _held(self) -> bool:
+        """A block file may be held open (counted in HELD): room under this file's
+        MAX_OPEN and the process's cap, made by closing this file's oldest block if
+        need be; False: the block is read the normal way."""
+        if len(self._blocks) >= self.MAX_OPEN:
+            self._close_block(next(iter(self._blocks)))
+        if HELD.take():
+            return True
+        oldest = next((i for i, block in self._blocks.items() if block is not None), None)
+        if oldest is None:
+            return False
+        self._close_block(oldest)  # the oldest block this file holds gives up its descriptor
+        return HELD.take()  # (unless another thread's file took it meanwhile)
 
     def _close_evicted(self) -> None:
         """Close blocks the daemon evicted: their pages would stay allocated in the DRAM
@@ -132,6 +206,7 @@ class CachedFile(AbstractBufferedFile):
         block = self._blocks.pop(index, None)
         if block is not None:
             block.close()
+            HELD.give()
 
     def close(self):
         self._client.fold(self._tally)

@@ -27,14 +27,13 @@ both return that version's bytes, one fill is kept.
 """
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import time
 from typing import TYPE_CHECKING
 
 from .adopt import Adoptions, Adopted
-from ..blockfile import CorruptBlock
+from ..blockfile import TIER_FAULTS, CorruptBlock
 from ..claims import Claims, claims_dir
 from .link import DaemonClient
 from .direct import DirectReads
@@ -52,11 +51,6 @@ if TYPE_CHECKING:  # the filesystem passes its metadata cache: a type only
     from .metadata import MetadataCache
 
 log = logging.getLogger(__name__)
-
-# What a tier's block file may fail with that is the tier's fault (the disk, its permissions,
-# its directories), not this process's (EMFILE, ENOMEM) nor a block that is not there.
-TIER_FAULTS = frozenset({errno.EIO, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.ELOOP,
-                         errno.ENXIO, errno.ESTALE, errno.EROFS})
 
 VIEW_MIN = 1 << 20  # blocks from this size are joined from their mappings (see _hit)
 
