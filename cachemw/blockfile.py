@@ -15,11 +15,13 @@ foreign file in a tier directory is detected, never served.
 """
 from __future__ import annotations
 
+import array
 import errno
 import hashlib
 import mmap
 import os
 import struct
+import sys
 
 import xxhash
 
@@ -118,7 +120,10 @@ def _parse_tail(tail: bytes, length: int, page_size: int, where: str,
     """(page checksums, whole-data checksum) from a block's tail, checked for consistency."""
     n = n_pages(length, page_size)
     dhash = _check_tail(tail, 0, length, page_size, where, key)
-    return struct.unpack(f"<{n}Q", tail[:8 * n]), dhash
+    sums = array.array("Q", tail[:8 * n])  # compact: a table of 2,048 ints, 16 KiB
+    if sys.byteorder == "big":  # stored little-endian
+        sums.byteswap()
+    return sums, dhash
 
 
 def _check_tail(buf, at: int, length: int, page_size: int, where: str, key: bytes) -> int:
@@ -323,15 +328,20 @@ class OpenBlock:
     files alive); a block is immutable under its key, so it still holds the right bytes.
     """
 
-    def __init__(self, path: str, length: int) -> None:
+    def __init__(self, path: str, length: int, known: tuple | None = None) -> None:
+        """``known``: (inode, page table) of this block file as an earlier OpenBlock of it
+        read them: the same file again needs no second read and check of its tail."""
         fd = os.open(path, os.O_RDONLY)
         try:
             st = os.fstat(fd)
             size, self.ino = st.st_size, st.st_ino
             if size != stored_size(length) or length == 0:
                 raise CorruptBlock(f"{path}: {size} bytes, expected a block of {length}")
-            self.sums, _ = _parse_tail(os.pread(fd, size - length, length), length,
-                                       PAGE_SIZE, path, path_key(path))
+            if known is not None and known[0] == self.ino:
+                self.sums = known[1]
+            else:
+                self.sums, _ = _parse_tail(os.pread(fd, size - length, length), length,
+                                           PAGE_SIZE, path, path_key(path))
         except BaseException:
             os.close(fd)
             raise
