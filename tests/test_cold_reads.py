@@ -465,9 +465,10 @@ def test_s3_cold_objects_cost_one_getobject_each(make_cache_fs, s3_server, s3_pr
     assert fs.cat_file(f"s3://{bucket}/cold/big") == big
     big_requests = [r for r in log if r[1].endswith("/cold/big")]
     etag = s3.head_object(Bucket=bucket, Key="cold/big")["ETag"]
-    assert [(r[0], r[2], r[3]) for r in big_requests] == [
-        ("GET", f"bytes=0-{BS - 1}", None), ("GET", f"bytes={BS}-{2 * BS - 1}", etag),
-        ("GET", f"bytes={2 * BS}-{len(big) - 1}", etag)]
+    got = [(r[0], r[2], r[3]) for r in big_requests]
+    assert got[0] == ("GET", f"bytes=0-{BS - 1}", None)
+    assert sorted(got[1:]) == sorted([  # the rest side by side (client/fanout.py): any order
+        ("GET", f"bytes={BS}-{2 * BS - 1}", etag), ("GET", f"bytes={2 * BS}-{len(big) - 1}", etag)])
     assert not [r for r in log if r[0] == "HEAD"]
     for key in [*small, "cold/big"]:  # the version a HeadObject gives
         path = f"{bucket}/{key}"
