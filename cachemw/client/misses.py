@@ -162,10 +162,8 @@ class Misses:
                     self.claims.release(p.key)
                     pending.pop(0)
                     continue
-                block, fetched, now = result
+                block, _, now = result
                 pending.pop(0)
-                self.client.count("source_seconds", now - fetched)
-                self.client.count("source_reads")
                 self.client.count("bytes_from_source", len(block))
                 self._missed(started, now)
                 self.fills.adopt(p.key, block,
@@ -181,16 +179,12 @@ class Misses:
 
     def _fetch_source(self, piece: Piece) -> tuple[bytes, float, float]:
         """(the block from the source, pinned to its version; when the fetch began, ended),
-        traced in the thread that fetched it (a thread's events nest)."""
+        counted and traced in the thread that fetched it (reader._source_read)."""
         meta = piece.meta
         started = time.perf_counter()
         block = self.source.read_block(meta.path, piece.index, self.block_size, meta.size,
                                        meta.version)
-        now = time.perf_counter()
-        if trace.ENABLED:
-            trace.block_event("source_fetch", started, now, "source", meta.path, piece.index,
-                              len(block))
-        return block, started, now
+        return block, started, self._source_read(piece, started, len(block))
 
     def _prefetch_fills(self, unique: list[Piece], replies) -> dict[int, tuple | BaseException]:
         """The blocks of a batch this process was leased to fill, fetched side by side when
@@ -249,8 +243,6 @@ class Misses:
             client.abort(piece.key, "source-error")
             raise
         block, started, now = fetched
-        client.count("source_seconds", now - started)
-        client.count("source_reads")
         client.count("misses")
         client.count("bytes_from_source", len(block))
         tier = self.tier(tier_name)

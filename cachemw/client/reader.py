@@ -315,13 +315,16 @@ class BlockReader(Misses):
                 trace.event(name, trace.READ, started, now, {"blocks": blocks})
         return now
 
-    def _source_read(self, piece: Piece, started: float, nbytes: int) -> None:
+    def _source_read(self, piece: Piece, started: float, nbytes: int) -> float:
+        """Count and trace a read from the source that began at ``started``, in the thread
+        that made it (a thread's trace events nest; the counters take a lock); now."""
         now = time.perf_counter()
         self.client.count("source_seconds", now - started)
         self.client.count("source_reads")
         if trace.ENABLED:
             trace.block_event("source_fetch", started, now, "source", piece.meta.path,
                               piece.index, nbytes)
+        return now
 
     def _missed(self, started: float, now: float) -> None:
         """One block not in the node's tiers had its bytes ``now``: the miss latency."""
