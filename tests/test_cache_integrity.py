@@ -90,6 +90,14 @@ DAMAGES = {
 FILES = {"whole": 5000, "multi": 3 * BS + 999}  # cached whole / as 4 blocks (damage block 1)
 
 
+def _cached(fs, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` and read it through ``fs``: its blocks cached, published."""
+    with open(path, "wb") as f:
+        f.write(data)
+    assert fs.cat_file(path) == data
+    published(fs)
+
+
 def _read(fs, path, data, how):
     if how == "cat_file":
         return fs.cat_file(path), data
@@ -260,10 +268,7 @@ def test_open_file_small_reads_verify_open_block_pages_and_count_hits(make_cache
     dram = DirectoryTier("dram", daemon_stats(runtime_dir)["tiers"]["dram"]["path"])
     data = random.Random(3).randbytes(3 * BS)
     path = str(tmp_path / "mapped.bin")
-    with open(path, "wb") as f:
-        f.write(data)
-    assert fs.cat_file(path) == data  # cached
-    published(fs)
+    _cached(fs, path, data)
     meta = fs.meta.file(path)
     block = dram.block_path(block_key(meta.url, meta.version, 1, BS))
     before = dict(fs.stats())
@@ -298,10 +303,7 @@ def test_a_block_file_truncated_under_an_open_file_is_repaired_not_a_crash(
     fs = make_cache_fs(block_size=BS)
     data = random.Random(5).randbytes(3 * BS)
     path = str(tmp_path / "truncated.bin")
-    with open(path, "wb") as f:
-        f.write(data)
-    assert fs.cat_file(path) == data  # cached
-    published(fs)
+    _cached(fs, path, data)
     dram = daemon_stats(runtime_dir)["tiers"]["dram"]["path"]
     script = f"""
 import os, sys, fsspec
@@ -373,10 +375,7 @@ def test_open_file_fast_path_catches_a_damaged_page(make_cache_fs, runtime_dir, 
     dram = DirectoryTier("dram", daemon_stats(runtime_dir)["tiers"]["dram"]["path"])
     data = random.Random(offset + damaged_page).randbytes(2 * BS)
     path = str(tmp_path / "fast.bin")
-    with open(path, "wb") as f:
-        f.write(data)
-    assert fs.cat_file(path) == data
-    published(fs)
+    _cached(fs, path, data)
     meta = fs.meta.file(path)
     block = dram.block_path(block_key(meta.url, meta.version, 1, BS))
     before = dict(fs.stats())
