@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .checkpointer import Checkpointer, CheckpointerConfig
+from .checkpointer import Checkpointer
+from .config import CheckpointerConfig
 from .errors import CheckpointBusyError, ChecksumError, CheckpointNotFoundError
 from .handle import SaveHandle
 from .planner import SpreadSavePlanner

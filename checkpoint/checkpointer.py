@@ -14,7 +14,6 @@ retention -> watchers are notified. Any failure, on any rank, fails the handle o
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -27,13 +26,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from cachemw import trace
-from cachemw.files import make_private_dirs
-from cachemw.node_daemon import node_daemon
 
 from . import watch as watch_channel
 from .background import niceness, run_at
-from .chunk_plan import DEFAULT_CHUNK_BYTES
-from .coordination import Coordinator, check_same_step, failed_on, message_of, report, same_type
+from .config import BUSY_POLICIES, CheckpointerConfig
+from .coordination import Coordinator, check_same_step, message_of, report, same_type, unwrap
 from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
 from .choosing import adopt_root, choose, counted_entries
@@ -47,89 +44,10 @@ from .reader import CachemwStorageReader
 from .stager import BufferStager
 from .state_tree import apply_loaded, prepare_for_load, to_state_dict, unplaced
 from .storage_io import Location
-from .tiers import Drainer
+from .tiers import Drainer, daemon_fast_root
 from .writer import MANIFEST_NAME, METADATA_NAME, CachemwStorageWriter
 
 log = logging.getLogger(__name__)
-BUSY_POLICIES = ("wait", "refuse")
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointerConfig:
-    """Options of a Checkpointer (all keyword arguments of its constructor)."""
-
-    keep_last: int | None = None
-    compression: str | None = None
-    fast_root: str | None = None
-    # In-memory copies kept in the fast tier. With 1 (the default) a save overwrites the previous
-    # copy in place once that one is committed at the root: one copy of the state in host memory,
-    # none committed in the fast tier while the save runs. More than 1 stages through buffers.
-    fast_keep_last: int = 1
-    if_busy: str = "wait"
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    thread_count: int = 2
-    device: str = "cpu"
-    memory_budget: int | None = None
-    stale_after_s: float = 3600.0
-    collective_timeout_s: float = 600.0
-    watch_poll_s: float = 30.0
-    # How much lower the save's background threads (write, commit, drain) run than the
-    # trainer (a nice increment, 0-19; 0: the same): they run on the cycles training leaves
-    # idle and yield the cores to the DataLoader's workers when those need them
-    # (background.py).
-    background_nice: int = 10
-
-    def __post_init__(self) -> None:
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None, got {self.keep_last}")
-        if self.fast_keep_last < 1:
-            raise ValueError(f"fast_keep_last must be >= 1, got {self.fast_keep_last}")
-        if self.if_busy not in BUSY_POLICIES:
-            raise ValueError(f"if_busy must be one of {BUSY_POLICIES}, got {self.if_busy!r}")
-        if self.compression not in (None, "lz4"):
-            raise ValueError(f"compression must be None or 'lz4', got {self.compression!r}")
-        if isinstance(self.background_nice, bool) or not isinstance(self.background_nice, int) \
-                or not 0 <= self.background_nice <= 19:
-            raise ValueError(f"background_nice must be a whole number from 0 to 19, got {self.background_nice!r}")
-        for name in ("chunk_bytes", "thread_count", "stale_after_s", "collective_timeout_s", "watch_poll_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-    @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "CheckpointerConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown Checkpointer option(s): {', '.join(unknown)}")
-        return cls(**kwargs)
-
-
-def unwrap(exc: CheckpointException, world_size: int) -> Exception:
-    """DCP's CheckpointException (a BaseException) as one ordinary exception, the same on every rank."""
-    failures = exc.failures
-    rank = min(failures)
-    first = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-    if world_size == 1 and isinstance(first, Exception):
-        return first
-    return failed_on(sorted(failures), rank, report(first))  # RuntimeError for a BaseException
-
-
-def daemon_fast_root(root: str) -> str | None:
-    """The fast tier a running cachemw daemon offers on this node, for checkpoints of ``root``.
-
-    Saves land in the daemon's runtime dir (node DRAM, /dev/shm by default), one directory
-    per root, and drain to ``root`` in the background. None when no daemon runs here. The
-    daemon does not count these files against its tiers' capacities; ``fast_keep_last``
-    bounds them.
-    """
-    daemon = node_daemon()
-    if daemon is None:
-        return None
-    path = daemon.checkpoints_dir(root)
-    make_private_dirs(path)  # in the runtime dir, private as all of it (0700)
-    return path
-
-
 class Checkpointer:
     """Asynchronous, distributed, tiered checkpoints of a training state under ``root``."""
 

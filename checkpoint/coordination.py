@@ -21,6 +21,7 @@ import sys
 from typing import Any, Callable
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 
 def check_same_step(step: int, steps: list) -> None:
@@ -223,3 +224,13 @@ class Coordinator:
     def run_on_coordinator(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the coordinator only; its failure fails every rank."""
         self.run_everywhere(fn if self.is_coordinator else (lambda: None))
+
+
+def unwrap(exc: CheckpointException, world_size: int) -> Exception:
+    """DCP's CheckpointException (a BaseException) as one ordinary exception, the same on every rank."""
+    failures = exc.failures
+    rank = min(failures)
+    first = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+    if world_size == 1 and isinstance(first, Exception):
+        return first
+    return failed_on(sorted(failures), rank, report(first))  # RuntimeError for a BaseException

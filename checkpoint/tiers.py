@@ -11,7 +11,8 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from cachemw import trace
-from cachemw.files import fsync_path
+from cachemw.files import fsync_path, make_private_dirs
+from cachemw.node_daemon import node_daemon
 
 from .background import run_at
 from .storage_io import Location
@@ -66,3 +67,19 @@ class Drainer:
             self.wait()
         except Exception:  # any copy failure: the save's own error is the one raised
             pass
+
+
+def daemon_fast_root(root: str) -> str | None:
+    """The fast tier a running cachemw daemon offers on this node, for checkpoints of ``root``.
+
+    Saves land in the daemon's runtime dir (node DRAM, /dev/shm by default), one directory
+    per root, and drain to ``root`` in the background. None when no daemon runs here. The
+    daemon does not count these files against its tiers' capacities; ``fast_keep_last``
+    bounds them.
+    """
+    daemon = node_daemon()
+    if daemon is None:
+        return None
+    path = daemon.checkpoints_dir(root)
+    make_private_dirs(path)  # in the runtime dir, private as all of it (0700)
+    return path

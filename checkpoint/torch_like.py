@@ -30,7 +30,7 @@ from torch.serialization import StorageType, default_restore_location, location_
 from cachemw.files import exchange
 from cachemw.processes import process_alive
 
-from .checkpointer import unwrap
+from .coordination import unwrap
 from .planner import SpreadSavePlanner
 from .quiet import single_process_dcp
 from .reader import CachemwStorageReader
