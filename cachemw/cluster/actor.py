@@ -11,30 +11,24 @@ joins the user's cluster as configured by the user's environment.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 
 from ..config import DaemonConfig, format_size, parse_size, ray_address, resolve_runtime_dir
 from ..launch import remove_checkpoint_copies, stop_local
 from ..node.service import NodeService
-from ..protocol import ensure_private_dir, lock_holder, lookup
+from ..protocol import lock_holder, lookup
+from . import local_ray
 from .blockserver import BlockServer
 from .names import NAMESPACE, actor_name
 from .owner import RemoteReads, serve_blocks
 from .peers import PeerSet, pack
 
 log = logging.getLogger(__name__)
-
-RAY_STATE = "ray.json"
-
 
 PEER_OPTIONS = ("peer_timeout", "refresh_interval", "replicate_after", "cluster_secret")
 PEER_DEFAULTS = {"peer_timeout": 10.0, "refresh_interval": 2.0, "replicate_after": 2}
@@ -144,135 +138,6 @@ def _ray():
     return ray
 
 
-def _ray_state_path(runtime_dir: str) -> str:
-    return os.path.join(runtime_dir, RAY_STATE)
-
-
-def _read_ray_state(runtime_dir: str) -> dict | None:
-    try:
-        with open(_ray_state_path(runtime_dir)) as f:
-            return json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _start_local_ray(runtime_dir: str) -> dict:
-    """Start a private Ray head with token auth; remember how to reach it (its GCS is
-    reached on 127.0.0.1: it listens on every interface)."""
-    ensure_private_dir(runtime_dir)
-    token_path = os.path.join(runtime_dir, "ray-token")
-    if not os.path.exists(token_path):
-        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-    port = _free_port()
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path)
-    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
-    if ray_bin is None:
-        raise RuntimeError("the `ray` command is not installed next to this Python")
-    # unpredictable and 0700: a fixed name in /tmp could be taken first by another user.
-    # Ray makes its temp dir (its sockets in it) 0777, so it goes one level down in ours.
-    private = tempfile.mkdtemp(prefix=f"cachemw-ray-{os.getuid()}-", dir="/tmp")
-    temp_dir = os.path.join(private, "ray")
-    # --node-ip-address: Ray (2.60) takes loopback for the node's own address and listens
-    # on every interface regardless; asked for all the same, for a Ray that honours it
-    cmd = [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
-           "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
-    began = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    if proc.returncode != 0:
-        _stop_local_ray(temp_dir)
-        _forget_ray_state(runtime_dir)
-        raise RuntimeError(f"`ray start` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    os.chmod(temp_dir, 0o700)
-    state = {"address": f"127.0.0.1:{port}", "token_path": token_path, "temp_dir": temp_dir,
-             "started_by_cachemw": True, "strays": _client_servers(port, since=began)}
-    fd = os.open(_ray_state_path(runtime_dir), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(state, f)
-    return state
-
-
-def _client_servers(port: int, since: float) -> list:
-    """[pid, start time] of the Ray client servers our head started (``ray start`` has just
-    returned: they exist): this user's processes of ``ray.util.client.server`` for the GCS
-    on ``port``, started since ``since``. They name neither our temp dir nor a parent of
-    ours (they are reparented at once), so _stop_local_ray finds them by what is kept
-    here; the start time tells a pid reused since from them."""
-    import psutil
-
-    out = []
-    for p in psutil.process_iter(["cmdline", "uids", "create_time"]):
-        try:
-            args = p.info["cmdline"] or ()
-            if (p.info["uids"] is not None and p.info["uids"].real == os.getuid()
-                    and p.info["create_time"] >= since - 1
-                    and "ray.util.client.server" in args
-                    and any(a.startswith("--address=") and a.endswith(f":{port}") for a in args)):
-                out.append([p.pid, p.info["create_time"]])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
-
-
-def _stop_local_ray(temp_dir: str, strays: list | None = None) -> None:
-    """Stop the processes of the Ray cluster cachemw started, and only those.
-
-    `ray stop` would stop every Ray cluster of this user on the machine; ours are the
-    processes whose command line names our private temp dir, and all their descendants
-    (the raylet's agents and workers rename themselves: ``ray::DashboardAgent``...), and
-    ``strays``, the [pid, start time] of processes of ours that name neither (Ray's client
-    server: see _client_servers), which would outlive the cluster on their port.
-    """
-    import psutil
-
-    roots = []
-    for pid, started in strays or ():
-        try:
-            p = psutil.Process(pid)
-            if abs(p.create_time() - started) < 0.01:  # the same process, not a reused pid
-                roots.append(p)
-        except psutil.Error:
-            continue
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(temp_dir in arg for arg in (p.info["cmdline"] or ())):
-                roots.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    found = {p.pid: p for p in roots}
-    for p in roots:
-        try:
-            found.update({c.pid: c for c in p.children(recursive=True)})
-        except psutil.NoSuchProcess:
-            continue
-    procs = list(found.values())
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-    parent = os.path.dirname(temp_dir)
-    private = os.path.basename(temp_dir) == "ray" and os.path.basename(parent).startswith(
-        f"cachemw-ray-{os.getuid()}-")
-    shutil.rmtree(parent if private else temp_dir, ignore_errors=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def connect(address: str | None = None, runtime_dir: str | None = None, *,
             start_if_needed: bool = False) -> dict:
     """ray.init into the cluster: the given one, else the local one ``cachemw start`` made
@@ -289,17 +154,17 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
         return {"address": address or "current", "started_by_cachemw": False}
     state = None
     if address is None:
-        state = _read_ray_state(runtime_dir)
-        if state is None or not _ray_alive(state):
+        state = local_ray.read_state(runtime_dir)
+        if state is None or not local_ray.alive(state):
             state = None
             if start_if_needed:
-                state = dict(_start_local_ray(runtime_dir), started_now=True)
+                state = dict(local_ray.start(runtime_dir), started_now=True)
             else:
                 address = ray_address()
                 if address is None:
                     raise ConnectionError("no cachemw-managed Ray cluster runs; give --address "
                                           "(or set RAY_ADDRESS) or run `cachemw start`")
-                if not _answers(address):  # a stale variable: ray.init would retry minutes
+                if not local_ray.answers(address):  # a stale variable: ray.init would retry minutes
                     raise ConnectionError(f"no Ray cluster answers at RAY_ADDRESS={address}; "
                                           f"unset it, or give --address")
     if state is not None:
@@ -311,25 +176,6 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
         ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING,
                  log_to_driver=False)
     return state or {"address": address, "started_by_cachemw": False}
-
-
-def _ray_alive(state: dict) -> bool:
-    return _answers(state["address"])
-
-
-def _answers(address: str) -> bool:
-    """Does something listen at a Ray GCS address ``host:port``? Other forms ("auto", a
-    ``ray://`` client address) are Ray's to resolve: True."""
-    import socket
-
-    host, _, port = address.rpartition(":")
-    if not host or "://" in address or not port.isdigit():
-        return True
-    try:
-        with socket.create_connection((host, int(port)), timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 def start(address: str | None = None, *, runtime_dir: str | None = None, timeout: float = 120,
@@ -385,8 +231,8 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
     except BaseException:  # a failed or interrupted start leaves no Ray it started; re-raised
         if state.get("started_now"):  # nothing of a failed start is left running
             ray.shutdown()
-            _stop_local_ray(state["temp_dir"], state.get("strays"))
-            _forget_ray_state(runtime_dir)
+            local_ray.stop(state["temp_dir"], state.get("strays"))
+            local_ray.forget_state(runtime_dir)
         raise
     return out
 
@@ -440,15 +286,6 @@ def _differences(asked: dict, have: dict) -> list[str]:
     return out
 
 
-def _forget_ray_state(runtime_dir: str) -> None:
-    """The local cluster is gone: its state and its token (the next one makes a fresh one)."""
-    for path in (_ray_state_path(runtime_dir), os.path.join(runtime_dir, "ray-token")):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
 def _daemon_handles():
     ray = _ray()
     handles = {}
@@ -491,7 +328,7 @@ def stop(address: str | None = None, *, runtime_dir: str | None = None, timeout:
 
 
 def _stop_ray_daemons(address: str | None, runtime_dir: str, timeout: float) -> int:
-    local = _read_ray_state(runtime_dir) if address is None else None
+    local = local_ray.read_state(runtime_dir) if address is None else None
     if address is None and local is None and not ray_address() and "ray" not in sys.modules:
         return 0  # no Ray cluster of ours, none given: nothing to stop through Ray
     try:
@@ -502,9 +339,9 @@ def _stop_ray_daemons(address: str | None, runtime_dir: str, timeout: float) -> 
     # the local cluster cachemw started, unreachable or dead (RAY_ADDRESS's was reached
     # instead): clear what is left of it
     if local is not None and local.get("started_by_cachemw") and (
-            state is None or not _ray_alive(local)):
-        _stop_local_ray(local["temp_dir"], local.get("strays"))
-        _forget_ray_state(runtime_dir)
+            state is None or not local_ray.alive(local)):
+        local_ray.stop(local["temp_dir"], local.get("strays"))
+        local_ray.forget_state(runtime_dir)
     if state is None:
         return 0
     ray = _ray()
@@ -523,8 +360,8 @@ def _stop_ray_daemons(address: str | None, runtime_dir: str, timeout: float) -> 
             pass
     ray.shutdown()
     if address is None and state.get("started_by_cachemw"):
-        _stop_local_ray(state["temp_dir"], state.get("strays"))
-        _forget_ray_state(runtime_dir)
+        local_ray.stop(state["temp_dir"], state.get("strays"))
+        local_ray.forget_state(runtime_dir)
     deadline = time.monotonic() + 10
     while lookup(runtime_dir) is not None and time.monotonic() < deadline:
         time.sleep(0.1)

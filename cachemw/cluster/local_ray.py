@@ -1,0 +1,178 @@
+"""The private local Ray cluster ``cachemw start`` makes when given no address.
+
+Its head runs with Ray's token authentication (the token in a 0600 file of the runtime
+dir), in a 0700 temp dir of its own, and is remembered in ``<runtime_dir>/ray.json`` so
+that later commands reach it and ``stop`` stops its processes, and only those (``ray stop``
+would stop every Ray cluster of the user on the machine).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from ..protocol import ensure_private_dir
+
+RAY_STATE = "ray.json"
+
+
+def state_path(runtime_dir: str) -> str:
+    return os.path.join(runtime_dir, RAY_STATE)
+
+
+def read_state(runtime_dir: str) -> dict | None:
+    try:
+        with open(state_path(runtime_dir)) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def start(runtime_dir: str) -> dict:
+    """Start a private Ray head with token auth; remember how to reach it (its GCS is
+    reached on 127.0.0.1: it listens on every interface)."""
+    ensure_private_dir(runtime_dir)
+    token_path = os.path.join(runtime_dir, "ray-token")
+    if not os.path.exists(token_path):
+        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    port = _free_port()
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path)
+    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    if ray_bin is None:
+        raise RuntimeError("the `ray` command is not installed next to this Python")
+    # unpredictable and 0700: a fixed name in /tmp could be taken first by another user.
+    # Ray makes its temp dir (its sockets in it) 0777, so it goes one level down in ours.
+    private = tempfile.mkdtemp(prefix=f"cachemw-ray-{os.getuid()}-", dir="/tmp")
+    temp_dir = os.path.join(private, "ray")
+    # --node-ip-address: Ray (2.60) takes loopback for the node's own address and listens
+    # on every interface regardless; asked for all the same, for a Ray that honours it
+    cmd = [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+           "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
+    began = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    if proc.returncode != 0:
+        stop(temp_dir)
+        forget_state(runtime_dir)
+        raise RuntimeError(f"`ray start` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    os.chmod(temp_dir, 0o700)
+    state = {"address": f"127.0.0.1:{port}", "token_path": token_path, "temp_dir": temp_dir,
+             "started_by_cachemw": True, "strays": _client_servers(port, since=began)}
+    fd = os.open(state_path(runtime_dir), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(state, f)
+    return state
+
+
+def _client_servers(port: int, since: float) -> list:
+    """[pid, start time] of the Ray client servers our head started (``ray start`` has just
+    returned: they exist): this user's processes of ``ray.util.client.server`` for the GCS
+    on ``port``, started since ``since``. They name neither our temp dir nor a parent of
+    ours (they are reparented at once), so stop finds them by what is kept
+    here; the start time tells a pid reused since from them."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline", "uids", "create_time"]):
+        try:
+            args = p.info["cmdline"] or ()
+            if (p.info["uids"] is not None and p.info["uids"].real == os.getuid()
+                    and p.info["create_time"] >= since - 1
+                    and "ray.util.client.server" in args
+                    and any(a.startswith("--address=") and a.endswith(f":{port}") for a in args)):
+                out.append([p.pid, p.info["create_time"]])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def stop(temp_dir: str, strays: list | None = None) -> None:
+    """Stop the processes of the Ray cluster cachemw started, and only those.
+
+    `ray stop` would stop every Ray cluster of this user on the machine; ours are the
+    processes whose command line names our private temp dir, and all their descendants
+    (the raylet's agents and workers rename themselves: ``ray::DashboardAgent``...), and
+    ``strays``, the [pid, start time] of processes of ours that name neither (Ray's client
+    server: see _client_servers), which would outlive the cluster on their port.
+    """
+    import psutil
+
+    roots = []
+    for pid, started in strays or ():
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - started) < 0.01:  # the same process, not a reused pid
+                roots.append(p)
+        except psutil.Error:
+            continue
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(temp_dir in arg for arg in (p.info["cmdline"] or ())):
+                roots.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    found = {p.pid: p for p in roots}
+    for p in roots:
+        try:
+            found.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            continue
+    procs = list(found.values())
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    parent = os.path.dirname(temp_dir)
+    private = os.path.basename(temp_dir) == "ray" and os.path.basename(parent).startswith(
+        f"cachemw-ray-{os.getuid()}-")
+    shutil.rmtree(parent if private else temp_dir, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(state: dict) -> bool:
+    return answers(state["address"])
+
+
+def answers(address: str) -> bool:
+    """Does something listen at a Ray GCS address ``host:port``? Other forms ("auto", a
+    ``ray://`` client address) are Ray's to resolve: True."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or "://" in address or not port.isdigit():
+        return True
+    try:
+        with socket.create_connection((host, int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def forget_state(runtime_dir: str) -> None:
+    """The local cluster is gone: its state and its token (the next one makes a fresh one)."""
+    for path in (state_path(runtime_dir), os.path.join(runtime_dir, "ray-token")):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
