@@ -43,49 +43,24 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import stat
 import threading
-from typing import NamedTuple
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..keys import block_length, stat_token, version_fields, version_token
+from ..keys import block_length, stat_token
 from .fork_safe import ForkSafe
+from .pinning import (MOVED_ON, NO_VERSION, ChangedSourceError, FirstBlock, changed, is_http, read_checked,
+                      source_info)
+from .source_http import first_http, read_http
+from .source_s3 import first_s3, read_s3
+
+__all__ = ["MOVED_ON", "ChangedSourceError", "FirstBlock", "SourceTier", "source_for", "source_info"]
 
 log = logging.getLogger(__name__)
 
 _READ_CHUNK = 1 << 20  # reads to the end of a file whose size is unknown, this much a call
-_NO_VERSION = "no ETag"  # why a first GET named no version (see SourceTier.read_first)
-_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+)\s*$")
-
-
-class FirstBlock(NamedTuple):
-    """A cold file's block and its info, from one response (``SourceTier.read_first``)."""
-
-    info: dict  # as the target's ``info`` gives it: the same ``version_token``
-    data: bytes  # exactly the block's bytes at that version
-
-
-class ChangedSourceError(OSError):
-    """The source file no longer matches the version the cache recorded for it.
-
-    Built as a plain ``OSError(errno.ESTALE, message)`` (see ``_changed``), so it pickles
-    and unpickles as one (a DataLoader worker's error crosses a process boundary)."""
-
-
-# The failures of a read after which what the node knows of the path is dropped: the file
-# moved on to another version, or is gone. A reopen (or a retry) then reads what is there now.
-MOVED_ON = (ChangedSourceError, FileNotFoundError)
-
-
-def _changed(path: str, expected: str, found: str | None = None,
-             detail: str = "") -> ChangedSourceError:
-    what = f"it is now {found}" if found else detail or "it was changed or replaced"
-    return ChangedSourceError(errno.ESTALE, f"{path}: the source no longer has the version "
-                              f"being read ({expected}): {what}; reopen the file (or read "
-                              f"it again) to get the new version")
 
 
 class SourceTier:
@@ -114,7 +89,7 @@ class SourceTier:
     def read_first(self, path: str, index: int, block_size: int) -> FirstBlock | None:
         """Block ``index`` of ``path`` and the file's info, both from one GET, for a file
         whose version is not known yet; FileNotFoundError if the store has no such file,
-        and on HTTP the OSError its error answer or a failed request says (``_read_http``).
+        and on HTTP the OSError its error answer or a failed request says (``read_http``).
 
         None if the response does not name the version (no ETag, no size, a body encoded
         for transfer, a range the store refused): the caller asks for the file's info, then
@@ -127,7 +102,7 @@ class SourceTier:
             return None
         start = index * block_size
         got = first(self.fs, path, start, start + block_size)
-        if got is _NO_VERSION and not self._versioned:
+        if got is NO_VERSION and not self._versioned:
             self._first = None
             log.info("%s: the store sends no ETag with its data; cachemw asks it for each "
                      "file's info (HEAD) before the file's first read", path)
@@ -149,7 +124,7 @@ class SourceTier:
             return b""
         data = self._read(self.fs, path, start, start + length, version)
         if len(data) != length:
-            raise _changed(path, version, detail=f"{length} bytes expected at offset "
+            raise changed(path, version, detail=f"{length} bytes expected at offset "
                            f"{start}, the source returned {len(data)}")
         return data
 
@@ -196,19 +171,19 @@ def _reads_for(fs):
         return _read_local
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     if "s3" in protocols and hasattr(fs, "_call_s3"):
-        return _read_s3
-    if ("http" in protocols or "https" in protocols) and hasattr(fs, "set_session"):
-        return _read_http
-    return _read_checked
+        return read_s3
+    if is_http(fs):
+        return read_http
+    return read_checked
 
 
 def _firsts_for(fs):
     """The version-telling first GET for ``fs`` (see SourceTier.read_first), or None."""
     read = _reads_for(fs)
-    if read is _read_http:
-        return _first_http
-    if read is _read_s3:
-        return _first_s3
+    if read is read_http:
+        return first_http
+    if read is read_s3:
+        return first_s3
     return None
 
 
@@ -255,7 +230,7 @@ def _read_local(fs, path: str, start: int, end: int | None, version: str) -> byt
             except OSError:  # ENXIO: no data (empty); anything else: it did not wait
                 pass
         if stat_token(before) != version:
-            raise _changed(path, version, stat_token(before))
+            raise changed(path, version, stat_token(before))
         if end is None:
             if not stat.S_ISREG(before.st_mode):  # a FIFO or device may never end
                 raise OSError(errno.EINVAL, f"{path}: not a regular file (a device, FIFO "
@@ -277,246 +252,9 @@ def _read_local(fs, path: str, start: int, end: int | None, version: str) -> byt
                 data += more
         after = os.fstat(fd)
         if stat_token(after) != version:
-            raise _changed(path, version, stat_token(after))
+            raise changed(path, version, stat_token(after))
         return data
     finally:
         os.close(fd)
 
 
-def _sync(fs, coroutine, *args):
-    """Run ``coroutine(*args)`` on the async filesystem ``fs``'s loop. fsspec.asyn is
-    imported here, not with this module: every reader process imports this module, and
-    only one reading an async store (which imported fsspec.asyn itself) needs it; it is
-    ~600 objects and 1-2 ms more for each DataLoader worker to import."""
-    from fsspec.asyn import sync
-
-    return sync(fs.loop, coroutine, *args)
-
-
-async def _s3_get(fs, bucket: str, key: str, kwargs: dict) -> tuple[str, bytes]:
-    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kwargs)
-    try:
-        return resp.get("ETag", ""), await resp["Body"].read()
-    finally:
-        resp["Body"].close()
-
-
-def _read_s3(fs, path: str, start: int, end: int | None, version: str) -> bytes:
-    fields = version_fields(version)
-    etag = fields.get("ETag")
-    if not etag:  # a store that gives no ETag: check the info afterwards
-        return _read_checked(fs, path, start, end, version)
-    bucket, key, path_version = fs.split_path(path)
-    kwargs = {"IfMatch": etag}
-    version_id = fields.get("VersionId") or path_version
-    if version_id:
-        kwargs["VersionId"] = version_id
-    if end is not None:
-        kwargs["Range"] = f"bytes={start}-{end - 1}"
-    elif start:
-        kwargs["Range"] = f"bytes={start}-"
-    try:
-        got, data = _sync(fs, _s3_get, fs, bucket, key, kwargs)
-    except OSError as exc:
-        if _s3_code(exc) in ("PreconditionFailed", "412", "NoSuchVersion"):
-            raise _changed(path, version, detail="its ETag or version moved") from exc
-        raise
-    if got and got.strip('"') != etag.strip('"'):
-        raise _changed(path, version, detail=f"the store sent ETag {got}")
-    return data
-
-
-async def _s3_get_response(fs, bucket: str, key: str, kwargs: dict) -> tuple[dict, bytes]:
-    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kwargs)
-    try:
-        return resp, await resp["Body"].read()
-    finally:
-        resp["Body"].close()
-
-
-def _first_s3(fs, path: str, start: int, end: int):
-    """GetObject of ``[start, end)``, its info as s3fs's ``info`` (a HeadObject) makes it:
-    the same ETag, size and VersionId, so the same version token."""
-    bucket, key, version_id = fs.split_path(path)
-    if not key:
-        return None
-    kwargs = {"Range": f"bytes={start}-{end - 1}"}
-    if version_id:
-        kwargs["VersionId"] = version_id
-    try:
-        resp, data = _sync(fs, _s3_get_response, fs, bucket, key, kwargs)
-    except OSError:  # no such key (it may be a "directory"), an empty object's refused
-        return None  # range, ...: the info path says what it is, as it did before
-    if not resp.get("ETag"):
-        return _NO_VERSION
-    found = _CONTENT_RANGE.match(resp.get("ContentRange") or "")
-    if found is not None:
-        if int(found.group(1)) != start:
-            return None
-        size = int(found.group(3))
-    elif resp.get("ContentLength") == len(data):  # the whole object came
-        size, data = len(data), data[start:end]
-    else:
-        return None
-    return FirstBlock({"ETag": resp.get("ETag", ""), "LastModified": resp.get("LastModified", ""),
-                       "size": size, "name": f"{bucket}/{key}", "type": "file",
-                       "StorageClass": resp.get("StorageClass", "STANDARD"),
-                       "VersionId": resp.get("VersionId"),
-                       "ContentType": resp.get("ContentType")}, data)
-
-
-def _s3_code(exc: BaseException) -> str | None:
-    """The S3 error code behind an error s3fs translated into an OSError."""
-    while exc is not None:
-        response = getattr(exc, "response", None)
-        if isinstance(response, dict):
-            return response.get("Error", {}).get("Code")
-        exc = exc.__cause__
-    return None
-
-
-async def _http_get(fs, url: str, headers: dict):
-    """(status, response headers, final URL, body) of one GET on fsspec's own session."""
-    session = await fs.set_session()
-    kwargs = {**fs.kwargs, "headers": headers}
-    async with session.get(fs.encode_url(url), **kwargs) as r:
-        return r.status, r.headers, str(r.url), await r.read()
-
-
-def _read_http(fs, path: str, start: int, end: int | None, version: str) -> bytes:
-    """One GET on fsspec's own session (its client options and request options): the
-    response's status and ETag are checked here, which fsspec's ``cat_file`` does not
-    show, so a server that ignores ``If-Match`` (or ``Range``) is still caught. Without
-    an ETag to pin it to, the same GET (not fsspec's ``cat_file``, which takes the whole
-    body a server that ignores Range sends for the range it asked), checked afterwards."""
-    etag = version_fields(version).get("ETag")
-    headers = dict(fs.kwargs.get("headers") or {})
-    if etag and not etag.startswith("W/"):  # If-Match compares strong ETags only
-        headers["If-Match"] = etag
-    if end is not None or start:
-        headers["Range"] = f"bytes={start}-" + ("" if end is None else str(end - 1))
-    status, response, _, data = _http_request(fs, path, headers)
-    got = response.get("ETag")
-    if status == 412 or (etag and status < 300 and got is not None and got != etag):
-        raise _changed(path, version,
-                       detail=f"the server has ETag {got}" if got else "its ETag moved")
-    if status == 416:  # a range within the version's size: the file is shorter now (a
-        # server that ignores If-Match, a weak ETag, which If-Match cannot name, or none)
-        raise _changed(path, version, detail="it is shorter now (HTTP 416)")
-    if status == 200 and "Range" in headers:  # the server ignored Range: all of it came
-        data = data[start:end]
-    elif status not in (200, 206):
-        raise _http_status_error(path, status)
-    if not etag or got is None:  # no validator (or an ETag on HEAD but none on GET):
-        _check_after(fs, path, version)  # the version asked again after the read
-    return data
-
-
-def _http_request(fs, path: str, headers: dict):
-    """``_http_get``, its failures OSErrors that name the URL: aiohttp's errors are not all
-    OSErrors (a server that hung up mid-response), nor do they name the URL."""
-    try:
-        return _sync(fs, _http_get, fs, path, headers)
-    except Exception as exc:
-        raise _http_request_error(path, exc) from exc
-
-
-def _http_request_error(path: str, exc: BaseException) -> OSError:
-    """``exc`` (a request that got no answer) as an OSError naming ``path`` and the cause,
-    its errno kept (ECONNREFUSED: a ConnectionRefusedError still), EIO if it has none."""
-    code = getattr(exc, "errno", None)
-    if not isinstance(code, int) or code <= 0:  # none, or a resolver's (negative) code
-        code = errno.ETIMEDOUT if isinstance(exc, TimeoutError) else errno.EIO
-    return OSError(code, f"{path}: {type(exc).__name__}: {exc}")
-
-
-def _http_status_error(path: str, status: int) -> OSError:
-    """The OSError for an HTTP error status: a file that is not there (404, 410) is
-    FileNotFoundError, a refusal (401, 403) PermissionError, anything else (a server in
-    trouble: 500, 503) EIO, so an outage never reads as a missing file."""
-    if status in (404, 410):
-        return FileNotFoundError(errno.ENOENT, f"{path}: not found (HTTP {status})", path)
-    if status in (401, 403):
-        return PermissionError(errno.EACCES, f"{path}: HTTP {status} from the server "
-                               f"(access denied)")
-    return OSError(errno.EIO, f"{path}: HTTP {status} from the server")
-
-
-def source_info(fs, path: str) -> dict:
-    """``fs.info(path)``, with what fsspec's HTTP ``info`` hides told: it turns any failure
-    of its requests (a 503, a refused connection) into ``FileNotFoundError(url)``, the
-    failure as its cause; an outage must not read as a missing file (its metadata
-    forgotten, dropped by ``cat(on_error="omit")``)."""
-    try:
-        return fs.info(path)
-    except FileNotFoundError as exc:
-        cause = exc.__cause__
-        # fsspec's mask has no errno; only an HTTP store's failures are told apart here
-        if cause is None or exc.errno is not None or _reads_for(fs) is not _read_http:
-            raise
-        status = getattr(cause, "status", None)  # aiohttp's ClientResponseError
-        if isinstance(status, int):  # (a 404 too: FileNotFoundError, saying why)
-            raise _http_status_error(path, status) from cause
-        raise _http_request_error(path, cause) from cause
-
-
-def _first_http(fs, path: str, start: int, end: int):
-    """A GET of ``[start, end)`` without a validator, its info as fsspec's HTTP ``info``
-    (a HEAD) makes it (``_file_info``): the same size and ETag, so the same version
-    token. ``Accept-Encoding: identity``, as fsspec's HEAD sends it, so the sizes are of
-    the same bytes."""
-    headers = dict(fs.kwargs.get("headers") or {})
-    headers["Range"] = f"bytes={start}-{end - 1}"
-    headers["Accept-Encoding"] = "identity"
-    status, response, url, data = _http_request(fs, path, headers)
-    if status >= 400 and status != 416:  # 416: empty, or past the end: the info tells
-        raise _http_status_error(path, status)
-    if status not in (200, 206) or response.get("Content-Encoding", "identity") not in ("identity", ""):
-        return None  # 416, an encoded body: the info path, as before
-    etag = response.get("ETag")
-    if not etag:
-        return _NO_VERSION
-    if status == 206:
-        found = _CONTENT_RANGE.match(response.get("Content-Range", ""))
-        if found is None or int(found.group(1)) != start:
-            return None  # an unknown total ("*/..."), another range than asked
-        size = int(found.group(3))
-    else:  # the server ignored Range: the whole file came
-        size = len(data)
-        if int(response.get("Content-Length", size)) != size:
-            return None
-        data = data[start:end]
-    info = {"name": path, "size": size, "url": url, "ETag": etag, "type": "file"}
-    if "Content-Type" in response:
-        info["mimetype"] = response["Content-Type"].partition(";")[0]
-    if response.get("Accept-Ranges") == "none":
-        info["partial"] = False
-    if response.get("Last-Modified"):
-        info["Last-Modified"] = response["Last-Modified"]
-    return FirstBlock(info, data)
-
-
-def _read_checked(fs, path: str, start: int, end: int | None, version: str) -> bytes:
-    try:
-        if end is None and start == 0:
-            data = fs.cat_file(path)
-        else:
-            data = fs.cat_file(path, start=start, end=end)
-    except OSError:
-        raise
-    except Exception as exc:  # a client's own error (a range refused as the file shrank):
-        # a changed file is said so; anything else is an OSError at this boundary
-        _check_after(fs, path, version)
-        raise OSError(errno.EIO, f"{path}: {type(exc).__name__}: {exc}") from exc
-    _check_after(fs, path, version)
-    return data
-
-
-def _check_after(fs, path: str, version: str) -> None:
-    if isinstance(fs, LocalFileSystem) and type(fs).info is LocalFileSystem.info:
-        found = stat_token(os.stat(path))  # what its info says (links followed), 3x cheaper
-    else:
-        fs.invalidate_cache(path)  # the store's answer, not a listing the target kept
-        found = version_token(source_info(fs, path))
-    if found != version:
-        raise _changed(path, version, found)

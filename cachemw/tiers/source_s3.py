@@ -1,0 +1,89 @@
+"""S3 reads (s3fs) pinned to a version: one GetObject with ``IfMatch`` on the ETag (and
+``VersionId`` where the bucket keeps versions), the ETag of the answer compared too; the
+first GET of a cold file names its version (see source.py)."""
+from __future__ import annotations
+
+from ..keys import version_fields
+from .pinning import CONTENT_RANGE, NO_VERSION, FirstBlock, changed, read_checked, sync
+
+
+async def _s3_get(fs, bucket: str, key: str, kwargs: dict) -> tuple[str, bytes]:
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kwargs)
+    try:
+        return resp.get("ETag", ""), await resp["Body"].read()
+    finally:
+        resp["Body"].close()
+
+
+def read_s3(fs, path: str, start: int, end: int | None, version: str) -> bytes:
+    fields = version_fields(version)
+    etag = fields.get("ETag")
+    if not etag:  # a store that gives no ETag: check the info afterwards
+        return read_checked(fs, path, start, end, version)
+    bucket, key, path_version = fs.split_path(path)
+    kwargs = {"IfMatch": etag}
+    version_id = fields.get("VersionId") or path_version
+    if version_id:
+        kwargs["VersionId"] = version_id
+    if end is not None:
+        kwargs["Range"] = f"bytes={start}-{end - 1}"
+    elif start:
+        kwargs["Range"] = f"bytes={start}-"
+    try:
+        got, data = sync(fs, _s3_get, fs, bucket, key, kwargs)
+    except OSError as exc:
+        if _s3_code(exc) in ("PreconditionFailed", "412", "NoSuchVersion"):
+            raise changed(path, version, detail="its ETag or version moved") from exc
+        raise
+    if got and got.strip('"') != etag.strip('"'):
+        raise changed(path, version, detail=f"the store sent ETag {got}")
+    return data
+
+
+async def _s3_get_response(fs, bucket: str, key: str, kwargs: dict) -> tuple[dict, bytes]:
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kwargs)
+    try:
+        return resp, await resp["Body"].read()
+    finally:
+        resp["Body"].close()
+
+
+def first_s3(fs, path: str, start: int, end: int):
+    """GetObject of ``[start, end)``, its info as s3fs's ``info`` (a HeadObject) makes it:
+    the same ETag, size and VersionId, so the same version token."""
+    bucket, key, version_id = fs.split_path(path)
+    if not key:
+        return None
+    kwargs = {"Range": f"bytes={start}-{end - 1}"}
+    if version_id:
+        kwargs["VersionId"] = version_id
+    try:
+        resp, data = sync(fs, _s3_get_response, fs, bucket, key, kwargs)
+    except OSError:  # no such key (it may be a "directory"), an empty object's refused
+        return None  # range, ...: the info path says what it is, as it did before
+    if not resp.get("ETag"):
+        return NO_VERSION
+    found = CONTENT_RANGE.match(resp.get("ContentRange") or "")
+    if found is not None:
+        if int(found.group(1)) != start:
+            return None
+        size = int(found.group(3))
+    elif resp.get("ContentLength") == len(data):  # the whole object came
+        size, data = len(data), data[start:end]
+    else:
+        return None
+    return FirstBlock({"ETag": resp.get("ETag", ""), "LastModified": resp.get("LastModified", ""),
+                       "size": size, "name": f"{bucket}/{key}", "type": "file",
+                       "StorageClass": resp.get("StorageClass", "STANDARD"),
+                       "VersionId": resp.get("VersionId"),
+                       "ContentType": resp.get("ContentType")}, data)
+
+
+def _s3_code(exc: BaseException) -> str | None:
+    """The S3 error code behind an error s3fs translated into an OSError."""
+    while exc is not None:
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            return response.get("Error", {}).get("Code")
+        exc = exc.__cause__
+    return None
