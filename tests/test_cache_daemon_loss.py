@@ -153,9 +153,8 @@ def test_a_daemon_stopped_before_the_process_exits_is_not_reported_at_exit(
 def test_the_warning_says_why_no_daemon_was_found(runtime_dir):
     """No daemon's address: with autostart one was just started and is gone, so the warning
     points at its log, not at `cachemw start` (which a user of autostart never ran)."""
-    from cachemw.client.link import DaemonClient
-    started = DaemonClient(runtime_dir, autostart=True)
-    assert "gone already" in started._why_none()
-    assert f"{runtime_dir}/daemon.log" in started._why_none()
-    manual = DaemonClient(runtime_dir, autostart=False)
-    assert "start one with `cachemw start`" in manual._why_none()
+    from cachemw.client.finding import why_none
+    started = why_none(runtime_dir, may_start=True)
+    assert "gone already" in started
+    assert f"{runtime_dir}/daemon.log" in started
+    assert "start one with `cachemw start`" in why_none(runtime_dir, may_start=False)

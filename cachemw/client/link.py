@@ -17,7 +17,6 @@ per process, and reads go on from the source.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import threading
 import time
@@ -28,15 +27,13 @@ from multiprocessing.connection import Connection
 from ..config import DaemonConfig
 from .fills import drain_all
 from .. import ops, reports
-from . import reporting, wire
+from . import finding, reporting, wire
 from .wire import DaemonUnavailable
 from ..claims import holder_name
 from ..processes import process_state
-from ..protocol import (DaemonAddress, UnsafeDirectory, check_private_dir,
-                        lock_holder, lookup)
+from ..protocol import DaemonAddress, lock_holder, lookup
 from ..tiers.directory import DirectoryTier
-from ..launch import (FAILURE_MEMORY, LOG, START_WAIT, DaemonStartError, await_address,
-                     spawn_detached)
+from ..launch import FAILURE_MEMORY, DaemonStartError
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +53,6 @@ def _reset_all_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_reset_all_in_child)
-
-
-def is_main_process() -> bool:
-    return multiprocessing.parent_process() is None
 
 
 class DaemonClient(reporting.Reporter):
@@ -192,15 +185,16 @@ class DaemonClient(reporting.Reporter):
         for attempt in (1, 2):
             with self._lock:
                 try:
-                    address = self._find()
+                    address = finding.find(self.runtime_dir, may_start=self._may_start(),
+                                           daemon_config=self.daemon_config, timeout=self.timeout)
                 except (DaemonStartError, OSError, ValueError) as exc:
                     self._cannot_start(exc)
                     return None
                 if address is None:
-                    self._unreachable(self._why_none())
+                    self._unreachable(finding.why_none(self.runtime_dir, may_start=self._may_start()))
                     return None
                 self._set_tiers(address)
-            if not self._running(address.pid):  # stopped for longer than it may be silent
+            if not finding.running(address.pid, self.timeout):  # stopped for longer than it may be silent
                 self._unreachable(f"the daemon (pid {address.pid}) is stopped", pid=address.pid)
                 return None
             try:
@@ -228,67 +222,16 @@ class DaemonClient(reporting.Reporter):
             self._untold = None
         return conn
 
-    def _find(self) -> DaemonAddress | None:
-        """The live daemon's address: the published one if its publisher holds the lock;
-        a new daemon's if none lives and autostart is on (a dead Ray-managed daemon is
-        Ray's to restart). Waits a few seconds at most for one that is starting."""
-        if os.path.lexists(self.runtime_dir):
-            check_private_dir(self.runtime_dir)  # UnsafeDirectory: someone else's
-        address = lookup(self.runtime_dir)
-        holder = lock_holder(self.runtime_dir)
-        if holder is None:  # no daemon lives; a published address is a dead one's
-            # (not for the exit flush's last report: no daemon is started just for that)
-            if self._may_start() and (address is None or address.kind != "ray"):
-                return self._autostart()
-            return address  # its tier files still serve hits
-        if address is not None and address.pid == holder.get("pid"):
-            return address
-        return await_address(self.runtime_dir, min(START_WAIT, self.timeout)) or address
-
-    def _running(self, pid: int) -> bool:
-        """The daemon is not stopped (SIGSTOP, a debugger), or runs again within
-        ``daemon_timeout``, as long as it may stay silent: a handshake would wait on it."""
-        deadline = time.monotonic() + self.timeout
-        while process_state(pid) in ("T", "t"):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
-    def _why_none(self) -> str:
-        """Why no daemon's address was found, for the one warning."""
-        if lock_holder(self.runtime_dir) is not None:
-            return "the daemon is still starting"
-        if self._may_start():  # one was started and is gone already
-            return (f"the daemon started for {self.runtime_dir} is gone already (its log: "
-                    f"{os.path.join(self.runtime_dir, LOG)}); another is started at the "
-                    f"next miss after the back-off")
-        return "no daemon runs (start one with `cachemw start`)"
-
     def _may_start(self) -> bool:
         """Whether a dead daemon may be replaced now: not by the last report of a closing
         client or an exiting process (a daemon stopped before them is no news)."""
         return (self.autostart and not reporting.exiting
                 and not getattr(self._local, "closing", False))
 
-    def _autostart(self) -> DaemonAddress | None:
-        """No daemon lives: start one, as a process of its own (never threads in the
-        trainer, which would fight it for the GIL). Started by a main process, it ends with
-        that process; started by a DataLoader worker (a dataset of plain cachemw:: URLs), it
-        outlives the worker and exits once idle."""
-        parent = os.getpid() if is_main_process() else None
-        return spawn_detached(self.runtime_dir, self.daemon_config, parent_pid=parent,
-                              wait=START_WAIT)
-
     def _cannot_start(self, exc: Exception) -> None:
         """No daemon can be had (it cannot start, or the runtime dir is not safely ours):
         said once per process, not per worker per read; not retried for a while."""
-        if isinstance(exc, UnsafeDirectory):
-            why = f"cachemw runtime dir refused: {exc}"
-        elif isinstance(exc, DaemonStartError):
-            why = f"cachemw daemon cannot start: {exc}"
-        else:
-            why = f"cachemw daemon cannot start in {self.runtime_dir}: {exc}"
+        why = finding.why_not_started(self.runtime_dir, exc)
         with self._lock:
             self._next_try = time.monotonic() + FAILURE_MEMORY
             self._warned = True

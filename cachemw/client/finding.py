@@ -1,0 +1,74 @@
+"""Where a process finds its node's daemon, starts one if none lives, and what it says
+when it has none: the daemon link's (link.py) questions to the runtime dir, which hold no
+state of the link's own."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+from ..launch import LOG, START_WAIT, DaemonStartError, await_address, spawn_detached
+from ..processes import process_state
+from ..protocol import DaemonAddress, UnsafeDirectory, check_private_dir, lock_holder, lookup
+
+
+def is_main_process() -> bool:
+    return multiprocessing.parent_process() is None
+
+
+def find(runtime_dir: str, *, may_start: bool, daemon_config: dict, timeout: float) -> DaemonAddress | None:
+    """The live daemon's address: the published one if its publisher holds the lock;
+    a new daemon's if none lives and ``may_start`` (a dead Ray-managed daemon is Ray's to
+    restart). Waits a few seconds at most for one that is starting."""
+    if os.path.lexists(runtime_dir):
+        check_private_dir(runtime_dir)  # UnsafeDirectory: someone else's
+    address = lookup(runtime_dir)
+    holder = lock_holder(runtime_dir)
+    if holder is None:  # no daemon lives; a published address is a dead one's
+        # (not for the exit flush's last report: no daemon is started just for that)
+        if may_start and (address is None or address.kind != "ray"):
+            return start(runtime_dir, daemon_config)
+        return address  # its tier files still serve hits
+    if address is not None and address.pid == holder.get("pid"):
+        return address
+    return await_address(runtime_dir, min(START_WAIT, timeout)) or address
+
+
+def start(runtime_dir: str, daemon_config: dict) -> DaemonAddress | None:
+    """No daemon lives: start one, as a process of its own (never threads in the trainer,
+    which would fight it for the GIL). Started by a main process, it ends with that
+    process; started by a DataLoader worker (a dataset of plain cachemw:: URLs), it
+    outlives the worker and exits once idle."""
+    parent = os.getpid() if is_main_process() else None
+    return spawn_detached(runtime_dir, daemon_config, parent_pid=parent, wait=START_WAIT)
+
+
+def running(pid: int, timeout: float) -> bool:
+    """The daemon is not stopped (SIGSTOP, a debugger), or runs again within ``timeout``
+    (``daemon_timeout``, as long as it may stay silent): a handshake would wait on it."""
+    deadline = time.monotonic() + timeout
+    while process_state(pid) in ("T", "t"):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def why_none(runtime_dir: str, *, may_start: bool) -> str:
+    """Why no daemon's address was found, for the one warning."""
+    if lock_holder(runtime_dir) is not None:
+        return "the daemon is still starting"
+    if may_start:  # one was started and is gone already
+        return (f"the daemon started for {runtime_dir} is gone already (its log: "
+                f"{os.path.join(runtime_dir, LOG)}); another is started at the "
+                f"next miss after the back-off")
+    return "no daemon runs (start one with `cachemw start`)"
+
+
+def why_not_started(runtime_dir: str, exc: Exception) -> str:
+    """Why no daemon can be had: it cannot start, or the runtime dir is not safely ours."""
+    if isinstance(exc, UnsafeDirectory):
+        return f"cachemw runtime dir refused: {exc}"
+    if isinstance(exc, DaemonStartError):
+        return f"cachemw daemon cannot start: {exc}"
+    return f"cachemw daemon cannot start in {runtime_dir}: {exc}"
