@@ -44,7 +44,7 @@ from .reader import CachemwStorageReader
 from .stager import BufferStager
 from .state_tree import apply_loaded, prepare_for_load, to_state_dict, unplaced
 from .storage_io import Location
-from .tiers import Drainer, daemon_fast_root
+from .tiers import Drainer, copy_file_whole, daemon_fast_root
 from .writer import MANIFEST_NAME, METADATA_NAME, CachemwStorageWriter
 
 log = logging.getLogger(__name__)
@@ -362,7 +362,50 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - any: no rank returns a step the others did not load
             error = exc
         self.coord.agree(error)
+        if tier is self.fast and not at_root:
+            self._drain_left(step, name)
         return step
+
+    def _drain_left(self, step: int, name: str) -> None:
+        """A step loaded from the fast tier that its save never drained to the root (the
+        process that saved it is gone: a crash mid-drain) is drained now, in the background,
+        as its save would have been: a handle like a save's, which ``wait()`` waits for and
+        whose failure it raises. Not while its writer lives (another process: its own drain
+        may still run), nor if the root has it by now."""
+        def left() -> bool:
+            return self.fast.writer_gone(name) and not self.root.is_committed(name)
+
+        if not self._coordinator_value(left):
+            return
+        handle = SaveHandle(step)
+        handle.path = self.root.location.child(name).url
+        handle._set_fast()
+        with self._lock:
+            self._handles.append(handle)
+        log.warning("checkpoint %s was loaded from the node's memory, and its save never reached %s "
+                    "(its trainer stopped mid-drain): draining it there now", name, self.root.location.url)
+        self._worker.submit(self._redrain, step, name, handle)
+
+    def _redrain(self, step: int, name: str, handle: SaveHandle) -> None:
+        """_drain_left's background half: the coordinator copies the step's files (every one
+        of them is on its node: the copy loaded was complete on every rank's), then commits
+        and publishes it at the root; a failure fails the handle on every rank."""
+        def drain() -> None:
+            src, dst = self.fast.location.child(name), self.root.location.child(name)
+            self.root.begin(name)
+            for rel in self.fast.manifest(name)["files"]:
+                copy_file_whole(src, dst, rel)
+            dst.write_atomic(METADATA_NAME, src.read_bytes(METADATA_NAME))
+            dst.write_atomic(MANIFEST_NAME, src.read_bytes(MANIFEST_NAME))  # the commit, last
+            self._publish(self.root, name, step, "root", self.config.keep_last)
+
+        try:
+            with trace.span("drain", trace.CHECKPOINT, step=step):
+                self.coord.run_on_coordinator(drain)
+            handle._set_durable()
+        except Exception as exc:  # reported through the handle; training goes on
+            self._cleanup(name)
+            handle._fail(_without_frames(exc))
 
     def _say_unplaced(self, name: str, metadata: Any, loaded: dict) -> None:
         """Warn (once per step and set of entries) of saved entries the state has no place

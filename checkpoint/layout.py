@@ -211,10 +211,7 @@ class CheckpointDir:
         for _, name in self.step_dirs():
             if self.is_committed(name):
                 continue
-            try:
-                owner = json.loads(self.location.read_bytes(f"{name}/{OWNER_NAME}"))
-            except (FileNotFoundError, json.JSONDecodeError):
-                owner = None
+            owner = self._owner(name)
             if owner is not None and owner.get("host") == host:
                 dead = not process_alive(int(owner.get("pid", 0)), owner.get("pid_start") or None)
             else:
@@ -224,6 +221,20 @@ class CheckpointDir:
                 self.location.remove_tree(name)
                 removed.append(name)
         return removed
+
+    def _owner(self, name: str) -> dict | None:
+        """Who began writing ``name`` here (``begin``), or None if that is not recorded."""
+        try:
+            return json.loads(self.location.read_bytes(f"{name}/{OWNER_NAME}"))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def writer_gone(self, name: str) -> bool:
+        """The process that wrote ``name`` here ran on this host and is gone: whatever it
+        left undone for the step (its drain to the root) nobody else is doing."""
+        owner = self._owner(name)
+        return (owner is not None and owner.get("host") == socket.gethostname()
+                and not process_alive(int(owner.get("pid", 0)), owner.get("pid_start") or None))
 
     def remove(self, name: str) -> None:
         self.location.remove_file(f"{name}/{MANIFEST_NAME}")

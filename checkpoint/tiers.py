@@ -35,6 +35,17 @@ def copy_file(src: Location, dst: Location, rel: str) -> None:
             dst.close_durably(fout)
 
 
+def copy_file_whole(src: Location, dst: Location, rel: str) -> None:
+    """``copy_file`` over a file that ``dst`` may hold already (a drain taken up again after
+    its writer died, perhaps by two processes at once): readers of ``dst`` see the old bytes
+    or the new, never a part. An object store replaces an object whole on its own."""
+    if not dst.local:
+        copy_file(src, dst, rel)
+        return
+    with src.open(rel, "rb") as fin, dst.open_atomic(rel) as fout:
+        shutil.copyfileobj(fin, fout, COPY_BLOCK)
+
+
 class Drainer:
     """Copies files of one save from ``src`` to ``dst`` in the background, as they complete."""
 

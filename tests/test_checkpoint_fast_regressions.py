@@ -200,3 +200,61 @@ def test_pools_and_partial_steps_of_a_reused_pid_are_swept(tmp_path):
         owner = {"host": host, "pid": pid, "started": 0.0, "pid_start": start}
         (tmp_path / "tier" / name / OWNER_NAME).write_text(json.dumps(owner))
     assert tier.sweep(3600.0) == ["step_000000000002-bbbbbbbb"]
+
+
+def _save_then_die_mid_drain(base: str, marker: str) -> None:
+    """Save step 1 (drained), then step 2, whose drain writes part of a file at the root and
+    then never ends; say so once step 2 is committed in memory, and wait to be killed."""
+    import time
+
+    from cachemw.checkpoint import tiers
+
+    ck = Checkpointer(base + "/root", fast_root=base + "/fast")
+    ck.save(1, {"t": torch.full((3000, 10), 1.0)}).wait(60)
+
+    def cut_short(self, rel):  # the trainer dies inside its drain: a part written, never committed
+        with open(self.dst.join(rel), "wb") as f:
+            f.write(b"\0" * 100)
+        time.sleep(600)
+
+    tiers.Drainer._copy = cut_short
+    ck.save(2, {"t": torch.full((3000, 10), 2.0)}).wait_in_memory(60)
+    open(marker, "w").close()
+    time.sleep(600)
+
+
+@pytest.mark.timeout(120)
+def test_a_step_loaded_from_memory_that_its_dead_trainer_never_drained_is_drained_now(tmp_path, caplog):
+    """A trainer killed mid-drain: the restarted one loads step 2 from the node's memory,
+    and drains it to the root in the background (wait() waits for it), so that the root
+    holds it whole even if the node's memory is lost next; not before the old one is gone."""
+    import time
+
+    root, fast, marker = str(tmp_path / "root"), str(tmp_path / "fast"), str(tmp_path / "in-memory")
+    proc = multiprocessing.get_context("spawn").Process(target=_save_then_die_mid_drain,
+                                                        args=(str(tmp_path), marker))
+    proc.start()
+    try:
+        deadline = time.monotonic() + 90
+        while not os.path.exists(marker) and proc.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(marker), f"the trainer did not reach step 2 in memory (exit {proc.exitcode})"
+        assert Checkpointer(root, fast_root=None).steps() == [1]  # step 2 not at the root: its drain hangs
+        live = Checkpointer(root, fast_root=fast)  # its trainer alive: its own drain may go on
+        assert live.load({"t": torch.zeros(3000, 10)}) == 2
+        live.wait(30)
+        assert Checkpointer(root, fast_root=None).steps() == [1]
+        live.close()
+    finally:
+        proc.kill()
+        proc.join(10)
+    ck = Checkpointer(root, fast_root=fast)
+    out = {"t": torch.zeros(3000, 10)}
+    with caplog.at_level("WARNING", logger="cachemw.checkpoint.checkpointer"):
+        assert ck.load(out) == 2 and out["t"].unique().tolist() == [2.0]
+    assert "never reached" in caplog.text
+    ck.wait(60)
+    ck.close()
+    at_root = {"t": torch.zeros(3000, 10)}
+    assert Checkpointer(root, fast_root=None).load(at_root) == 2  # whole at the root, checksums checked
+    assert at_root["t"].unique().tolist() == [2.0]
