@@ -34,7 +34,7 @@ from .coordination import Coordinator, check_same_step, message_of, report, same
 from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
 from .choosing import adopt_root, choose, counted_entries
-from .errors import CheckpointBusyError, CheckpointNotFoundError
+from .errors import CheckpointBusyError, CheckpointNotFoundError, ChecksumError
 from .handle import SaveHandle
 from .layout import CheckpointDir, step_dir_name
 from .notes import note_begin, note_end
@@ -304,9 +304,9 @@ class Checkpointer:
             raise same_type(value[1], value[2])
         return value[1]
 
-    def _choose(self, step: int | None) -> tuple[int, str, bool]:
+    def _choose(self, step: int | None, passed: set[str]) -> tuple[int, str, bool]:
         """(step, directory name, committed at root) of the checkpoint to load, chosen by rank 0."""
-        return choose(self.root, self.fast, step, self._damaged_metadata)
+        return choose(self.root, self.fast, step, self._damaged_metadata, passed)
 
     def load(self, state: dict, step: int | None = None) -> int:
         """Load in place into ``state`` (newest committed step by default); return the step.
@@ -315,10 +315,33 @@ class Checkpointer:
         once the step is committed at the root, or a file is damaged), the step is loaded again from the root, whole,
         so ``state`` never keeps bytes of two steps; the root is checked again at that point,
         since a step chosen while in memory only is committed there before it is recycled.
+        The newest step, if it fails to load on a damaged or lost file (``ChecksumError``,
+        ``FileNotFoundError``), is passed over with a warning, as one with a damaged manifest
+        is, and the step before it is loaded (whole, over what the failed load left in
+        ``state``); asked for by its step, the error is raised.
         """
         self.wait_quietly()
-        asked = step
-        step, name, at_root = self._coordinator_value(lambda: self._choose(asked))
+        first = None  # the first step passed over's error: raised if no step before it loads
+        passed: set[str] = set()  # steps whose load failed on a damaged or lost file
+        while True:
+            try:
+                chosen = self._coordinator_value(lambda: self._choose(step, passed))
+            except CheckpointNotFoundError:
+                if first is None:
+                    raise
+                raise first from None
+            try:
+                return self._load_chosen(state, *chosen)
+            except (ChecksumError, FileNotFoundError) as exc:  # a file of it damaged, or lost
+                if step is not None:
+                    raise
+                first = first or exc
+                passed.add(chosen[1])  # every rank is here: the error is every rank's
+                log.warning("checkpoint %s could not be loaded (%s): loading the step before it",
+                            chosen[1], exc)
+
+    def _load_chosen(self, state: dict, step: int, name: str, at_root: bool) -> int:
+        """``load`` of the checkpoint ``_choose`` picked."""
         fast_ok = self.fast is not None and self.fast.complete(name)
         fast_ok = all(self.coord.all_gather(fast_ok))
         tiers = ([self.fast] if fast_ok else []) + ([self.root] if at_root else [])

@@ -54,17 +54,18 @@ def adopt_root(fast: CheckpointDir, root_id: str, root_url: str) -> None:
 
 
 def choose(root: CheckpointDir, fast: CheckpointDir | None, step: int | None,
-           said: set[str]) -> tuple[int, str, bool]:
+           said: set[str], passed: set[str] = frozenset()) -> tuple[int, str, bool]:
     """(step, directory name, committed at root) of the checkpoint to load: the newest one
     (or ``step``'s) complete in a tier that counts. A fast-tier copy whose files are gone (a
     shared tier cleaned by a failed save, a lost node) is skipped, not chosen and found
     unloadable. A damaged ``.metadata`` is passed over with a warning (once per directory,
     kept in ``said``), as a damaged manifest is; asked for by its step, either is a
-    ChecksumError."""
+    ChecksumError. Not the newest: the steps in ``passed`` (their load failed on a
+    damaged or lost file)."""
     at_root, copies = counted_entries(root, fast)
     committed = {e.name for e in at_root}
     for e in sorted(at_root + copies, key=lambda e: (e.step, e.created), reverse=True):
-        if step is not None and e.step != step:
+        if (step is not None and e.step != step) or (step is None and e.name in passed):
             continue
         if e.name in committed:
             tier, in_root = root, True

@@ -354,6 +354,32 @@ def test_a_damaged_metadata_file_is_passed_over_as_a_damaged_manifest_is(tmp_pat
     assert "damaged" in caplog.text and "loading the step before it" in caplog.text
 
 
+def test_a_damaged_or_lost_chunk_file_of_the_newest_step_is_passed_over(tmp_path, caplog):
+    """A chunk of the newest step damaged (or its file lost): load() warns and loads the step
+    before it, whole, so that a job restarted in a loop is not stopped by it; asked for by
+    its step, the ChecksumError naming the chunk; with no step before it, that error."""
+    root = tmp_path / "root"
+    with Checkpointer(str(root), keep_last=3) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"t": torch.full((1000, 10), float(step))}).wait(60)
+    dirs = committed_dirs(root)
+    corrupt_first_chunk(root / dirs[-1])
+    data = [p for p in (root / dirs[-2]).iterdir() if p.suffix == ".distcp"]
+    data[0].unlink()
+    caplog.set_level("WARNING", logger="cachemw")
+    with Checkpointer(str(root), keep_last=3) as ck:
+        out = {"t": torch.zeros(1000, 10)}
+        assert ck.load(out) == 1 and torch.all(out["t"] == 1.0)
+        with pytest.raises(ChecksumError, match="t@0,0"):
+            ck.load(out, step=3)
+        with pytest.raises(FileNotFoundError):
+            ck.load(out, step=2)
+    assert caplog.text.count("loading the step before it") == 2
+    corrupt_first_chunk(root / dirs[0])
+    with Checkpointer(str(root), keep_last=3) as ck, pytest.raises(ChecksumError, match="t@0,0"):
+        ck.load({"t": torch.zeros(1000, 10)})
+
+
 def test_a_damaged_manifest_is_never_loaded_and_says_so(tmp_path, caplog):
     """The manifest names every chunk's item, file and range: a flipped bit in it could hand
     one item's sound chunk to another. It carries its own checksum: a damaged one is passed

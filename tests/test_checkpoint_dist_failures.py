@@ -289,9 +289,11 @@ def _load_failure_main(rank, world, rdv, root, mode, out_dir):
     for step in (1, 2):
         ck.save(step, state(float(step))).wait(60)
     dist.barrier()
-    if rank == 0 and mode in ("manifest", "metadata"):
+    if rank == 0 and mode in ("manifest", "metadata", "chunk"):
         name = max(n for n in os.listdir(root) if n.startswith("step_"))
-        path = os.path.join(root, name, MANIFEST_NAME if mode == "manifest" else ".metadata")
+        chunks = sorted(n for n in os.listdir(os.path.join(root, name)) if n.endswith(".distcp"))
+        path = os.path.join(root, name, {"manifest": MANIFEST_NAME, "metadata": ".metadata",
+                                         "chunk": chunks[0]}[mode])
         data = bytearray(open(path, "rb").read())
         data[len(data) // 2] ^= 0x04
         open(path, "wb").write(bytes(data))
@@ -322,13 +324,14 @@ def _load_failure_main(rank, world, rdv, root, mode, out_dir):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("mode", ["manifest", "metadata", "state", "save"])
+@pytest.mark.parametrize("mode", ["manifest", "metadata", "chunk", "state", "save"])
 def test_a_load_that_fails_on_one_rank_fails_on_every_rank_at_once(tmp_path, mode):
     """Rank 0 alone raised the ChecksumError of a step asked for whose .metadata was damaged
     while the others waited collective_timeout_s (and one that went on loaded another
     step); a damaged manifest asked for by its step was "not found", not a ChecksumError;
     a rank whose state failed left the others waiting in dcp.load; a load right after a
-    save that failed on one rank met that save's vote out of step (every rank held)."""
+    save that failed on one rank met that save's vote out of step (every rank held). A
+    damaged chunk: the newest step is passed over on every rank alike."""
     results = run_ranks(tmp_path, 2, tmp_path / "ckpt", mode, target=_load_failure_main)
     assert sorted(results) == [0, 1], f"{mode}: a rank reported nothing"
     kind = "TypeError" if mode == "state" else "ChecksumError"
