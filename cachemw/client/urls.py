@@ -10,10 +10,10 @@ off to whatever glob returned, rewrites ``x:///abs`` as ``x://abs`` and hands fl
 from __future__ import annotations
 
 import os
+import sys
 from typing import Callable
 
 import fsspec
-from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
@@ -165,7 +165,10 @@ def target_url(fs: AbstractFileSystem) -> Callable[[str], str]:
     store that its URLs do not name (``store_of``) is written into the scheme
     (``s3[endpoint_url=http://host:9000]://bucket/key``: no URL has ``[`` before its
     ``://``), so that two stores with the same paths never share what is cached."""
-    if isinstance(fs, DirFileSystem) and isinstance(fs.fs, AbstractFileSystem):
+    # fsspec's dir module (and fsspec.asyn, which it imports: ~1 ms a DataLoader worker) is
+    # not imported here: where it was never imported, no filesystem is one of its
+    dirfs = sys.modules.get("fsspec.implementations.dirfs")
+    if dirfs is not None and isinstance(fs, dirfs.DirFileSystem) and isinstance(fs.fs, AbstractFileSystem):
         inner = target_url(fs.fs)
         return lambda path: inner(fs._join(path))
     base = _unstrip(fs)
