@@ -36,7 +36,7 @@ from .file_pool import sweep_pools
 from .choosing import adopt_root, choose, counted_entries
 from .errors import CheckpointBusyError, CheckpointNotFoundError, ChecksumError
 from .handle import SaveHandle
-from .layout import CheckpointDir, step_dir_name
+from .layout import CheckpointDir, Entry, step_dir_name
 from .notes import note_begin, note_end
 from .planner import SpreadSavePlanner
 from .quiet import single_process_dcp
@@ -264,12 +264,27 @@ class Checkpointer:
             self.coord.run_on_coordinator(lambda: self._publish(self.root, name, step, "root", self.config.keep_last))
 
     def _publish(self, tier: CheckpointDir, name: str, step: int, level: str, keep_last: int | None) -> None:
-        """After a commit in ``tier``: move ``latest``, apply retention, tell the watchers."""
+        """After a commit in ``tier``: move ``latest``, apply retention, tell the watchers.
+
+        In the fast tier, retention keeps (beyond ``fast_keep_last``) the copies that are
+        their step's only one, their drain to the root failed or cut short, as long as the
+        root's ``keep_last`` would keep them: a copy in memory is loadable whatever becomes
+        of its drain."""
         tier.mark_latest(name)
-        removed = tier.retain(keep_last, just_committed=name)
+        only_copy = self._only_copy if tier is self.fast else None
+        removed = tier.retain(keep_last, just_committed=name, keep=only_copy)
         if removed:
             log.info("retention removed %s from %s", removed, tier.location.url)
         watch_channel.notify(self._channel, {"step": step, "name": name, "level": level})
+
+    def _only_copy(self, entry: Entry) -> bool:
+        """A fast-tier copy (one the tier's own retention would remove) is its step's only
+        one and among the steps the root's ``keep_last`` keeps."""
+        if self.root.is_committed(entry.name):
+            return False
+        if self.config.keep_last is None:
+            return True
+        return entry.step in self.steps()[-self.config.keep_last:]
 
     def _cleanup(self, name: str | None) -> None:
         """Remove what a failed save left uncommitted (best effort; the root by the coordinator only)."""

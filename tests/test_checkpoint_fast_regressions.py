@@ -258,3 +258,33 @@ def test_a_step_loaded_from_memory_that_its_dead_trainer_never_drained_is_draine
     at_root = {"t": torch.zeros(3000, 10)}
     assert Checkpointer(root, fast_root=None).load(at_root) == 2  # whole at the root, checksums checked
     assert at_root["t"].unique().tolist() == [2.0]
+
+
+def test_a_step_in_memory_whose_drain_failed_is_kept_while_the_root_would_keep_it(tmp_path, monkeypatch):
+    """Step 2's drain fails (a full root, say): its copy in memory is its only one. The next
+    save's retention in memory (one copy kept there by default) removed it, against
+    keep_last and 'loadable once in_memory, whatever becomes of its drain'. It stays until
+    keep_last's newest steps pass it, as at the root."""
+    root, fast = str(tmp_path / "root"), str(tmp_path / "fast")
+    orig_copy = Drainer._copy
+
+    def failing(self, rel):
+        if "step_000000000002" in self.src.url:
+            raise OSError(28, "No space left on device (test)")
+        return orig_copy(self, rel)
+
+    monkeypatch.setattr(Drainer, "_copy", failing)
+    state = lambda v: {"t": torch.full((3000, 10), float(v))}  # noqa: E731
+    with Checkpointer(root, fast_root=fast, keep_last=3) as ck:
+        ck.save(1, state(1)).wait(60)
+        h2 = ck.save(2, state(2))
+        with pytest.raises(OSError):
+            h2.wait(60)
+        assert h2.in_memory
+        ck.save(3, state(3)).wait(60)
+        assert ck.steps() == [1, 2, 3]
+        out = state(0)
+        assert ck.load(out, step=2) == 2 and out["t"].unique().tolist() == [2.0]
+        ck.save(4, state(4)).wait(60)
+        ck.save(5, state(5)).wait(60)
+        assert ck.steps() == [3, 4, 5]  # past keep_last's newest three: gone from memory too

@@ -116,7 +116,7 @@ def test_a_copy_not_yet_at_the_root_is_never_overwritten(tmp_path):
         finally:
             gate.set()
         handle.wait(60)
-        assert ck.steps() == [2]  # step 1 was only in memory; retention kept the newest
+        assert ck.steps() == [1, 2]  # step 1 is only in memory: kept there (keep_last=None keeps all)
         assert len(pools(fast)) == 1
 
 
@@ -359,7 +359,8 @@ def test_full_fast_tier_or_root_fails_the_handle_not_the_training(tmp_path, tiny
         out = {"t": torch.zeros(64, 1024)}
         assert ck.load(out, step=1) == 1 and torch.equal(out["t"], small["t"])  # the older checkpoint is intact
         ck.save(3, small).wait(60)  # and the next save works
-        assert ck.steps() == [1, 3]
+        # a step in memory whose drain failed stays loadable there (its only copy)
+        assert ck.steps() == ([1, 2, 3] if full == "root" else [1, 3])
         assert ck.load(out) == 3 and torch.equal(out["t"], small["t"])
 
 
