@@ -118,3 +118,21 @@ def test_a_save_leaves_the_temp_files_of_live_writers_and_other_hosts(tmp_path):
     CachemwCheckpointIO().save_checkpoint({"w": torch.ones(3)}, path)
     kept = {what for what, name in names.items() if (tmp_path / name).exists()}
     assert kept == {"live", "other host", "other target"}
+
+
+def test_load_of_a_checkpoint_missing_its_metadata_is_a_checksum_error(tmp_path):
+    path = tmp_path / "one"
+    save({"x": torch.arange(100.0)}, path)
+    os.remove(path / ".metadata")
+    with pytest.raises(ChecksumError, match="missing"):
+        load(path)
+    with Checkpointer(str(tmp_path / "ck"), fast_root=None) as ck:  # the same damage, the same error
+        ck.save(1, {"x": torch.arange(100.0)}).wait(60)
+        step_dir = glob.glob(str(tmp_path / "ck" / "step_*"))[0]
+        os.remove(os.path.join(step_dir, ".metadata"))
+        with pytest.raises(ChecksumError):
+            ck.load({"x": torch.zeros(100)}, step=1)
+    os.remove(path / MANIFEST_NAME)
+    with pytest.raises(FileNotFoundError) as raised:  # no manifest: not a checkpoint
+        load(path)
+    assert not isinstance(raised.value, ChecksumError)
