@@ -4,8 +4,9 @@ Without a fast tier a save stages the whole state into reusable buffers (``Buffe
 the writer serializes from there. With one, that would hold three copies of the state in host
 memory at the peak (buffers, the new in-memory checkpoint, the previous one). Here instead:
 
-1. Every rank builds the DCP local plan from *placeholders* (meta tensors of the same shapes,
-   copies of the plain values) and the ranks agree, on the Coordinator's front group from the
+1. Every rank builds the DCP local plan from *placeholders* (meta tensors of the same shapes
+   for what DCP saves as tensors; copies of the plain values, and of what DCP pickles whole,
+   tuples with their tensors) and the ranks agree, on the Coordinator's front group from the
    calling thread, on busy/refuse, on the step directory's name and on the global plan, which
    is deterministic (``SpreadSavePlanner``), so it is computed once and reused while no rank's
    local plan changes.
@@ -43,6 +44,7 @@ from .layout import CheckpointDir, step_dir_name
 from .planner import SpreadSavePlanner, item_key, item_nbytes
 from .reader import narrow_box
 from .slot_layout import SlotRequest, SnapshotLayout, plan_layout
+from .stager import is_plain_tuple, same_sequence
 
 log = logging.getLogger(__name__)
 
@@ -65,31 +67,39 @@ class Described:
     in_place_capable: bool = True
 
 
-def describe(obj: Any, path: tuple = (), out: Described | None = None) -> Described:
+def describe(obj: Any, path: tuple = (), out: Described | None = None, *, in_leaf: bool = False) -> Described:
     """Placeholders for DCP and the state's signature, in one walk.
 
-    Every tensor becomes a meta tensor of the same shape and dtype: DCP plans from these
-    exactly as from snapshot buffers (same sizes, dtypes and properties: not pinned, no grad)
-    without holding data. Plain values are deep-copied, as the buffer stager does, since they
-    are pickled later in the background. The signature records every key, length, tensor
-    shape/dtype and leaf type: a superset of what DCP's plan depends on (not the values), so
-    an unchanged signature means an unchanged plan and the planning is skipped.
-    ``in_place_capable`` is false if a tensor is not a plain (or Parameter) CPU tensor.
+    Every tensor DCP saves as a tensor item (under dicts and lists, as DCP traverses them)
+    becomes a meta tensor of the same shape and dtype: DCP plans from these exactly as from
+    snapshot buffers (same sizes, dtypes and properties: not pinned, no grad) without holding
+    data; the in-place copy fills its chunks. What DCP pickles whole instead (``in_leaf``: a
+    tuple or namedtuple, and everything in it) is snapshotted here, as the buffer stager does
+    (tensors copied, other values deep-copied, a namedtuple kept one): its pickle is written
+    from this copy, so a placeholder there would be saved as a meta tensor. Other values are
+    deep-copied, as the buffer stager does, since they are pickled later in the background.
+    The signature records every key, length, tensor shape/dtype and leaf type: a superset of
+    what DCP's plan depends on (not the values), so an unchanged signature means an
+    unchanged plan and the planning is skipped. ``in_place_capable`` is false if a tensor is
+    not a plain (or Parameter) CPU tensor.
     """
     top = out is None
     out = out or Described(None, [])
     if isinstance(obj, dict):
         out.signature.append((path, "dict", tuple(str(k) for k in obj)))
-        staged: Any = {k: describe(v, path + (str(k),), out).staged for k, v in obj.items()}
-    elif isinstance(obj, (list, tuple)):  # namedtuples become tuples, as with the buffer stager
-        out.signature.append((path, "list" if isinstance(obj, list) else "tuple", len(obj)))
-        items = [describe(v, path + (i,), out).staged for i, v in enumerate(obj)]
-        staged = items if isinstance(obj, list) else tuple(items)
+        staged: Any = {k: describe(v, path + (str(k),), out, in_leaf=in_leaf).staged for k, v in obj.items()}
+    elif isinstance(obj, list) or is_plain_tuple(obj):
+        out.signature.append((path, type(obj).__name__, len(obj)))
+        leaf = in_leaf or isinstance(obj, tuple)  # DCP pickles a tuple whole
+        staged = same_sequence(obj, [describe(v, path + (i,), out, in_leaf=leaf).staged for i, v in enumerate(obj)])
     elif isinstance(obj, torch.Tensor):
         plain = type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu"
         out.in_place_capable &= plain
         out.signature.append((path, str(obj.dtype), tuple(obj.shape), type(obj).__name__, obj.device.type))
-        staged = torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+        if in_leaf:  # pickled from this copy: the data itself (a plain tensor, as a staging buffer is)
+            staged = torch.empty(obj.shape, dtype=obj.dtype).copy_(obj.detach())
+        else:
+            staged = torch.empty(obj.shape, dtype=obj.dtype, device="meta")
     else:
         out.signature.append((path, type(obj).__name__))
         staged = copy.deepcopy(obj)

@@ -106,6 +106,9 @@ class CachemwStorageReader(StorageReader):
         try:
             data = self.location.read_bytes(METADATA_NAME)
         except FileNotFoundError as exc:
+            if self.manifest is not None:  # committed (it is written after .metadata): damaged
+                raise ChecksumError(f"{where}: missing (the manifest is there: a damaged "
+                                    "checkpoint)") from exc
             raise CheckpointNotFoundError(f"{self.location.url} has no {METADATA_NAME}") from exc
         recorded = (self.manifest or {}).get("metadata")  # absent in earlier checkpoints
         damage = _mismatch(data, recorded, where) if isinstance(recorded, dict) else None

@@ -13,12 +13,19 @@ it, or by the caller): each snapshot is a tensor of its own over the buffer, and
 keeps a weak reference to the last one. A save started before the previous one is done
 gets fresh buffers (which the stager keeps from then on) instead of overwriting what that
 save is still writing: the memory budget bounds one snapshot's buffers, and saves that
-overlap each hold their own until they are written.
+overlap each hold their own until they are written. Stagings may run at once in several
+threads (one stager shared by their ``async_save`` calls): a buffer is claimed, found free
+and handed to one snapshot, under a lock, so two stagings never copy into one buffer; the
+copy itself runs outside it, in parallel.
+
+Tuples are rebuilt as what they were (a namedtuple stays one): DCP pickles a tuple whole,
+and a load gives back the type saved, as ``dcp.save`` of the state itself would.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 import weakref
 from typing import Any
 
@@ -54,6 +61,32 @@ def tensor_bytes(state: Any) -> int:
     return 0
 
 
+def same_sequence(like: list | tuple, items: list) -> Any:
+    """``items`` in a sequence of ``like``'s kind: a list, a tuple, a namedtuple of the same class."""
+    if isinstance(like, list):
+        return items
+    if isinstance(like, tuple) and hasattr(like, "_fields") and hasattr(like, "_make"):
+        return like._make(items)  # a namedtuple
+    return tuple(items)
+
+
+def is_plain_tuple(obj: Any) -> bool:
+    """A tuple or a namedtuple: rebuilt item by item; other tuple subclasses are copied whole."""
+    return type(obj) is tuple or (isinstance(obj, tuple) and hasattr(obj, "_fields") and hasattr(obj, "_make"))
+
+
+@dataclasses.dataclass
+class _Slot:
+    """A buffer kept for one tensor key and the snapshot last handed out over it (weakly):
+    while that snapshot lives, the buffer is in use."""
+
+    buffer: torch.Tensor
+    snapshot: weakref.ref
+
+    def free(self) -> bool:
+        return self.snapshot() is None
+
+
 class BufferStager(AsyncStager):
     """Snapshot into cached (pinned on CUDA) buffers; ``close`` releases them."""
 
@@ -62,14 +95,14 @@ class BufferStager(AsyncStager):
     def __init__(self, *, device: str = "cpu", memory_budget: int | None = None,
                  pin_memory: bool | None = None) -> None:
         self.config = StagerConfig(device, memory_budget, pin_memory)
-        self._buffers: dict[tuple, torch.Tensor] = {}
-        # the snapshot last handed out over each buffer: while alive, the buffer is in use
-        self._handed: dict[tuple, weakref.ref] = {}
+        self._slots: dict[tuple, _Slot] = {}
+        self._lock = threading.Lock()  # held to claim a slot, never during a copy
         self._pending_cuda = False
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        with self._lock:
+            return sum(s.buffer.numel() * s.buffer.element_size() for s in self._slots.values())
 
     def stage(self, state_dict: dict) -> dict:
         needed = tensor_bytes(state_dict)
@@ -78,9 +111,9 @@ class BufferStager(AsyncStager):
             raise ValueError(f"memory_budget={budget} bytes is smaller than the state to snapshot ({needed} bytes)")
         used: set[tuple] = set()
         out = self._stage(state_dict, (), used)
-        for key in [k for k in self._buffers if k not in used]:
-            del self._buffers[key]  # tensors that left the state: free their buffers
-            self._handed.pop(key, None)
+        with self._lock:  # tensors that left the state: free their buffers (not one a snapshot holds)
+            for key in [k for k, s in self._slots.items() if k not in used and s.free()]:
+                del self._slots[key]
         return out
 
     def synchronize_staging(self) -> None:
@@ -90,37 +123,45 @@ class BufferStager(AsyncStager):
 
     def close(self) -> None:
         self.synchronize_staging()
-        self._buffers.clear()
-        self._handed.clear()
+        with self._lock:
+            self._slots.clear()
 
     def _pin(self) -> bool:
         if self.config.pin_memory is not None:
             return self.config.pin_memory
         return torch.cuda.is_available() and torch.device(self.config.device).type == "cpu"
 
+    def _claim(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
+        """A snapshot tensor over a buffer no other live snapshot holds: the kept one if free,
+        else a fresh one, which is kept from then on (the one it replaces lives as long as
+        the snapshot over it). Found free and handed out in one step under the lock."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None and slot.free():
+                snapshot = slot.buffer.view(slot.buffer.shape)  # its own tensor: its life is the save's
+                slot.snapshot = weakref.ref(snapshot)
+                return snapshot
+        # none yet, or the last snapshot in it is still held (a save still writing it);
+        # allocated outside the lock: pinning memory is slow and claims nothing
+        buf = torch.empty(like.shape, dtype=like.dtype, device=self.config.device, pin_memory=self._pin())
+        snapshot = buf.view(buf.shape)
+        with self._lock:
+            self._slots[key] = _Slot(buf, weakref.ref(snapshot))
+        return snapshot
+
     def _stage(self, obj: Any, path: tuple, used: set) -> Any:
         if isinstance(obj, dict):
             return {k: self._stage(v, path + (k,), used) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [self._stage(v, path + (i,), used) for i, v in enumerate(obj)]
-        if isinstance(obj, tuple):
-            return tuple(self._stage(v, path + (i,), used) for i, v in enumerate(obj))
+        if isinstance(obj, list) or is_plain_tuple(obj):
+            return same_sequence(obj, [self._stage(v, path + (i,), used) for i, v in enumerate(obj)])
         if isinstance(obj, torch.Tensor):
             if type(obj) not in (torch.Tensor, torch.nn.Parameter):
                 return obj.detach().to(self.config.device, copy=True)  # DTensor & co: no reuse
             key = (path, tuple(obj.shape), obj.dtype)
-            buf = self._buffers.get(key)
-            handed = self._handed.get(key)
-            if buf is None or (handed is not None and handed() is not None):
-                # none yet, or the last snapshot in it is still held (a save still writing it)
-                buf = torch.empty(obj.shape, dtype=obj.dtype, device=self.config.device,
-                                  pin_memory=self._pin())
-                self._buffers[key] = buf
+            snapshot = self._claim(key, obj)
             used.add(key)
             non_blocking = obj.device.type == "cuda"
-            buf.copy_(obj.detach(), non_blocking=non_blocking)
+            snapshot.copy_(obj.detach(), non_blocking=non_blocking)
             self._pending_cuda |= non_blocking
-            snapshot = buf.view(buf.shape)  # its own tensor over the buffer: its life is the save's
-            self._handed[key] = weakref.ref(snapshot)
             return snapshot
         return copy.deepcopy(obj)

@@ -69,14 +69,15 @@ class Location:
             f.write(data)
 
     @contextlib.contextmanager
-    def open_atomic(self, rel: str) -> Iterator[IO[bytes]]:
-        """A file to write ``rel`` through: a temp name beside it, made durable, then renamed.
+    def open_atomic(self, rel: str, tmp: str | None = None) -> Iterator[IO[bytes]]:
+        """A file to write ``rel`` through: a temp name beside it (``tmp``, or a random one),
+        made durable, then renamed.
 
         ``rel`` appears only once the block exits cleanly; until then readers see the old
         content (or nothing). If the block raises, the temp file is removed and ``rel`` is
         untouched.
         """
-        tmp = f".{rel}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp = tmp or f".{rel}.{uuid.uuid4().hex[:8]}.tmp"
         f = self.open(tmp, "wb")
         try:
             try:

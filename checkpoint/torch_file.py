@@ -5,7 +5,10 @@ read it. What cachemw adds around it:
 
 - Commit: the file is written under a temp name beside ``path``, fsynced, then renamed, so
   ``path`` holds the previous checkpoint or the whole new one, never a part; a save that fails
-  removes its temp file and leaves ``path`` as it was.
+  removes its temp file and leaves ``path`` as it was, and raises the write's own ``OSError``
+  (ENOSPC on a full disk; torch's zip writer would turn it into a ``RuntimeError``). The
+  temp name says who writes it (host, pid, process start): a save removes the temp files of
+  writers of the same ``path`` on this host that are gone (killed mid-save), never a live one's.
 - Checksums: torch's format is a zip archive whose every record (the pickle, each tensor
   storage) carries the CRC32 of its bytes, computed by ``torch.save`` from memory as it writes.
   ``torch.load`` does not check them; ``load_file`` checks every record before loading and
@@ -19,15 +22,20 @@ import contextlib
 import errno
 import logging
 import os
+import re
+import socket
 import threading
+import uuid
 import zipfile
 import zlib
 from typing import IO, Any, Iterator
 
 import torch
 
+from cachemw.processes import process_alive, process_start
+
 from .errors import ChecksumError
-from .storage_io import split_file
+from .storage_io import Location, split_file
 
 log = logging.getLogger(__name__)
 ZIP_MAGIC = b"PK\x03\x04"
@@ -61,11 +69,66 @@ def _crc32_recorded() -> Iterator[None]:
 
 
 def save_file(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save(obj, path)``, committed atomically and durably, with CRC32s recorded."""
+    """``torch.save(obj, path)``, committed atomically and durably, with CRC32s recorded.
+
+    A failed write raises its ``OSError`` (with its errno) and leaves ``path`` as it was,
+    with no temp file; temp files of gone writers of ``path`` (killed saves) are removed."""
     location, name = split_file(path)
     location.makedirs()
-    with _crc32_recorded(), location.open_atomic(name) as f:
-        torch.save(obj, f)
+    _sweep_dead_temps(location, name)
+    tmp = f".{name}.cachemw-{_HOST}-{os.getpid()}-{process_start(os.getpid()) or 0}-{uuid.uuid4().hex[:8]}.tmp"
+    with _crc32_recorded(), location.open_atomic(name, tmp) as f:
+        out = _KeepsWriteError(f)
+        try:
+            torch.save(obj, out)
+        except Exception as exc:
+            if out.error is not None and exc is not out.error:
+                raise out.error from None  # torch's writer hides the failed write behind its own error
+            raise
+
+
+class _KeepsWriteError:
+    """The file ``torch.save`` writes through, keeping the first ``OSError`` of a write:
+    torch's zip writer does not pass it on but fails later with a RuntimeError of its own
+    ("unexpected pos"), which says nothing of a full disk."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, attr: str) -> Any:  # flush, seek, tell: the file's own
+        return getattr(self.file, attr)
+
+
+_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())
+
+
+def _sweep_dead_temps(location: Location, name: str) -> None:
+    """Remove the temp files of saves of ``name`` by processes of this host that are gone
+    (a save killed mid-write leaves a full-size one); a live writer's, or another host's,
+    stay. Best effort: a file that cannot be listed or removed is left."""
+    pattern = re.compile(re.escape(f".{name}.cachemw-{_HOST}-") + r"(\d+)-(\d+)-[0-9a-f]{8}\.tmp")
+    try:
+        entries = location.listdir()
+    except OSError:
+        return
+    for entry in entries:
+        m = pattern.fullmatch(entry)
+        if m is None or process_alive(int(m.group(1)), int(m.group(2)) or None):
+            continue
+        try:
+            location.remove_file(entry)
+        except OSError as exc:
+            log.warning("could not remove %s, left by a killed save: %s", location.join(entry), exc)
+        else:
+            log.info("removed %s, left by a killed save", location.join(entry))
 
 
 def verify(f: IO[bytes], url: str) -> bool:

@@ -475,12 +475,12 @@ def test_a_failed_save_kept_for_wait_does_not_hold_its_snapshot(tmp_path, monkey
         handle = ck.save(1, state)
         with pytest.raises(OSError):
             handle.wait(60)
-        buffers = {k: b.data_ptr() for k, b in ck.stager._buffers.items()}
+        buffers = {k: s.buffer.data_ptr() for k, s in ck.stager._slots.items()}
         # the handle fails before the worker's task returns (which holds its arguments,
         # the snapshot, until then): wait for the worker, as the next task would
         ck.wait_quietly()
         gc.collect()  # what is left of the failed save's stack is a cycle: the collector's
         ck.save(2, state).wait(60)
-        assert {k: b.data_ptr() for k, b in ck.stager._buffers.items()} == buffers  # reused
+        assert {k: s.buffer.data_ptr() for k, s in ck.stager._slots.items()} == buffers  # reused
         with pytest.raises(OSError, match="injected"):
             ck.wait()  # the first save's error, kept for wait()
