@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Mapping
 
 import fsspec
@@ -38,7 +39,7 @@ from .ranges import read_ranges
 from .reader import BlockReader
 from ..tiers.fork_safe import ForkSafe
 from ..tiers.source import ChangedSourceError, SourceTier
-from .urls import TargetPaths, own_options
+from .urls import TargetPaths, own_options, url_path
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,14 @@ class CacheFileSystem(_Base):
     def _strip_protocol(cls, path):
         """What fsspec's URL parsing sees before a filesystem (so a target) exists.
 
-        Only the chain marker goes: ``cachemw::s3://b/k`` -> ``s3://b/k``, and a bare
+        The chain marker goes: ``cachemw::s3://b/k`` -> ``s3://b/k``, and a bare
         ``cachemw://`` hop -> "" (fsspec then takes the path from the next hop). A
-        ``cachemw://path`` URL stays whole: which store's path it names is the target's
-        to say, so the instance resolves it (see urls.TargetPaths).
+        ``cachemw://path`` URL parsed by fsspec (``url_to_fs``, ``fsspec.open``) is the
+        path it names on the target fsspec builds for it (urls.url_path): the path
+        ``url_to_fs`` returns is then the one ``ls``, ``find`` and ``info`` answer with,
+        which pyarrow (and pandas through it) compares them against. Asked from elsewhere
+        it stays whole: which store's path it names is the target's to say, and the
+        instance resolves it (urls.TargetPaths).
         """
         if isinstance(path, list):
             return [cls._strip_protocol(p) for p in path]
@@ -132,6 +137,8 @@ class CacheFileSystem(_Base):
             return path[len("cachemw::"):]
         if path == "cachemw://":
             return ""
+        if path.startswith("cachemw://"):
+            return url_path(path, sys._getframe(1))
         return path
 
     def unstrip_protocol(self, name: str) -> str:
