@@ -7,7 +7,8 @@ node's tiered cache.
 
 Reads go through the cache (blocks of ``block_size``; smaller files whole); metadata is
 cached under the same policy (``validate``: immutable | ttl | always). Writes go straight
-to the target and invalidate what was cached of the paths they touch.
+to the target and invalidate what was cached of the paths they touch. A store client's own
+failures (botocore's: not OSErrors) are raised as OSErrors (tiers/pinning.store_errors).
 
 Registered through the ``fsspec.specs`` entry point: no ``import cachemw`` needed. Never
 imports Ray, so it works in forked DataLoader workers.
@@ -38,8 +39,10 @@ from .openfile import BytesFile, CachedFile, clip
 from .ranges import read_ranges
 from .reader import BlockReader
 from ..tiers.fork_safe import ForkSafe
+from ..tiers.pinning import store_errors, store_failed
 from ..tiers.source import ChangedSourceError, SourceTier
 from .urls import TargetPaths, own_options, url_path
+from .writer import InvalidatingWriter
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +171,16 @@ class CacheFileSystem(_Base):
             return {self.url(name): info for name, info in found.items()}
         return [self.url(name) for name in found]
 
+    def walk(self, path, maxdepth=None, topdown=True, on_error="omit", **kwargs):
+        """fsspec's, except that a store that fails (does not answer, times out) is an
+        error, not an empty tree: "omit" passes over every OSError of a listing, so
+        ``find``, ``glob`` and ``du`` of a store out of reach would answer as for nothing
+        there. A directory gone or refused is passed over, as fsspec does."""
+        if on_error == "omit":
+            on_error = _omit_unless_store_failed
+        return super().walk(path, maxdepth=maxdepth, topdown=topdown, on_error=on_error,
+                            **kwargs)
+
     def expand_path(self, path, recursive=False, maxdepth=None, **kwargs):
         """fsspec's, in paths (it mixes what glob and find return)."""
         found = super().expand_path(path, recursive=recursive, maxdepth=maxdepth, **kwargs)
@@ -249,22 +262,31 @@ class CacheFileSystem(_Base):
             return CachedFile(self, path, meta, block_size=block_size,
                               cache_type=kwargs.pop("cache_type", "none"),
                               cache_options=cache_options)
-        f = self.target.open(path, mode, block_size=block_size, autocommit=autocommit,
-                             cache_options=cache_options, **kwargs)
-        return _InvalidatingWriter(f, lambda: self._written(path))
+        with store_errors(self.target, path):
+            f = self.target.open(path, mode, block_size=block_size, autocommit=autocommit,
+                                 cache_options=cache_options, **kwargs)
+        return InvalidatingWriter(f, lambda: self._written(path), self.target, path)
 
     def info(self, path, **kwargs):
-        return self.meta.info(self._strip_protocol(path))
+        path = self._strip_protocol(path)
+        with store_errors(self.target, path):
+            return self.meta.info(path)
 
     def ls(self, path, detail=True, **kwargs):
-        listing = self.meta.ls(self._strip_protocol(path))
+        path = self._strip_protocol(path)
+        with store_errors(self.target, path):
+            listing = self.meta.ls(path)
         return listing if detail else [e["name"] for e in listing]
 
     def created(self, path):
-        return self.target.created(self._strip_protocol(path))
+        path = self._strip_protocol(path)
+        with store_errors(self.target, path):
+            return self.target.created(path)
 
     def modified(self, path):
-        return self.target.modified(self._strip_protocol(path))
+        path = self._strip_protocol(path)
+        with store_errors(self.target, path):
+            return self.target.modified(path)
 
     # -- writes: through to the target, then invalidate ---------------------------------
 
@@ -299,9 +321,12 @@ class CacheFileSystem(_Base):
     def _then_forget(self, paths, how: str = "file"):
         """Run a write on the target, then, even if it failed part-way, forget what the
         cache knew of ``paths``: a file's blocks and metadata (``"file"``), everything
-        under a path too (``"tree"``), or only metadata (``"meta"``: directories)."""
+        under a path too (``"tree"``), or only metadata (``"meta"``: directories). A store
+        client's own failure is raised as an OSError (tiers/pinning.py store_errors)."""
+        first = paths[0] if isinstance(paths, list) and paths else paths
         try:
-            yield
+            with store_errors(self.target, first):
+                yield
         finally:
             for p in paths if isinstance(paths, list) else [paths]:
                 if how == "meta":
@@ -439,35 +464,9 @@ class CacheFileSystem(_Base):
         return dict(self.client.counters)
 
 
-class _InvalidatingWriter:
-    """Wraps the target's writable file: invalidates the cache once the file is closed."""
 
-    def __init__(self, f, on_close) -> None:
-        self._f = f
-        self._on_close = on_close
-        self._closed = False
-
-    def close(self):
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._f.close()
-        finally:
-            self._on_close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __del__(self):
-        try:
-            if not self._closed and not self._f.closed:
-                self.close()
-        except Exception:  # a finaliser: nothing may escape it (modules half gone at exit)
-            pass
+def _omit_unless_store_failed(exc: BaseException) -> None:
+    """fsspec's walk ``on_error``: the failure of a listing is passed over, unless the
+    store failed (tiers/pinning.py store_failed)."""
+    if store_failed(exc):
+        raise exc
