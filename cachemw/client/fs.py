@@ -40,7 +40,7 @@ from .ranges import read_ranges
 from .reader import BlockReader
 from ..tiers.fork_safe import ForkSafe
 from ..tiers.pinning import store_errors, store_failed
-from ..tiers.source import ChangedSourceError, SourceTier
+from ..tiers.source import PAGE_SIZE, ChangedSourceError, SourceTier
 from .urls import TargetPaths, own_options, url_path
 from .writer import InvalidatingWriter
 
@@ -216,14 +216,21 @@ class CacheFileSystem(_Base):
             meta = self.meta.ask_file(path)
         return self._read(meta, start, end)
 
+    def _reads_to_end(self, meta) -> bool:
+        """Whether the file is read to its end, uncached, whatever its stated size: a size
+        the source cannot state (0: ``/proc``, or an empty file), or a file of sysfs and
+        the like, which states a page whatever it holds (tiers/source.py on_pseudo_fs)."""
+        return meta.size == 0 or (meta.size == PAGE_SIZE
+                                  and self.reader.source.on_pseudo_fs(meta.path))
+
     def _read(self, meta, start, end) -> bytes:
-        if meta.size == 0:  # a size the source cannot state (/proc) or an empty file
+        if self._reads_to_end(meta):
             try:
                 data = self.reader.read_unsized(meta)
             except ChangedSourceError:
                 raise
             except OSError:
-                if self.options.validate != "immutable":
+                if self.options.validate != "immutable" or meta.size:
                     raise
                 # immutable: the metadata is trusted for good, and a warmed dataset stays
                 # readable without its source: a file known as empty is empty
@@ -257,7 +264,7 @@ class CacheFileSystem(_Base):
         path = self._strip_protocol(path)
         if "r" in mode and "+" not in mode:
             meta = self.meta.file_to_open(path)
-            if meta.size == 0:  # read now, to its end (see _read): the file is its bytes
+            if self._reads_to_end(meta):  # read now, to its end (_read): the file is its bytes
                 return BytesFile(self, path, self.cat_file(path))
             return CachedFile(self, path, meta, block_size=block_size,
                               cache_type=kwargs.pop("cache_type", "none"),
@@ -435,8 +442,9 @@ class CacheFileSystem(_Base):
             if meta is None:  # not at the store: its read will fail, it takes no place
                 gone.append(path)
                 continue
-            start, end = clip(start, end, meta.size)
-            items.extend(self.reader.announce_items(meta, start, end))
+            if not self._reads_to_end(meta):  # (those are read uncached: nothing to place)
+                start, end = clip(start, end, meta.size)
+                items.extend(self.reader.announce_items(meta, start, end))
         if gone and not self._warned_gone:
             self._warned_gone = True
             log.warning("announce: %d of the %d files are not at the store (the first: %s); "
