@@ -274,10 +274,8 @@ class CacheFileSystem(_Base):
                                  cache_options=cache_options, **kwargs)
         return InvalidatingWriter(f, lambda: self._written(path), self.target, path)
 
-    def info(self, path, **kwargs):
-        path = self._strip_protocol(path)
-        with store_errors(self.target, path):
-            return self.meta.info(path)
+    def info(self, path, **kwargs):  # the store's failures: source_info's OSErrors
+        return self.meta.info(self._strip_protocol(path))
 
     def ls(self, path, detail=True, **kwargs):
         path = self._strip_protocol(path)
