@@ -141,8 +141,7 @@ def url_path_on(fs, rest: str) -> str:
     whose paths do not depend on the instance): ``<protocol>://<rest>`` as its path, or on a
     local filesystem the absolute path ``/<rest>`` (``cachemw:///data/x`` and
     ``cachemw://data/x``, what HF datasets makes of the first, are both ``/data/x``)."""
-    local = isinstance(fs, LocalFileSystem) or (isinstance(fs, type) and issubclass(fs, LocalFileSystem))
-    if local:
+    if isinstance(fs, LocalFileSystem) or (isinstance(fs, type) and issubclass(fs, LocalFileSystem)):
         return fs._strip_protocol("/" + rest.lstrip("/"))
     return fs._strip_protocol(f"{_protocols(fs)[0]}://{rest}")
 

@@ -6,8 +6,8 @@ raised as an OSError naming the URL (pinning.client_error)."""
 from __future__ import annotations
 
 from ..keys import version_fields
-from .pinning import (CONTENT_RANGE, NO_VERSION, FirstBlock, changed, from_client, read_checked, store_errors,
-                      sync)
+from .pinning import (CONTENT_RANGE, NO_VERSION, FirstBlock, changed, from_client, read_checked,
+                      store_errors, sync)
 
 
 async def _s3_get(fs, bucket: str, key: str, kwargs: dict) -> tuple[str, bytes]:
