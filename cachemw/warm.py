@@ -37,6 +37,7 @@ from .keys import block_count, block_key, block_length
 from .launch import START_WAIT, spawn_detached
 from .protocol import lock_holder, lookup
 from .ring import HashRing
+from .tiers.pinning import store_failed
 
 BATCH_BLOCKS = 64  # block reads handed to the cache at once (one lease request per batch),
 BATCH_BYTES = 32 << 20  # at most; fewer when that gives each thread several batches (the
@@ -229,9 +230,10 @@ def _missing(target, path: str) -> bool:
 
 def _listed(url: str, fs, path: str, errors: dict) -> list[FileMeta]:
     """The files under ``url`` (or the file itself), with their metadata; a file whose
-    metadata cannot be had is recorded in ``errors``. A store that refuses the listing with
-    an error of its own (not an OSError: say botocore's NoCredentialsError) is a WarmError
-    naming it: nothing has been read yet, and its traceback would say less."""
+    metadata cannot be had is recorded in ``errors``. A store that fails the listing (its
+    client's error, say botocore's NoCredentialsError, as the OSError cachemw raises for it:
+    tiers/pinning.py store_failed) is a WarmError naming it: nothing has been read yet, and
+    its traceback would say less."""
     metas = []
     try:
         found = sorted(fs.find(path))  # a file's own path, or the files under a directory
@@ -242,8 +244,10 @@ def _listed(url: str, fs, path: str, errors: dict) -> list[FileMeta]:
                 metas.append(fs.meta.file(p))
             except OSError as exc:
                 errors[p] = f"{type(exc).__name__}: {exc}"
-    except OSError:
-        raise
+    except OSError as exc:
+        if not store_failed(exc):
+            raise
+        raise WarmError(f"cannot list {url}: {exc}") from exc
     except Exception as exc:
         raise WarmError(f"cannot list {url}: {type(exc).__name__}: {exc}") from exc
     return metas

@@ -7,7 +7,8 @@ node's tiered cache.
 
 Reads go through the cache (blocks of ``block_size``; smaller files whole); metadata is
 cached under the same policy (``validate``: immutable | ttl | always). Writes go straight
-to the target and invalidate what was cached of the paths they touch.
+to the target and invalidate what was cached of the paths they touch. A store client's own
+failures (botocore's: not OSErrors) are raised as OSErrors (tiers/pinning.store_errors).
 
 Registered through the ``fsspec.specs`` entry point: no ``import cachemw`` needed. Never
 imports Ray, so it works in forked DataLoader workers.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Mapping
 
 import fsspec
@@ -37,8 +39,10 @@ from .openfile import BytesFile, CachedFile, clip
 from .ranges import read_ranges
 from .reader import BlockReader
 from ..tiers.fork_safe import ForkSafe
-from ..tiers.source import ChangedSourceError, SourceTier
-from .urls import TargetPaths, own_options
+from ..tiers.pinning import store_errors, store_failed
+from ..tiers.source import PAGE_SIZE, ChangedSourceError, SourceTier
+from .urls import TargetPaths, own_options, url_path
+from .writer import InvalidatingWriter
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +124,14 @@ class CacheFileSystem(_Base):
     def _strip_protocol(cls, path):
         """What fsspec's URL parsing sees before a filesystem (so a target) exists.
 
-        Only the chain marker goes: ``cachemw::s3://b/k`` -> ``s3://b/k``, and a bare
+        The chain marker goes: ``cachemw::s3://b/k`` -> ``s3://b/k``, and a bare
         ``cachemw://`` hop -> "" (fsspec then takes the path from the next hop). A
-        ``cachemw://path`` URL stays whole: which store's path it names is the target's
-        to say, so the instance resolves it (see urls.TargetPaths).
+        ``cachemw://path`` URL parsed by fsspec (``url_to_fs``, ``fsspec.open``) is the
+        path it names on the target fsspec builds for it (urls.url_path): the path
+        ``url_to_fs`` returns is then the one ``ls``, ``find`` and ``info`` answer with,
+        which pyarrow (and pandas through it) compares them against. Asked from elsewhere
+        it stays whole: which store's path it names is the target's to say, and the
+        instance resolves it (urls.TargetPaths).
         """
         if isinstance(path, list):
             return [cls._strip_protocol(p) for p in path]
@@ -132,6 +140,8 @@ class CacheFileSystem(_Base):
             return path[len("cachemw::"):]
         if path == "cachemw://":
             return ""
+        if path.startswith("cachemw://"):
+            return url_path(path, sys._getframe(1))
         return path
 
     def unstrip_protocol(self, name: str) -> str:
@@ -160,6 +170,16 @@ class CacheFileSystem(_Base):
         if isinstance(found, dict):
             return {self.url(name): info for name, info in found.items()}
         return [self.url(name) for name in found]
+
+    def walk(self, path, maxdepth=None, topdown=True, on_error="omit", **kwargs):
+        """fsspec's, except that a store that fails (does not answer, times out) is an
+        error, not an empty tree: "omit" passes over every OSError of a listing, so
+        ``find``, ``glob`` and ``du`` of a store out of reach would answer as for nothing
+        there. A directory gone or refused is passed over, as fsspec does."""
+        if on_error == "omit":
+            on_error = _omit_unless_store_failed
+        return super().walk(path, maxdepth=maxdepth, topdown=topdown, on_error=on_error,
+                            **kwargs)
 
     def expand_path(self, path, recursive=False, maxdepth=None, **kwargs):
         """fsspec's, in paths (it mixes what glob and find return)."""
@@ -196,14 +216,21 @@ class CacheFileSystem(_Base):
             meta = self.meta.ask_file(path)
         return self._read(meta, start, end)
 
+    def _reads_to_end(self, meta) -> bool:
+        """Whether the file is read to its end, uncached, whatever its stated size: a size
+        the source cannot state (0: ``/proc``, or an empty file), or a file of sysfs and
+        the like, which states a page whatever it holds (tiers/source.py on_pseudo_fs)."""
+        return meta.size == 0 or (meta.size == PAGE_SIZE
+                                  and self.reader.source.on_pseudo_fs(meta.path))
+
     def _read(self, meta, start, end) -> bytes:
-        if meta.size == 0:  # a size the source cannot state (/proc) or an empty file
+        if self._reads_to_end(meta):
             try:
                 data = self.reader.read_unsized(meta)
             except ChangedSourceError:
                 raise
             except OSError:
-                if self.options.validate != "immutable":
+                if self.options.validate != "immutable" or meta.size:
                     raise
                 # immutable: the metadata is trusted for good, and a warmed dataset stays
                 # readable without its source: a file known as empty is empty
@@ -237,27 +264,34 @@ class CacheFileSystem(_Base):
         path = self._strip_protocol(path)
         if "r" in mode and "+" not in mode:
             meta = self.meta.file_to_open(path)
-            if meta.size == 0:  # read now, to its end (see _read): the file is its bytes
+            if self._reads_to_end(meta):  # read now, to its end (_read): the file is its bytes
                 return BytesFile(self, path, self.cat_file(path))
             return CachedFile(self, path, meta, block_size=block_size,
                               cache_type=kwargs.pop("cache_type", "none"),
                               cache_options=cache_options)
-        f = self.target.open(path, mode, block_size=block_size, autocommit=autocommit,
-                             cache_options=cache_options, **kwargs)
-        return _InvalidatingWriter(f, lambda: self._written(path))
+        with store_errors(self.target, path):
+            f = self.target.open(path, mode, block_size=block_size, autocommit=autocommit,
+                                 cache_options=cache_options, **kwargs)
+        return InvalidatingWriter(f, lambda: self._written(path), self.target, path)
 
-    def info(self, path, **kwargs):
+    def info(self, path, **kwargs):  # the store's failures: source_info's OSErrors
         return self.meta.info(self._strip_protocol(path))
 
     def ls(self, path, detail=True, **kwargs):
-        listing = self.meta.ls(self._strip_protocol(path))
+        path = self._strip_protocol(path)
+        with store_errors(self.target, path):
+            listing = self.meta.ls(path)
         return listing if detail else [e["name"] for e in listing]
 
     def created(self, path):
-        return self.target.created(self._strip_protocol(path))
+        path = self._strip_protocol(path)
+        with store_errors(self.target, path):
+            return self.target.created(path)
 
     def modified(self, path):
-        return self.target.modified(self._strip_protocol(path))
+        path = self._strip_protocol(path)
+        with store_errors(self.target, path):
+            return self.target.modified(path)
 
     # -- writes: through to the target, then invalidate ---------------------------------
 
@@ -292,9 +326,12 @@ class CacheFileSystem(_Base):
     def _then_forget(self, paths, how: str = "file"):
         """Run a write on the target, then, even if it failed part-way, forget what the
         cache knew of ``paths``: a file's blocks and metadata (``"file"``), everything
-        under a path too (``"tree"``), or only metadata (``"meta"``: directories)."""
+        under a path too (``"tree"``), or only metadata (``"meta"``: directories). A store
+        client's own failure is raised as an OSError (tiers/pinning.py store_errors)."""
+        first = paths[0] if isinstance(paths, list) and paths else paths
         try:
-            yield
+            with store_errors(self.target, first):
+                yield
         finally:
             for p in paths if isinstance(paths, list) else [paths]:
                 if how == "meta":
@@ -403,8 +440,9 @@ class CacheFileSystem(_Base):
             if meta is None:  # not at the store: its read will fail, it takes no place
                 gone.append(path)
                 continue
-            start, end = clip(start, end, meta.size)
-            items.extend(self.reader.announce_items(meta, start, end))
+            if not self._reads_to_end(meta):  # (those are read uncached: nothing to place)
+                start, end = clip(start, end, meta.size)
+                items.extend(self.reader.announce_items(meta, start, end))
         if gone and not self._warned_gone:
             self._warned_gone = True
             log.warning("announce: %d of the %d files are not at the store (the first: %s); "
@@ -432,35 +470,9 @@ class CacheFileSystem(_Base):
         return dict(self.client.counters)
 
 
-class _InvalidatingWriter:
-    """Wraps the target's writable file: invalidates the cache once the file is closed."""
 
-    def __init__(self, f, on_close) -> None:
-        self._f = f
-        self._on_close = on_close
-        self._closed = False
-
-    def close(self):
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._f.close()
-        finally:
-            self._on_close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __del__(self):
-        try:
-            if not self._closed and not self._f.closed:
-                self.close()
-        except Exception:  # a finaliser: nothing may escape it (modules half gone at exit)
-            pass
+def _omit_unless_store_failed(exc: BaseException) -> None:
+    """fsspec's walk ``on_error``: the failure of a listing is passed over, unless the
+    store failed (tiers/pinning.py store_failed)."""
+    if store_failed(exc):
+        raise exc

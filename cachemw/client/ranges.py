@@ -71,7 +71,7 @@ def _read_ranges(fs: CacheFileSystem, by_path: dict[str, list[int]], starts, end
                 cold.append((path, idx[0]))  # read cold, its version from its GET (below)
                 continue
             meta = meta or fs.meta.ask_file(path)
-            if meta.size == 0:  # read to its end once (fs._read), each range cut from it
+            if fs._reads_to_end(meta):  # read to its end once (fs._read), each range cut from it
                 data = fs.cat_file(path)
                 for i in idx:
                     out[i] = data[slice(*clip(starts[i], ends[i], len(data)))]

@@ -14,8 +14,14 @@ import sys
 from typing import Callable
 
 import fsspec
+import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
+
+try:  # fsspec >= 2025.x: the marker of filesystems layered over another one
+    from fsspec.implementations.chained import ChainedFileSystem as _Layered
+except ImportError:  # pragma: no cover - older fsspec: none told apart
+    _Layered = ()
 
 # Options of fsspec's own base class, passed through; anything else unknown is an error.
 FSSPEC_BASE_OPTIONS = {"use_listings_cache", "listings_expiry_time", "max_paths",
@@ -62,10 +68,7 @@ class TargetPaths:
             self._check_store(path, url)
             return fs._strip_protocol(url)
         if path.startswith("cachemw://"):
-            rest = path[len("cachemw://"):]
-            if self.local:
-                return fs._strip_protocol("/" + rest.lstrip("/"))
-            return fs._strip_protocol(f"{self.protocols[0]}://{rest}")
+            return url_path_on(fs, path[len("cachemw://"):])
         self._check_store(path, path)
         return fs._strip_protocol(path)
 
@@ -80,6 +83,67 @@ class TargetPaths:
                              f"filesystem's ({self.protocols[0]}://); open it with "
                              f"fsspec.open('cachemw::{url}') or give "
                              f"target_protocol={protocol!r}")
+
+
+# fsspec's parser of (chained) URLs, the caller whose hops say what store a URL names
+_UN_CHAIN = getattr(getattr(fsspec.core, "_un_chain", None), "__code__", None)
+
+
+def url_path(url: str, caller) -> str:
+    """What the ``cachemw://<rest>`` URL ``url`` names on its target, as the target's path,
+    where the filesystem's class is asked before a filesystem exists: fsspec's
+    ``url_to_fs`` (pandas, pyarrow, HF datasets) returns that answer as the path, then
+    hands it to the filesystem, and pyarrow takes it for the base of what ``find``
+    returns, which are target paths: ``cachemw:///data/dir`` must be ``/data/dir``.
+
+    The target is the one ``url_to_fs`` is about to build from the same URL: the hop's own
+    ``fs`` or ``target_protocol``, else the next hop's protocol
+    (``cachemw://bucket/key::s3://...``), else the local filesystem (a ``cachemw://`` URL
+    alone). The class knows neither, so they are read from ``caller``, the frame that asks:
+    fsspec's ``_un_chain``, which has parsed them (``kw``: this hop's options; ``out``:
+    the hops after it, the next one last). Asked from anywhere else, or where a target's
+    paths are its instance's to say (a filesystem over another one: ``simplecache``,
+    ``dir``), the URL stays whole, as it was: the filesystem, once built, resolves it the
+    same way (TargetPaths), which ``url_path_on`` shares."""
+    if caller is None or caller.f_code is not _UN_CHAIN:
+        return url
+    try:
+        options = caller.f_locals.get("kw")
+        later = caller.f_locals.get("out")
+    except Exception:  # pragma: no cover - a frame without readable locals
+        return url
+    if not isinstance(options, dict) or not isinstance(later, list):
+        return url  # an fsspec that parses otherwise: the instance resolves it
+    rest = url[len("cachemw://"):]
+    fs = options.get("fs")
+    if isinstance(fs, AbstractFileSystem):
+        try:
+            return TargetPaths(fs)(url)
+        except ValueError:
+            return url
+    protocol = options.get("target_protocol")
+    if protocol is None and later:
+        hop = later[-1]
+        protocol = hop[1] if isinstance(hop, tuple) and len(hop) == 3 else None
+        if not isinstance(protocol, str):
+            return url
+    try:
+        cls = fsspec.get_filesystem_class(protocol or "file")
+    except (ValueError, ImportError):
+        return url  # the filesystem's creation says what is wrong
+    if issubclass(cls, _Layered):
+        return url
+    return url_path_on(cls, rest)
+
+
+def url_path_on(fs, rest: str) -> str:
+    """What ``cachemw://<rest>`` names on the target ``fs`` (a filesystem, or its class,
+    whose paths do not depend on the instance): ``<protocol>://<rest>`` as its path, or on a
+    local filesystem the absolute path ``/<rest>`` (``cachemw:///data/x`` and
+    ``cachemw://data/x``, what HF datasets makes of the first, are both ``/data/x``)."""
+    if isinstance(fs, LocalFileSystem) or (isinstance(fs, type) and issubclass(fs, LocalFileSystem)):
+        return fs._strip_protocol("/" + rest.lstrip("/"))
+    return fs._strip_protocol(f"{_protocols(fs)[0]}://{rest}")
 
 
 def _protocols(fs: AbstractFileSystem) -> tuple:

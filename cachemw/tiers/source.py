@@ -56,11 +56,21 @@ from .pinning import (MOVED_ON, NO_VERSION, ChangedSourceError, FirstBlock, chan
 from .source_http import first_http, read_http
 from .source_s3 import first_s3, read_s3
 
-__all__ = ["MOVED_ON", "ChangedSourceError", "FirstBlock", "SourceTier", "source_for", "source_info"]
+__all__ = ["MOVED_ON", "PAGE_SIZE", "ChangedSourceError", "FirstBlock", "SourceTier", "source_for",
+           "source_info"]
 
 log = logging.getLogger(__name__)
 
 _READ_CHUNK = 1 << 20  # reads to the end of a file whose size is unknown, this much a call
+
+# The size every file of sysfs and configfs states, whatever its content (a page): a file
+# stated this large on a local target is checked for its filesystem (on_pseudo_fs)
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# Filesystems of the kernel's, whose files' stated sizes are not their contents' (a page,
+# or 0): their files are read to their end, as a size of 0 is
+_PSEUDO_FS = frozenset({"sysfs", "configfs", "proc", "debugfs", "tracefs", "securityfs",
+                        "cgroup", "cgroup2", "bpf"})
+_PSEUDO_PATHS_MAX = 65536  # paths remembered as on one (or not), per source
 
 
 class SourceTier:
@@ -72,6 +82,8 @@ class SourceTier:
         self._read = _reads_for(fs)
         self._first = _firsts_for(fs)
         self._versioned = False  # a first GET of this store has named a version
+        self._local = isinstance(fs, LocalFileSystem)
+        self._pseudo: dict[str, bool] = {}  # path -> on a pseudo filesystem (on_pseudo_fs)
 
     @property
     def concurrent(self) -> bool:
@@ -80,6 +92,27 @@ class SourceTier:
         on the store's loop), a ``dir`` filesystem over either. Not fsspec's tar or zip
         readers (one shared file object, sought then read) nor its FTP (one connection)."""
         return _takes_threads(self.fs)
+
+    def on_pseudo_fs(self, path: str) -> bool:
+        """Whether ``path`` (a local target's) is a file of a pseudo filesystem (sysfs,
+        configfs, ...: _PSEUDO_FS), whose stated size (a page) is not its content's: it is
+        read to its end, uncached, as a file stated as 0 bytes (``/proc``) is, where blocks
+        of the stated size would never be whole. Asked only of files stated a page long
+        (PAGE_SIZE), and remembered per path: a stat each, once. A regular file taken for
+        one would still read right (to its end, pinned to its version), uncached."""
+        if not self._local:
+            return False
+        hit = self._pseudo.get(path)
+        if hit is None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return False  # the read says what is wrong
+            hit = stat.S_ISREG(st.st_mode) and _pseudo_dev(st.st_dev)
+            if len(self._pseudo) >= _PSEUDO_PATHS_MAX:
+                self._pseudo.clear()
+            self._pseudo[path] = hit
+        return hit
 
     @property
     def tells_versions(self) -> bool:
@@ -136,7 +169,8 @@ class SourceTier:
 
     def read_all(self, path: str, version: str) -> bytes:
         """The whole file, read to its end: for files whose size the source states as 0
-        (``/proc`` files, and empty files), which may hold bytes all the same."""
+        (``/proc`` files, and empty files), which may hold bytes all the same, and files of
+        a pseudo filesystem (on_pseudo_fs), which may hold fewer than they state."""
         return self._read(self.fs, path, 0, None, version)
 
 
@@ -191,6 +225,16 @@ def _firsts_for(fs):
 # its bytes in: an lseek there returns only once a write in progress has ended.
 _SEEK_WAITS_FOR_WRITES = frozenset({"tmpfs", "ext4", "ext3", "ext2", "btrfs"})
 _seek_waits: dict[int, bool] = {}  # st_dev -> whether its filesystem is one of those
+
+
+_pseudo_devs: dict[int, bool] = {}  # st_dev -> whether its filesystem is a pseudo one
+
+
+def _pseudo_dev(dev: int) -> bool:
+    known = _pseudo_devs.get(dev)
+    if known is None:
+        known = _pseudo_devs[dev] = _fs_type(dev) in _PSEUDO_FS
+    return known
 
 
 def _waits_for_writes(dev: int) -> bool:

@@ -1,10 +1,13 @@
 """S3 reads (s3fs) pinned to a version: one GetObject with ``IfMatch`` on the ETag (and
 ``VersionId`` where the bucket keeps versions), the ETag of the answer compared too; the
-first GET of a cold file names its version (see source.py)."""
+first GET of a cold file names its version (see source.py). A failure of the client's own
+(an endpoint that does not answer: botocore's EndpointConnectionError is no OSError) is
+raised as an OSError naming the URL (pinning.client_error)."""
 from __future__ import annotations
 
 from ..keys import version_fields
-from .pinning import CONTENT_RANGE, NO_VERSION, FirstBlock, changed, read_checked, sync
+from .pinning import (CONTENT_RANGE, NO_VERSION, FirstBlock, changed, from_client, read_checked,
+                      store_errors, sync)
 
 
 async def _s3_get(fs, bucket: str, key: str, kwargs: dict) -> tuple[str, bytes]:
@@ -30,7 +33,8 @@ def read_s3(fs, path: str, start: int, end: int | None, version: str) -> bytes:
     elif start:
         kwargs["Range"] = f"bytes={start}-"
     try:
-        got, data = sync(fs, _s3_get, fs, bucket, key, kwargs)
+        with store_errors(fs, path):
+            got, data = sync(fs, _s3_get, fs, bucket, key, kwargs)
     except OSError as exc:
         if _s3_code(exc) in ("PreconditionFailed", "412", "NoSuchVersion"):
             raise changed(path, version, detail="its ETag or version moved") from exc
@@ -57,10 +61,13 @@ def first_s3(fs, path: str, start: int, end: int):
     kwargs = {"Range": f"bytes={start}-{end - 1}"}
     if version_id:
         kwargs["VersionId"] = version_id
-    try:
-        resp, data = sync(fs, _s3_get_response, fs, bucket, key, kwargs)
-    except OSError:  # no such key (it may be a "directory"), an empty object's refused
-        return None  # range, ...: the info path says what it is, as it did before
+    with store_errors(fs, path):  # no answer: raised, not asked again for the info
+        try:
+            resp, data = sync(fs, _s3_get_response, fs, bucket, key, kwargs)
+        except OSError as exc:  # no such key (it may be a "directory"), an empty object's
+            if _unanswered(exc):  # refused range, ...: the info path says what it is
+                raise
+            return None
     if not resp.get("ETag"):
         return NO_VERSION
     found = CONTENT_RANGE.match(resp.get("ContentRange") or "")
@@ -77,6 +84,13 @@ def first_s3(fs, path: str, start: int, end: int):
                        "StorageClass": resp.get("StorageClass", "STANDARD"),
                        "VersionId": resp.get("VersionId"),
                        "ContentType": resp.get("ContentType")}, data)
+
+
+def _unanswered(exc: OSError) -> bool:
+    """Whether ``exc`` is a request the store never answered (a refused connection, a
+    timeout: botocore's timeouts are OSErrors), not an answer s3fs turned into an OSError:
+    asking the store again for the info would wait as long again and fail the same way."""
+    return _s3_code(exc) is None and from_client(exc)
 
 
 def _s3_code(exc: BaseException) -> str | None:
