@@ -70,7 +70,6 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # or 0): their files are read to their end, as a size of 0 is
 _PSEUDO_FS = frozenset({"sysfs", "configfs", "proc", "debugfs", "tracefs", "securityfs",
                         "cgroup", "cgroup2", "bpf"})
-_PSEUDO_PATHS_MAX = 65536  # paths remembered as on one (or not), per source
 
 
 class SourceTier:
@@ -83,7 +82,6 @@ class SourceTier:
         self._first = _firsts_for(fs)
         self._versioned = False  # a first GET of this store has named a version
         self._local = isinstance(fs, LocalFileSystem)
-        self._pseudo: dict[str, bool] = {}  # path -> on a pseudo filesystem (on_pseudo_fs)
 
     @property
     def concurrent(self) -> bool:
@@ -94,25 +92,15 @@ class SourceTier:
         return _takes_threads(self.fs)
 
     def on_pseudo_fs(self, path: str) -> bool:
-        """Whether ``path`` (a local target's) is a file of a pseudo filesystem (sysfs,
-        configfs, ...: _PSEUDO_FS), whose stated size (a page) is not its content's: it is
+        """Whether ``path`` (a local target's) is on a pseudo filesystem (sysfs, configfs,
+        ...: _PSEUDO_FS), whose files' stated size (a page) is not their content's: it is
         read to its end, uncached, as a file stated as 0 bytes (``/proc``) is, where blocks
         of the stated size would never be whole. Asked only of files stated a page long
-        (PAGE_SIZE), and remembered per path: a stat each, once. A regular file taken for
-        one would still read right (to its end, pinned to its version), uncached."""
-        if not self._local:
-            return False
-        hit = self._pseudo.get(path)
-        if hit is None:
-            try:
-                st = os.stat(path)
-            except OSError:
-                return False  # the read says what is wrong
-            hit = stat.S_ISREG(st.st_mode) and _pseudo_dev(st.st_dev)
-            if len(self._pseudo) >= _PSEUDO_PATHS_MAX:
-                self._pseudo.clear()
-            self._pseudo[path] = hit
-        return hit
+        (PAGE_SIZE), on every read of one (a hit too): told from the mount table, read once
+        per process, never by a call to the source (a ``stat`` on a shared store is a
+        metadata request). A regular file taken for one would still read right (to its
+        end, pinned to its version), uncached."""
+        return self._local and _pseudo_mount(path)
 
     @property
     def tells_versions(self) -> bool:
@@ -227,14 +215,41 @@ _SEEK_WAITS_FOR_WRITES = frozenset({"tmpfs", "ext4", "ext3", "ext2", "btrfs"})
 _seek_waits: dict[int, bool] = {}  # st_dev -> whether its filesystem is one of those
 
 
-_pseudo_devs: dict[int, bool] = {}  # st_dev -> whether its filesystem is a pseudo one
+_mounts: list | None = None  # [(mount point, on a pseudo filesystem)], longest first
 
 
-def _pseudo_dev(dev: int) -> bool:
-    known = _pseudo_devs.get(dev)
-    if known is None:
-        known = _pseudo_devs[dev] = _fs_type(dev) in _PSEUDO_FS
-    return known
+def _pseudo_mount(path: str) -> bool:
+    """Whether the filesystem mounted where ``path`` lies (the longest mount point that
+    holds it) is a pseudo one; a path under none of their mount points costs one
+    ``startswith``."""
+    global _mounts
+    if _mounts is None:
+        _mounts = _read_mounts()
+    if not _mounts or not path.startswith(_mounts[0]):
+        return False
+    for point, pseudo in _mounts[1]:
+        if path == point or path.startswith(point if point.endswith("/") else point + "/"):
+            return pseudo
+    return False
+
+
+def _read_mounts() -> tuple:
+    """(the mount points of pseudo filesystems, as a tuple for ``startswith``; every mount
+    point with whether its filesystem is one, longest first), from /proc/self/mountinfo."""
+    points = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4 and "-" in fields:
+                    kind = fields[fields.index("-") + 1]
+                    point = fields[4].replace("\\040", " ")
+                    points.append((point, kind in _PSEUDO_FS))
+    except OSError:
+        return ()
+    points.sort(key=lambda p: len(p[0]), reverse=True)
+    pseudo = tuple(p for p, is_pseudo in points if is_pseudo)
+    return (pseudo, points) if pseudo else ()
 
 
 def _waits_for_writes(dev: int) -> bool:
