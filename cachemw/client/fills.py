@@ -8,8 +8,10 @@ off the path: it writes while the reader waits for its next lease and source req
 Nothing is lost or read stale on the way:
 
 * the block's bytes stay in memory (``pending``) until its file has landed, so this process
-  reads them back meanwhile; other processes wait on the daemon's lease as for any fill in
-  flight, and get "present" once it ends;
+  reads them back meanwhile, through any of its filesystems (``pending`` is the process's,
+  shared by every writer: a second instance made with other options, by pandas or HF
+  datasets, waits for the block to land rather than fetching it again); other processes
+  wait on the daemon's lease as for any fill in flight, and get "present" once it ends;
 * the block file is staged, and only the daemon publishes it under its key (tiers/
   directory.py): a fill written behind a write through the cache (which cancels its
   lease) is dropped, never seen by a hit;
@@ -41,6 +43,12 @@ from .. import ops, trace
 log = logging.getLogger(__name__)
 
 _writers: "weakref.WeakSet[FillWriter]" = weakref.WeakSet()
+
+# The fills of every writer of the process not ended yet (written and noted, or aborted):
+# key -> bytes, and the writer holding each (whose landing a reader waits for: wait_landed)
+_pending: dict[str, bytes] = {}  # (never rebound: every writer's ``pending``)
+_holders: dict[str, "FillWriter"] = {}
+_pending_lock = threading.Lock()  # taken inside a writer's _cv, never the other way
 
 
 class _NoWriter(RuntimeError):
@@ -106,7 +114,7 @@ class FillWriter:
         self._cv = threading.Condition(threading.Lock())
         # (queued at, a Fill or a deferred (fn, arg) such as a node-shared metadata record)
         self._queue: collections.deque[tuple[float, object]] = collections.deque()
-        self.pending: dict[str, bytes] = {}  # key -> bytes, until its file has landed
+        self.pending = _pending  # key -> bytes until its file has landed: the process's
         self._queued_bytes = 0  # of fills not ended yet (queued or being written)
         # fills in the queue (not taken by the writer yet), and their bytes: a batch's size
         self._waiting, self._waiting_bytes = 0, 0
@@ -154,7 +162,9 @@ class FillWriter:
         except _NoWriter:
             return False
         n = len(item.data)
-        self.pending[item.key] = item.data
+        with _pending_lock:
+            _pending[item.key] = item.data
+            _holders[item.key] = self
         self._queued_bytes += n
         self._waiting += 1
         self._waiting_bytes += n
@@ -242,13 +252,19 @@ class FillWriter:
         self.client.settle()
 
     def wait_landed(self, key: str, timeout: float = 60.0) -> None:
-        """Wait until the pending fill of ``key`` has ended (written and noted, or aborted)."""
+        """Wait until the pending fill of ``key`` has ended (written and noted, or aborted),
+        whichever writer of the process holds it."""
+        holder = _holders.get(key)
+        if holder is not None:
+            holder._wait_own(key, timeout)
+
+    def _wait_own(self, key: str, timeout: float) -> None:
         with self._cv:
-            if key not in self.pending or threading.current_thread() is self._thread:
+            if _holders.get(key) is not self or threading.current_thread() is self._thread:
                 return
             self._urgent = True
             self._cv.notify()
-            self._cv.wait_for(lambda: key not in self.pending, timeout)
+            self._cv.wait_for(lambda: _holders.get(key) is not self, timeout)
 
     def _next(self):
         """The next item to run, once it is time (see the class docstring), or None after
@@ -306,9 +322,16 @@ class FillWriter:
                             self._unsynced = True
                         if isinstance(item, (Fill, _Adopt)):
                             self._queued_bytes -= len(item.data)
-                            if self.pending.get(item.key) is item.data:
-                                del self.pending[item.key]
+                            self._ended(item)
                     self._cv.notify_all()
+
+    def _ended(self, item: Fill | _Adopt) -> None:
+        """Under _cv: ``item``'s bytes leave ``pending`` (unless the key was queued again
+        since, here or by another writer)."""
+        with _pending_lock:
+            if _holders.get(item.key) is self and _pending.get(item.key) is item.data:
+                del _pending[item.key]
+                del _holders[item.key]
 
     def _run_batch(self, batch: list) -> None:
         """The adopted blocks first, handed to their runner together (adopt.py: a lease
@@ -426,6 +449,11 @@ def drain_all(client=None, timeout: float = 60.0) -> bool:
 
 
 def _reset_all_in_child() -> None:
+    """The parent's fills are the parent's to write (its threads did not come along)."""
+    global _pending_lock
+    _pending_lock = threading.Lock()
+    _pending.clear()
+    _holders.clear()
     for writer in list(_writers):
         writer._reset()
 

@@ -95,6 +95,7 @@ class CacheFileSystem(_Base):
                                   since=self.client.started,
                                   defer=self.reader.fills.defer)
         self.reader.dropped_since = self.meta.dropped_since
+        self.reader.moved_on = self.meta.moved_on
         self._warned_gone = False  # announced files not at the store, said once
 
         stripped: dict[str, str] = {}  # fsspec's path normalisation costs ~5 us a call
@@ -192,17 +193,13 @@ class CacheFileSystem(_Base):
         """Bytes of one version of the file. A block the cache misses is read from the
         source pinned to the version the metadata names; if the source has moved on
         (ChangedSourceError), the call starts over once with fresh metadata, so it returns
-        the new version whole rather than the old one's cached blocks around new ones."""
+        the new version whole rather than the old one's cached blocks around new ones (the
+        read that met it dropped what was known of the file: metadata.moved_on)."""
         path = self._strip_protocol(path)
         try:
-            try:
-                return self._read_path(path, start, end)
-            except ChangedSourceError:
-                self.meta.forget(path)
-                return self._read_path(path, start, end)
-        except FileNotFoundError:
-            self.meta.forget(path)
-            raise
+            return self._read_path(path, start, end)
+        except ChangedSourceError:
+            return self._read_path(path, start, end)
 
     def _read_path(self, path, start, end) -> bytes:
         """A file the node has never seen is read cold: on a store whose GET names the
@@ -460,6 +457,8 @@ class CacheFileSystem(_Base):
             self.meta = MetadataCache(self.target, self.options.validate, self.options.ttl,
                                       self.client.meta_dir, defer=self.reader.fills.defer,
                                       since=self.client.started)
+            self.reader.dropped_since = self.meta.dropped_since
+            self.reader.moved_on = self.meta.moved_on
         else:
             self.meta.forget_tree(self._strip_protocol(path))
 

@@ -5,7 +5,9 @@ training on a PFS, so metadata is cached like data: in the process (a dict) and 
 whole node, in the daemon's ``meta`` directory, so a new DataLoader worker does not ask the
 source again, and an ``immutable`` dataset stays readable once warmed even if the source
 goes away. Files' ``info`` is shared through a table every process maps (metatable.py:
-no file to open per path); directory listings, few and large, as one record file each.
+no file to open per path); directory listings, few and large, as one record file each
+(shared_records.py, which also keeps what one filesystem of the process learnt, until it
+is written for the node, and dropped for every filesystem of the process).
 
 What a process keeps of a file for reading is a ``FileMeta`` (a tuple of plain values):
 a worker that reads thousands of files for the first time must not leave thousands of
@@ -15,29 +17,23 @@ trainer touches, and so copies, every page of its heap: ~90 ms here).
 Policies: ``immutable`` never asks the source again once a path is known; ``ttl`` asks
 again after ``ttl`` seconds; ``always`` asks on every open/read. Asking means asking the
 store: the target filesystem's own caches (s3fs's listings) are bypassed each time.
-
-Record files are pickles in a 0700 directory that also holds the daemon's secret: anyone
-able to write them already controls the daemon.
 """
 from __future__ import annotations
 
-import logging
 import os
-import pickle
 import posixpath
 import struct
-import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Callable, NamedTuple
 
-from ..files import atomic_write, make_private_dirs
-from ..keys import path_key, version_token
+from ..keys import version_token
 from ..tiers.fork_safe import ForkSafe
 from ..tiers.source import source_info
-from .metatable import MetaTable
+from .metatable import written_at
+from .shared_records import SharedRecords, forgotten, forgotten_after, mark_forgotten
 from .urls import target_url
 
 
@@ -51,13 +47,10 @@ class FileMeta(NamedTuple):
     fetched: float
 
 
-log = logging.getLogger(__name__)
-
 _caches: "weakref.WeakSet[MetadataCache]" = weakref.WeakSet()
-_DROPPED = "cachemw-dropped"  # a tombstone record (see _drop_shared); loads ignore it
 
 
-class MetadataCache:
+class MetadataCache(SharedRecords):
     target = ForkSafe()  # the store asked for info and listings (a forked child's own)
 
     def __init__(self, target, validate: str, ttl: float, meta_dir: Callable[[], str | None],
@@ -68,14 +61,7 @@ class MetadataCache:
         is not fresh: the node's table may hold a previous job's (it outlives jobs on the
         NVMe tier), and a file changed between the jobs must be read anew."""
         self._defer = defer
-        # held while a record is written or dropped: a drop is never overtaken by a write
-        self._records_lock = threading.Lock()
-        # (kind, path) -> (value, fetched), while deferred; its own lock (taken inside the
-        # records lock, never the other way), so that a reader queueing a record does not
-        # wait for the writer thread's record writes
-        self._unwritten: dict[tuple[str, str], tuple] = {}
-        self._unwritten_lock = threading.Lock()
-        self._table: MetaTable | None = None
+        self._table = None  # the node's table, mapped at its first use (_shared_table)
         self._warned_drop = False
         _caches.add(self)
         self.target = target
@@ -99,133 +85,6 @@ class MetadataCache:
         if self.validate == "always":
             return False
         return fetched >= self._fresh_from and time.time() - fetched < self.ttl
-
-    # -- node-shared metadata ------------------------------------------------------
-
-    def _shared_table(self) -> MetaTable | None:
-        meta_dir = self._meta_dir()
-        if meta_dir is None:
-            return None
-        table, since = self._table, self._since()
-        # another daemon (this one stopped, its DRAM tier and table freed, a new one
-        # started): its table, not the one mapped from the freed files
-        if table is None or table.dir != f"{meta_dir}/info" or since != self._fresh_from:
-            self._fresh_from = since
-            table = self._table = MetaTable(f"{meta_dir}/info")
-        return table
-
-    def _record_path(self, kind: str, path: str) -> str | None:
-        meta_dir = self._meta_dir()
-        if meta_dir is None:
-            return None
-        key = path_key(f"{kind}\0{path}")
-        return f"{meta_dir}/{key[:2]}/{key}"
-
-    def _load_shared(self, kind: str, path: str, fresh_only: bool = True):
-        """(value, fetched) the node shares for ``path``, or None."""
-        if kind == "info":
-            table = self._shared_table()
-            found = None if table is None else table.get(self._url(path))
-            if found is None or found[1]:  # none, or dropped
-                return None
-            try:
-                value, fetched = pickle.loads(found[3]), found[0]
-            except Exception:  # written by another version of cachemw, say: not ours
-                return None
-        else:
-            rec = self._record_path(kind, path)
-            if rec is None:
-                return None
-            try:
-                with open(rec, "rb") as f:
-                    stored_path, value, fetched = pickle.load(f)
-            except FileNotFoundError:
-                return None
-            except Exception:  # torn, foreign or a tombstone: ignore it, it will be rewritten
-                return None
-            if stored_path != path:
-                return None
-        if fresh_only and not self._fresh(fetched):
-            return None
-        return value, fetched
-
-    def _store_shared(self, kind: str, path: str, value, fetched: float) -> None:
-        if self.validate == "always" or self._meta_dir() is None:
-            return
-        if self._defer is None:
-            self._write_shared((kind, path), (value, fetched))
-            return
-        with self._unwritten_lock:
-            self._unwritten[(kind, path)] = (value, fetched)
-        self._defer(self._write_deferred, (kind, path))
-
-    def _write_deferred(self, which: tuple[str, str]) -> None:
-        """Write the latest value queued for ``which`` unless it was dropped since its
-        metadata was fetched: here (the lock keeps a drop from being overtaken by a write
-        under way) or by any process of the node (its tombstone, see _drop_shared)."""
-        with self._records_lock:
-            with self._unwritten_lock:
-                queued = self._unwritten.pop(which, None)
-            if queued is not None:
-                self._write_shared(which, queued)
-
-    def _write_shared(self, which: tuple[str, str], queued: tuple) -> None:
-        kind, path = which
-        value, fetched = queued
-        if kind == "info":
-            table = self._shared_table()
-            if table is not None:  # refused if dropped since
-                table.store(self._url(path), value, fetched,
-                            (int(value.get("size") or 0), version_token(value),
-                             value.get("type", "file")))
-            return
-        rec = self._record_path(kind, path)
-        if rec is not None and not self._dropped_since(rec, fetched):
-            self._write_record(rec, pickle.dumps((path, value, fetched),
-                                                 protocol=pickle.HIGHEST_PROTOCOL))
-
-    @staticmethod
-    def _dropped_since(rec: str, fetched: float) -> bool:
-        try:
-            with open(rec, "rb") as f:
-                record = pickle.load(f)
-        except Exception:  # none, torn or foreign: nothing says it was dropped
-            return False
-        return (isinstance(record, tuple) and len(record) == 2 and record[0] == _DROPPED
-                and record[1] >= fetched)
-
-    @staticmethod
-    def _write_record(rec: str, payload: bytes) -> None:
-        try:
-            try:
-                atomic_write(rec, payload)
-            except FileNotFoundError:
-                make_private_dirs(os.path.dirname(rec))
-                atomic_write(rec, payload)
-        except OSError:
-            pass  # metadata sharing is an optimisation; never fail a read for it
-
-    def _drop_shared(self, kind: str, path: str) -> None:
-        """A tombstone, not a removal: metadata fetched earlier that some process has yet to
-        write (written behind its reads) must not bring it back."""
-        if self._meta_dir() is None:
-            return
-        with self._records_lock:
-            with self._unwritten_lock:
-                self._unwritten.pop((kind, path), None)
-            now = time.time()
-            if kind == "info":
-                table = self._shared_table()
-                url = self._url(path)
-                if table is not None and not table.drop(url, now) and not self._warned_drop:
-                    self._warned_drop = True
-                    log.warning("could not mark %s dropped in the node's metadata table %s; "
-                                "other processes may read it at its old version until a read "
-                                "finds the source changed", path, table.dir)
-            else:
-                rec = self._record_path(kind, path)
-                if rec is not None:
-                    self._write_record(rec, pickle.dumps((_DROPPED, now)))
 
     def _ask_source(self, call, path: str, **kwargs):
         """``call(path)`` answered by the store: the target's own caches of ``path`` and of
@@ -258,7 +117,12 @@ class MetadataCache:
         try:  # a failure of the store's own (an HTTP 503) is not a missing file
             info = self._ask_source(partial(source_info, self.target), path)
         except FileNotFoundError:
-            self.forget(path)
+            # what this filesystem held of it (stale) goes; what the node and the process
+            # know stays: a version read before the source went (its fills written behind,
+            # its record queued) is still that version's, and under immutable a warmed
+            # file stays readable (a read of a version that fails drops it: moved_on)
+            for table in (self._infos, self._files, self._listings):
+                table.pop(path, None)
             raise
         self._store_shared("info", path, info, asked)
         return info, asked
@@ -297,37 +161,46 @@ class MetadataCache:
         """What ``file()`` returns if that needs no call to the source (a fresh record in
         this process or in the node's table), else None; and whether this process or the
         node has any record of the file, fresh or not (a dropped one is none).
-        IsADirectoryError if the node knows it as a directory."""
+        IsADirectoryError if the node knows it as a directory. Nothing fetched before this
+        process last dropped the file (``forgotten``: a write, a read that met another
+        version) is taken, from any of its filesystems or the node."""
         seen = False
         hit = self._files.get(path)
         if hit is not None:
             meta = _unpack(path, hit)
-            if self._fresh(meta.fetched):
+            if forgotten and forgotten_after(meta.url, meta.fetched):
+                self._files.pop(path, None)
+            elif self._fresh(meta.fetched):
                 return meta, True
-            seen = True
+            else:
+                seen = True
         found = self._infos.get(path)
         if found is not None:
-            if self._fresh(found[1]):
+            if forgotten and forgotten_after(self._url(path), found[1]):
+                self._infos.pop(path, None)
+            elif self._fresh(found[1]):
                 return self._keep(path, *found), True
-            seen = True
+            else:
+                seen = True
         if self.validate == "always":
             return None, seen
         table = self._shared_table()
         url = self._url(path)
         shared = None if table is None else table.get(url)
-        if shared is not None and not shared[1]:  # a record, not a drop
+        if shared is not None and not shared[1] and not (
+                forgotten and forgotten_after(url, shared[0])):  # a record, not a drop
             if not self._fresh(shared[0]):
-                return None, True
-            if len(shared[2]) == 3:  # the node knows it: no unpickling of its info
+                seen = True
+            elif len(shared[2]) == 3:  # the node knows it: no unpickling of its info
                 size, version, kind = shared[2]
                 if kind == "directory":
                     raise IsADirectoryError(f"{path}: is a directory")
                 meta = FileMeta(path, url, size, version, shared[0])
                 self._files[path] = _pack(meta)
                 return meta, True
-            found = self._load_shared("info", path)
-            if found is not None:
-                return self._keep(path, *found), True
+        found = self._load_shared("info", path)  # its info, or one queued here unwritten
+        if found is not None:
+            return self._keep(path, *found), True
         return None, seen
 
     def learned(self, path: str, info: dict, fetched: float) -> FileMeta:
@@ -341,11 +214,12 @@ class MetadataCache:
         self._store_shared("info", path, info, fetched)
 
     def dropped_since(self, path: str, when: float) -> bool:
-        """True if a process of the node dropped what it knew of ``path`` (a write through
-        the cache) at or after ``when``."""
+        """True if a process of the node wrote ``path`` through the cache at or after
+        ``when`` (a drop that only said a read met another version, or none, at the source
+        does not count: the blocks fetched before it are still their version's)."""
         table = self._shared_table()
         found = None if table is None else table.get(self._url(path))
-        return found is not None and bool(found[1]) and found[0] >= when
+        return found is not None and bool(found[1]) and written_at(found) >= when
 
     def _keep(self, path: str, info: dict, fetched: float) -> FileMeta:
         if info.get("type", "file") == "directory":
@@ -367,7 +241,8 @@ class MetadataCache:
         for path in dict.fromkeys(paths):
             hit = self._files.get(path)
             meta = None if hit is None else _unpack(path, hit)
-            if meta is not None and self._fresh(meta.fetched):
+            if meta is not None and self._fresh(meta.fetched) \
+                    and not (forgotten and forgotten_after(meta.url, meta.fetched)):
                 found[path] = meta
             else:
                 missing.append(path)
@@ -427,18 +302,35 @@ class MetadataCache:
             # mtime and inode there, not its target's (the version a read would see); nor
             # from one without a size (fsspec's HTTP listing: links only), which is no version
             if name and entry.get("type") == "file" and name != path and not entry.get("islink") \
-                    and isinstance(entry.get("size"), int):
+                    and isinstance(entry.get("size"), int) \
+                    and not (forgotten and forgotten_after(self._url(name), fetched)):
                 self._infos.setdefault(name, (entry, fetched))
         return listing
 
     # -- invalidation ------------------------------------------------------------------
 
-    def forget(self, path: str) -> None:
-        """Drop what is known of ``path`` here and node-wide (it was written or deleted)."""
+    def forget(self, path: str, written: bool = True) -> None:
+        """Drop what is known of ``path`` here, in the process and node-wide: it was written
+        through the cache (``written``: the blocks fetched before are cancelled too, see
+        dropped_since), or a read found the version known gone (``moved_on``)."""
+        mark_forgotten(self._url(path), time.time())
         for table in (self._infos, self._files, self._listings):
             table.pop(path, None)
-        self._drop_shared("info", path)
+        self._drop_shared("info", path, written)
         self._drop_shared("ls", path)
+
+    def moved_on(self, meta: FileMeta) -> None:
+        """A read of ``meta``'s version met another version at the source, or no file
+        (ChangedSourceError, FileNotFoundError): what the process and the node know of the
+        file is dropped, so that the next read, a retry or a reopen, under every validate
+        mode, asks the source. Not a write: the blocks of that version fetched before (fills
+        written behind) are still its bytes and are kept. Once per version learnt: the
+        other blocks of a read failing with it find it dropped already."""
+        if forgotten and forgotten_after(meta.url, meta.fetched):
+            for table in (self._infos, self._files):
+                table.pop(meta.path, None)
+            return
+        self.forget(meta.path, written=False)
 
     def forget_tree(self, path: str) -> None:
         """Drop ``path``, everything cached under it, and the listings of its ancestors."""
@@ -480,12 +372,9 @@ def _unpack(path: str, packed: str) -> FileMeta:
 
 
 def _reset_all_in_child() -> None:
-    """A forked child must not inherit a lock held by its parent's writer thread, nor
-    records only the parent will write."""
+    """A forked child must not inherit a lock held by its parent's writer thread (the
+    process-wide records: shared_records.py)."""
     for cache in list(_caches):
-        cache._records_lock = threading.Lock()
-        cache._unwritten_lock = threading.Lock()
-        cache._unwritten = {}
         if cache._table is not None:  # its mappings stay valid; its writer lock may not
             cache._table = cache._table.forked()
 

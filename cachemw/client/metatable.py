@@ -25,9 +25,19 @@ the index entry. A shard that fills up is rebuilt, live entries only, into a new
 replaces it; the old one is then marked superseded, and a reader seeing the mark maps the
 new one. A drop is an entry too (a tombstone with its time): a store of metadata fetched
 before the drop is refused (metadata learned before a write through the cache must not
-come back after it), and readers see the drop at once. ``<dir>/drops`` counts the drops
-written, node-wide: a process tells from one mapped word whether any path was written
-through the cache since it last looked (``drops``).
+come back after it), and readers see the drop at once. A drop says whether the file was
+written through the cache (``written``) or only found to have moved on at the source (a
+read of its version failed there): its ``extra`` keeps the time of the last write, which a
+later drop of the other kind carries over (fills fetched before a write are refused; fills
+of a version whose read failed later are still that version's bytes). ``<dir>/drops``
+counts the drops written, node-wide: a process tells from one mapped word whether any path
+was dropped since it last looked (``drops``).
+
+A shard file can go away under a process that has it mapped: the daemon that made the
+directory stopped and freed its DRAM tier (the table with it), and the next write makes
+the file anew. A process that writes to a shard and finds another file there than the one
+it mapped maps the table again (``_put``): its own drop must be what its next lookup sees,
+not the freed file's entries.
 
 The files are in the daemon's 0700 metadata directory, as the records were: anyone able
 to write them already controls the daemon.
@@ -60,6 +70,7 @@ STORE_WAIT = 0.5  # seconds a store waits for another process's write; then not 
 DROP_WAIT = 5.0
 _hash = xxhash.xxh3_64_intdigest
 _COUNT = struct.Struct("<Q")
+_DROP_ROOM = 256  # bytes a drop's record takes besides its path, at most (room to rebuild for)
 DROPS = "drops"  # the file counting the drops written, node-wide
 
 
@@ -72,10 +83,11 @@ def path_hash(path: str) -> int:
 class _Mapped:
     """One shard file as a reader maps it."""
 
-    __slots__ = ("mm", "capacity", "index", "data", "end")
+    __slots__ = ("mm", "capacity", "index", "data", "end", "file")
 
-    def __init__(self, mm: mmap.mmap, capacity: int, data_size: int) -> None:
+    def __init__(self, mm: mmap.mmap, capacity: int, data_size: int, file: tuple) -> None:
         self.mm = mm
+        self.file = file  # (st_dev, st_ino) of the mapped file
         self.capacity = capacity
         self.index = HEADER_SIZE
         self.data = HEADER_SIZE + capacity * _ENTRY.size
@@ -171,7 +183,7 @@ class MetaTable:
             os.close(fd)
         # the superseded mapping is not closed here: another thread may be reading it
         # (it is unmapped once no one holds it)
-        m = self._maps[shard] = _Mapped(mm, layout[0], layout[2])
+        m = self._maps[shard] = _Mapped(mm, layout[0], layout[2], (st.st_dev, st.st_ino))
         return m
 
     def get(self, path: str) -> tuple | None:
@@ -206,14 +218,15 @@ class MetaTable:
             return False
         return self._put(path, payload, fetched, False, STORE_WAIT)
 
-    def drop(self, path: str, when: float) -> bool:
+    def drop(self, path: str, when: float, written: bool = True) -> bool:
         """Mark ``path`` dropped at ``when``: no store of metadata fetched before then, and
-        no reader gets what was shared before. False if it could not be written."""
-        payload = pickle.dumps((path, when, True, (), b""), protocol=pickle.HIGHEST_PROTOCOL)
-        return self._put(path, payload, when, True, DROP_WAIT)
+        no reader gets what was shared before. ``written``: the file was written through
+        the cache (``written_at``); else a read found the version known moved on at the
+        source. False if it could not be written."""
+        return self._put(path, (when, True, written), when, True, DROP_WAIT)
 
-    def _put(self, path: str, payload: bytes, when: float, dropped: bool, wait: float) -> bool:
-        record = _SUM.pack(_hash(payload)) + payload
+    def _put(self, path: str, payload, when: float, dropped: bool, wait: float) -> bool:
+        """``payload``: a record's pickled payload, or a drop's (when, True, written)."""
         h = path_hash(path)
         shard = h >> 58
         try:
@@ -223,17 +236,33 @@ class MetaTable:
                     try:
                         layout = _layout(fd)
                         if layout is not None:
-                            done = _put_in(fd, layout, h, path, record, when, dropped)
+                            done = _put_in(fd, layout, h, path, payload, when, dropped)
                             if done is not None:
+                                self._follow(shard, fd)
                                 if done and dropped:
                                     self._count_drop()
                                 return done
-                        self._rebuild(shard, fd, layout, len(record))
+                        need = (len(payload) + _SUM.size if isinstance(payload, bytes)
+                                else len(path.encode()) + _DROP_ROOM)
+                        self._rebuild(shard, fd, layout, need)
                     finally:
                         os.close(fd)
         except OSError:
             return False  # sharing metadata is an optimisation: never fail a read for it
         return False
+
+    def _follow(self, shard: int, fd: int) -> None:
+        """After a write to ``shard`` (open at ``fd``): if this process has another file of
+        it mapped (the table's directory was freed and made anew since: a daemon that
+        stopped), it maps the table again, every shard and the drop count, so that its
+        lookups see what is written now rather than the freed files' entries."""
+        m = self._maps[shard]
+        if m is None or m.superseded():  # (rebuilt: the next lookup maps the new file)
+            return
+        st = os.fstat(fd)
+        if m.file != (st.st_dev, st.st_ino):
+            self._maps = [None] * SHARDS  # the old mappings go once no reader holds them
+            self._drops = None
 
     def _open_for_write(self, shard: int) -> int:
         path = self._path(shard)
@@ -310,15 +339,35 @@ def _decode(buf, start: int, length: int, end: int, path: str) -> tuple | None:
     return (when, dropped, extra, blob) if stored == path else None
 
 
-def _put_in(fd: int, layout, h: int, path: str, record: bytes, when: float,
+def written_at(found: tuple) -> float:
+    """The time of the last write through the cache a drop entry (``MetaTable.get``) knows
+    of (a drop made before drops told their kind: its own time)."""
+    extra = found[2]
+    return extra[0] if extra else found[0]
+
+
+def _drop_payload(path: str, when: float, written: bool, old: tuple | None) -> bytes | None:
+    """The payload of a drop at ``when`` over the entry ``old`` (None: none), the later
+    drop time and write time of the two kept; None if ``old`` says as much already."""
+    last, last_write = (old[0], written_at(old)) if old is not None and old[1] else (0.0, 0.0)
+    write = max(last_write, when) if written else last_write
+    if old is not None and old[1] and last >= when and last_write >= write:
+        return None
+    return pickle.dumps((path, max(last, when), True, (write,), b""),
+                        protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _put_in(fd: int, layout, h: int, path: str, payload, when: float,
             dropped: bool) -> bool | None:
     """Write the entry into the open shard: True (written), False (refused: dropped since
-    ``when``), None (no room: rebuild first)."""
+    ``when``), None (no room: rebuild first). ``payload``: a record's, or for a drop
+    (when, True, written), made here from the entry it replaces."""
     capacity, count, data_size, used, _ = layout
     base = HEADER_SIZE + capacity * _ENTRY.size
     i = h % capacity
     slot = None
     new = False
+    old = None
     for _ in range(capacity):  # the probes a lookup makes (a shard is at most half full)
         eh, off, length = _ENTRY.unpack(os.pread(fd, _ENTRY.size, HEADER_SIZE + i * _ENTRY.size))
         if eh == 0:
@@ -329,11 +378,14 @@ def _put_in(fd: int, layout, h: int, path: str, record: bytes, when: float,
             if old is not None:
                 if old[1] and not dropped and old[0] >= when:
                     return False  # dropped after this metadata was fetched
-                if old[1] and dropped and old[0] >= when:
-                    return True  # dropped already, as late or later
                 slot = i
                 break
         i = (i + 1) % capacity
+    if dropped:
+        payload = _drop_payload(path, when, payload[2], old)
+        if payload is None:
+            return True  # dropped already, as late or later (and written as late)
+    record = _SUM.pack(_hash(payload)) + payload
     if slot is None or (new and 2 * (count + 1) > capacity) or used + len(record) > data_size:
         return None
     os.pwrite(fd, record, base + used)

@@ -25,6 +25,7 @@ from .fills import Fill
 from ..keys import url_tag
 from .metadata import FileMeta
 from .. import trace
+from ..tiers.source import MOVED_ON
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class Piece(NamedTuple):
 
 class Misses:
     """Resolves a read's misses; mixed into BlockReader, whose source, client, claims,
-    fills, direct reads and hit path (``_hit``, ``_direct``, ``took``) it uses."""
+    fills, direct reads and hit path (``_hit``, ``_direct``, ``took``, ``_moved_on``) it
+    uses."""
 
     def _misses(self, pieces: list[Piece]) -> list[bytes]:
         with trace.span("miss", trace.READ, blocks=len(pieces)):
@@ -179,11 +181,16 @@ class Misses:
 
     def _fetch_source(self, piece: Piece) -> tuple[bytes, float, float]:
         """(the block from the source, pinned to its version; when the fetch began, ended),
-        counted and traced in the thread that fetched it (reader._source_read)."""
+        counted and traced in the thread that fetched it (reader._source_read). A version
+        gone from the source is dropped (reader._moved_on) before the error is raised."""
         meta = piece.meta
         started = time.perf_counter()
-        block = self.source.read_block(meta.path, piece.index, self.block_size, meta.size,
-                                       meta.version)
+        try:
+            block = self.source.read_block(meta.path, piece.index, self.block_size, meta.size,
+                                           meta.version)
+        except MOVED_ON:
+            self._moved_on(meta)
+            raise
         return block, started, self._source_read(piece, started, len(block))
 
     def _prefetch_fills(self, unique: list[Piece], replies) -> dict[int, tuple | BaseException]:

@@ -13,7 +13,6 @@ from fsspec.spec import AbstractBufferedFile
 from .. import blockfile, trace
 from ..blockfile import PAGE_SIZE, TIER_FAULTS, CorruptBlock, OpenBlock, page_hash as _hash
 from ..keys import block_key, block_length
-from ..tiers.source import MOVED_ON
 
 if TYPE_CHECKING:  # fs.py opens these files: a type only, no import at run time
     from .fs import CacheFileSystem
@@ -102,14 +101,11 @@ class CachedFile(AbstractBufferedFile):
 
     def _fetch_range(self, start, end):
         start, end = clip(start, end, self.meta.size)
-        try:
-            return self.fs.reader.read(self.meta, start, end)
-        except MOVED_ON:
-            # this file keeps its version and fails; what the node knows of the path is
-            # dropped, so that a reopen reads the new version under every validate mode
-            # (under immutable the metadata would otherwise be trusted for good)
-            self.fs.meta.forget(self.path)
-            raise
+        # this file keeps its version: if the source has moved on, it fails, and the read
+        # that met the change dropped what the process and the node know of the path
+        # (metadata.moved_on), so that a reopen reads the new version under every validate
+        # mode (under immutable the metadata would otherwise be trusted for good)
+        return self.fs.reader.read(self.meta, start, end)
 
     def seek(self, loc, whence=0):
         if whence == 0 and type(loc) is int and loc >= 0:  # the hot path of random reads

@@ -3,9 +3,12 @@ fetched as one batch (to the daemon, and on to owner nodes, together).
 
 The ranges of one path come from one version of it, as a ``cat_file`` of it would: its
 metadata is looked up once per call (a lookup per range, revalidating under ``always``,
-could meet a file replaced between two of them), and if the source moves on during the
-batch, or a file goes, each path of the batch starts over once on its own, with fresh
-metadata. fsspec's ``on_error``: with "return" a path's failure is its ranges' result;
+could meet a file replaced between two of them). If the batch fails, each of its paths is
+read again on its own: a file whose version the source no longer has was dropped by the
+read that met it (metadata.moved_on), so it starts over with fresh metadata, once; the
+others keep theirs (what the node knows of them, a warmed file under ``immutable`` gone
+from the source, is not dropped for another file's failure). fsspec's ``on_error``: with
+"return" a path's failure is its ranges' result;
 otherwise it is raised, as fsspec's own ``cat_ranges`` does. Cold files of a store whose
 GET names the version (HTTP, S3) are read side by side (fanout.py), and so are the blocks
 the batch misses.
@@ -17,10 +20,11 @@ from typing import TYPE_CHECKING
 
 from . import fanout
 from .openfile import clip
-from ..tiers.source import MOVED_ON
+from ..tiers.source import ChangedSourceError
 
 if TYPE_CHECKING:
     from .fs import CacheFileSystem
+    from .metadata import FileMeta
 
 
 def read_ranges(fs: CacheFileSystem, paths, starts, ends, on_error: str = "return") -> list:
@@ -41,15 +45,16 @@ def read_ranges(fs: CacheFileSystem, paths, starts, ends, on_error: str = "retur
                 raise
             out[i] = exc
     failed, batch = _read_ranges(fs, by_path, starts, ends, out, on_error)
-    if failed is not None:  # each path again, alone (fresh metadata if a version moved)
-        stale = isinstance(failed, MOVED_ON)
-        for path in batch:
-            if stale:
-                fs.meta.forget(path)
-            exc, _ = _read_ranges(fs, {path: by_path[path]}, starts, ends, out, on_error)
+    if failed is not None:  # each path again, alone
+        for path, meta in batch.items():
+            for _ in range(2):
+                exc, again = _read_ranges(fs, {path: by_path[path]}, starts, ends, out,
+                                          on_error)
+                # met a change at the batch's metadata (the batch failed on another
+                # file): dropped now (metadata.moved_on), it starts over once, fresh
+                if not (isinstance(exc, ChangedSourceError) and again.get(path) == meta):
+                    break
             if exc is not None:
-                if isinstance(exc, MOVED_ON):
-                    fs.meta.forget(path)
                 if on_error != "return":  # fsspec's: "raise" and "omit" raise
                     raise exc
                 for i in by_path[path]:
@@ -58,11 +63,11 @@ def read_ranges(fs: CacheFileSystem, paths, starts, ends, on_error: str = "retur
 
 
 def _read_ranges(fs: CacheFileSystem, by_path: dict[str, list[int]], starts, ends, out: list,
-                 on_error: str) -> tuple[OSError | None, list[str]]:
+                 on_error: str) -> tuple[OSError | None, dict[str, FileMeta]]:
     """Fill ``out`` with the ranges of ``by_path`` (path -> indices), every path at one
     version, the blocks they miss fetched as one batch. Returns the batch's OSError
-    (None if it succeeded) and the paths it read."""
-    requests, where, batch, cold = [], [], [], []
+    (None if it succeeded) and the paths it read, with the metadata they were read at."""
+    requests, where, batch, cold = [], [], {}, []
     for path, idx in by_path.items():
         try:
             meta, seen = fs.meta.known_file(path)
@@ -82,7 +87,7 @@ def _read_ranges(fs: CacheFileSystem, by_path: dict[str, list[int]], starts, end
             for i in idx:
                 out[i] = exc
             continue
-        batch.append(path)
+        batch[path] = meta
         for i in idx:
             requests.append((meta, *clip(starts[i], ends[i], meta.size)))
             where.append(i)

@@ -45,7 +45,7 @@ from .openfile import clip
 from .urls import env_endpoint
 from .. import trace
 from ..readtime import MISS_SUM, miss_bucket
-from ..tiers.source import SourceTier
+from ..tiers.source import MOVED_ON, ChangedSourceError, SourceTier
 
 if TYPE_CHECKING:  # the filesystem passes its metadata cache: a type only
     from .metadata import MetadataCache
@@ -72,8 +72,12 @@ class BlockReader(Misses):
         self.adoptions = Adoptions(client, self.fills, self.claims, self.item, self.tier,
                                    self.took)
         # the node table's "written through the cache since" (metadata.dropped_since), for
-        # blocks fetched before their lease; set by the filesystem that owns the metadata
+        # blocks fetched before their lease; and what a source read that finds its version
+        # gone (changed, or no file) calls with the file's FileMeta (metadata.moved_on), so
+        # that the next read of it, a retry, a reopen, the path of a batch read again alone,
+        # asks the source: set by the filesystem that owns the metadata
         self.dropped_since = None
+        self.moved_on = None
         self._warned_unsized = False
         self._warned_unversioned = False
         self._warned_claims = False
@@ -293,7 +297,12 @@ class BlockReader(Misses):
         base = piece.index * self.block_size
         meta = piece.meta
         started = time.perf_counter()
-        data = self.source.read_range(meta.path, base + piece.lo, base + piece.hi, meta.version)
+        try:
+            data = self.source.read_range(meta.path, base + piece.lo, base + piece.hi,
+                                          meta.version)
+        except MOVED_ON:
+            self._moved_on(meta)
+            raise
         self._source_read(piece, started, len(data))
         self.client.count("bytes_from_source", len(data))
         return data
@@ -335,8 +344,14 @@ class BlockReader(Misses):
         """The whole of a file whose size the source states as 0, read to its end from the
         source (still version-checked) and not cached: a ``/proc`` file's stat says 0 and
         its content is whatever the kernel has now. Counted as ``bypassed`` when it held
-        bytes; a really empty file reads as ``b""`` and is no bypass of anything."""
-        data = self.source.read_all(meta.path, meta.version)
+        bytes; a really empty file reads as ``b""`` and is no bypass of anything. A file
+        gone meanwhile is not dropped here: under immutable, one known as empty stays so
+        (fs._read)."""
+        try:
+            data = self.source.read_all(meta.path, meta.version)
+        except ChangedSourceError:
+            self._moved_on(meta)
+            raise
         if data:
             self.client.count("bypassed")
             self.client.count("bytes_from_source", len(data))
@@ -346,6 +361,12 @@ class BlockReader(Misses):
                      "files like it are read from the source, uncached (counted as bypassed)",
                      meta.url, len(data))
         return data
+
+    def _moved_on(self, meta: FileMeta) -> None:
+        """A source read of ``meta``'s version found it gone: what is known of the file
+        is dropped (see ``moved_on``), and the error is raised on by the caller."""
+        if self.moved_on is not None:
+            self.moved_on(meta)
 
     def tier(self, name: str | None):
         for tier in self.client.tiers():
