@@ -14,6 +14,7 @@ retention -> watchers are notified. Any failure, on any rank, fails the handle o
 """
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -266,25 +267,43 @@ class Checkpointer:
     def _publish(self, tier: CheckpointDir, name: str, step: int, level: str, keep_last: int | None) -> None:
         """After a commit in ``tier``: move ``latest``, apply retention, tell the watchers.
 
-        In the fast tier, retention keeps (beyond ``fast_keep_last``) the copies that are
-        their step's only one, their drain to the root failed or cut short, as long as the
-        root's ``keep_last`` would keep them: a copy in memory is loadable whatever becomes
-        of its drain."""
+        In the fast tier, retention keeps (beyond ``fast_keep_last``) copies that are their
+        step's only one, their drain to the root failed or cut short (_only_copies): a copy
+        in memory is loadable whatever becomes of its drain."""
         tier.mark_latest(name)
-        only_copy = self._only_copy if tier is self.fast else None
-        removed = tier.retain(keep_last, just_committed=name, keep=only_copy)
+        keep = self._only_copy_test() if tier is self.fast else None
+        removed = tier.retain(keep_last, just_committed=name, keep=keep)
         if removed:
             log.info("retention removed %s from %s", removed, tier.location.url)
         watch_channel.notify(self._channel, {"step": step, "name": name, "level": level})
 
-    def _only_copy(self, entry: Entry) -> bool:
-        """A fast-tier copy (one the tier's own retention would remove) is its step's only
-        one and among the steps the root's ``keep_last`` keeps."""
-        if self.root.is_committed(entry.name):
-            return False
-        if self.config.keep_last is None:
-            return True
-        return entry.step in self.steps()[-self.config.keep_last:]
+    def _only_copy_test(self):
+        """``retain``'s ``keep`` for the fast tier: whether a copy is among _only_copies,
+        found (the root listed) only if retention is about to remove some copy."""
+        found: list = []
+
+        def only_copy(entry: Entry) -> bool:
+            if not found:
+                found.append(self._only_copies())
+            return entry.name in found[0]
+
+        return only_copy
+
+    def _only_copies(self) -> frozenset[str]:
+        """The fast-tier copies kept beyond ``fast_keep_last``: their step's only copy (its
+        drain failed or was cut short), among the steps the root's ``keep_last`` keeps,
+        and the newest ``fast_keep_last`` of those besides the one just committed (whose
+        drain is under way): while the root fails, memory holds at most twice what it
+        holds otherwise, never a copy per save."""
+        at_root, copies = counted_entries(self.root, self.fast)
+        durable = {e.name for e in at_root}
+        steps = sorted({e.step for e in at_root + copies})
+        if self.config.keep_last is not None:
+            steps = steps[-self.config.keep_last:]
+        kept = set(steps)
+        only = [e for e in sorted(copies, key=lambda e: (e.step, e.created))
+                if e.name not in durable and e.step in kept]
+        return frozenset(e.name for e in only[-(self.config.fast_keep_last + 1):])
 
     def _cleanup(self, name: str | None) -> None:
         """Remove what a failed save left uncommitted (best effort; the root by the coordinator only)."""
@@ -354,6 +373,12 @@ class Checkpointer:
                 passed.add(chosen[1])  # every rank is here: the error is every rank's
                 log.warning("checkpoint %s could not be loaded (%s): loading the step before it",
                             chosen[1], exc)
+            except Exception as exc:  # noqa: BLE001 - the step before a damaged one failed otherwise
+                if first is None:  # (a key the state has that it lacks): the damage is the news
+                    raise
+                log.warning("checkpoint %s, the step before a damaged one, could not be loaded either "
+                            "(%s)", chosen[1], exc)
+                raise first from exc
 
     def _load_chosen(self, state: dict, step: int, name: str, at_root: bool) -> int:
         """``load`` of the checkpoint ``_choose`` picked."""
@@ -430,9 +455,17 @@ class Checkpointer:
         and publishes it at the root; a failure fails the handle on every rank."""
         def drain() -> None:
             src, dst = self.fast.location.child(name), self.root.location.child(name)
+            manifest = self.fast.manifest(name)
+            if manifest is None:  # removed meanwhile (retention, `cachemw stop`)
+                raise FileNotFoundError(f"checkpoint {name} is no longer in {self.fast.location.url}")
             self.root.begin(name)
-            for rel in self.fast.manifest(name)["files"]:
+            for rel in manifest["files"]:
                 copy_file_whole(src, dst, rel)
+            for rel, size in manifest["files"].items():  # another process's sweep of the
+                got = dst.size(rel)  # directory (its first writer dead) may have raced us
+                if got != size:
+                    raise OSError(errno.EIO, f"{dst.url}/{rel}: {got} bytes at the root after the "
+                                  f"drain, {size} in memory; not committed")
             dst.write_atomic(METADATA_NAME, src.read_bytes(METADATA_NAME))
             dst.write_atomic(MANIFEST_NAME, src.read_bytes(MANIFEST_NAME))  # the commit, last
             self._publish(self.root, name, step, "root", self.config.keep_last)

@@ -380,6 +380,19 @@ def test_a_damaged_or_lost_chunk_file_of_the_newest_step_is_passed_over(tmp_path
         ck.load({"t": torch.zeros(1000, 10)})
 
 
+def test_a_damaged_newest_step_whose_step_before_cannot_load_either_raises_the_damage(tmp_path):
+    """The step before a damaged one lacks a key the state has (saved before the optimizer's
+    first step, say): DCP's "missing key" would hide the news, the damaged chunk."""
+    root = tmp_path / "root"
+    with Checkpointer(str(root)) as ck:
+        ck.save(1, {"a": torch.full((1000,), 1.0)}).wait(60)
+        ck.save(2, {"a": torch.full((1000,), 2.0), "b": torch.full((1000,), 2.0)}).wait(60)
+    data = next(p for p in (root / committed_dirs(root)[-1]).iterdir() if p.suffix == ".distcp")
+    data.unlink()
+    with Checkpointer(str(root)) as ck, pytest.raises(FileNotFoundError, match="distcp"):
+        ck.load({"a": torch.zeros(1000), "b": torch.zeros(1000)})
+
+
 def test_a_damaged_manifest_is_never_loaded_and_says_so(tmp_path, caplog):
     """The manifest names every chunk's item, file and range: a flipped bit in it could hand
     one item's sound chunk to another. It carries its own checksum: a damaged one is passed

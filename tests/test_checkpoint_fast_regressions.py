@@ -288,3 +288,24 @@ def test_a_step_in_memory_whose_drain_failed_is_kept_while_the_root_would_keep_i
         ck.save(4, state(4)).wait(60)
         ck.save(5, state(5)).wait(60)
         assert ck.steps() == [3, 4, 5]  # past keep_last's newest three: gone from memory too
+
+
+def test_while_every_drain_fails_memory_holds_two_copies_not_one_per_save(tmp_path, monkeypatch):
+    """A root that fails every drain (full, unreachable): each save's copy is its step's only
+    one, and keeping them all would grow the node's memory by a state per save. The newest
+    undrained copy besides the one just saved is kept; older ones go."""
+    root, fast = str(tmp_path / "root"), str(tmp_path / "fast")
+
+    def failing(self, rel):
+        raise OSError(28, "No space left on device (test)")
+
+    state = lambda v: {"t": torch.full((3000, 10), float(v))}  # noqa: E731
+    with Checkpointer(root, fast_root=fast) as ck:  # keep_last=None: every step, at the root
+        ck.save(1, state(1)).wait(60)
+        monkeypatch.setattr(Drainer, "_copy", failing)
+        for step in range(2, 7):
+            with pytest.raises(OSError):
+                ck.save(step, state(step)).wait(60)
+        assert ck.steps() == [1, 5, 6]
+        out = state(0)
+        assert ck.load(out, step=5) == 5 and out["t"].unique().tolist() == [5.0]

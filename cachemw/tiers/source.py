@@ -228,7 +228,7 @@ def _pseudo_mount(path: str) -> bool:
     if not _mounts or not path.startswith(_mounts[0]):
         return False
     for point, pseudo in _mounts[1]:
-        if path == point or path.startswith(point if point.endswith("/") else point + "/"):
+        if path.startswith(point) or path + "/" == point:
             return pseudo
     return False
 
@@ -247,6 +247,8 @@ def _read_mounts() -> tuple:
                     points.append((point, kind in _PSEUDO_FS))
     except OSError:
         return ()
+    # each as a prefix ending in "/" ("/proc/", not "/proc": no "/processed" taken for it)
+    points = [(p if p.endswith("/") else p + "/", is_pseudo) for p, is_pseudo in points]
     points.sort(key=lambda p: len(p[0]), reverse=True)
     pseudo = tuple(p for p, is_pseudo in points if is_pseudo)
     return (pseudo, points) if pseudo else ()
