@@ -26,6 +26,8 @@ def sample(address: str | None = None, runtime_dir: str | None = None) -> list[d
     runtime_dir = resolve_runtime_dir(runtime_dir)
     try:
         nodes = daemon.status(address, runtime_dir=runtime_dir, timeout=10)
+    except daemon.UnreachableCluster:  # the address given is wrong: said, not passed over
+        raise
     except ConnectionError:
         nodes = []
     if nodes:
