@@ -47,9 +47,13 @@ class CorruptBlock(OSError):
 # What a tier's block file may fail with that is the tier's fault (the disk, its permissions,
 # its directories), not this process's (EMFILE, ENOMEM) nor a block that is not there. Here,
 # with the block files, because every reader of them (the read path, open files) tells the
-# two apart the same way.
-TIER_FAULTS = frozenset({errno.EIO, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.ELOOP,
+# two apart the same way. Not ENOTDIR: a tier directory (or a sub-directory) that is a file
+# holds no block; the readers here take it as they take ENOENT, for a block absent (a miss:
+# a probe of a never-cached block is no fault of a cached one).
+TIER_FAULTS = frozenset({errno.EIO, errno.EACCES, errno.EPERM, errno.ELOOP,
                          errno.ENXIO, errno.ESTALE, errno.EROFS})
+# the errors of opening a block file that say it is not there
+ABSENT = (FileNotFoundError, NotADirectoryError)
 
 
 def key_id(key: str) -> bytes:
@@ -170,7 +174,7 @@ def read_block(path: str, length: int, page_size: int = PAGE_SIZE, key: str | No
     ``key``: the block's, where the caller has it (else it is read off the file's name)."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    except ABSENT:  # no file, or no directory for it (a tier directory made a file)
         return None
     want = tail_size(length, page_size) + 1  # +1: detect trailing garbage
     try:
@@ -204,7 +208,7 @@ def read_range(path: str, length: int, start: int, end: int, page_size: int = PA
         return read_block(path, length, page_size, key)
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    except ABSENT:  # no file, or no directory for it (a tier directory made a file)
         return None
     n = n_pages(length, page_size)
     first, last = start // page_size, (max(end, start + 1) - 1) // page_size
@@ -294,7 +298,7 @@ def map_block(path: str, length: int, key: str | None = None) -> memoryview | No
     which is why open files, which keep their blocks for long, read them (OpenBlock)."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    except ABSENT:  # no file, or no directory for it (a tier directory made a file)
         return None
     try:
         size = os.fstat(fd).st_size

@@ -12,7 +12,8 @@ import sys
 from . import bench, top, warm
 from .client.link import DaemonClient
 from .cluster import actor as daemon
-from .config import WarmConfig, format_size, parse_size, resolve_runtime_dir
+from .config import (WarmConfig, check_runtime_dir, format_size, parse_size,
+                     resolve_runtime_dir)
 from .job import command as job
 from .protocol import check_private_dir, lock_holder, lookup
 from .report import format_stats
@@ -26,7 +27,10 @@ def _size(value: str) -> int:
 
 
 def _runtime_dir(args) -> str:
-    return resolve_runtime_dir(args.runtime_dir)
+    """The runtime dir a command means, checked as every component checks it (an absolute
+    path, room for the socket): a relative one named another directory in each working
+    directory, and ``status`` said "no daemon runs" where ``warm`` refused it."""
+    return check_runtime_dir(resolve_runtime_dir(args.runtime_dir))
 
 
 def _usable_runtime_dir(args) -> str:
@@ -87,6 +91,8 @@ def cmd_status(args) -> int:
     _usable_runtime_dir(args)
     try:
         nodes = daemon.status(args.address, runtime_dir=_runtime_dir(args))
+    except daemon.UnreachableCluster:  # the address given is wrong: said, not passed over
+        raise
     except ConnectionError:
         nodes = []
     local = _local_stats(args)

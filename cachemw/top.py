@@ -4,14 +4,16 @@ Per node: tier use, the hit ratio, MB/s read from its tiers, from other nodes an
 the source store, checkpoints in flight. Rates are the change of the daemons' counters
 between two samples (the sums of every process's reports on that node: a process reports
 twice a second, so a rate lags its reads by up to that). ``--json`` prints one sample pair
-and exits.
+and exits. Into a pipe or a file, each refresh is a plain frame of its own (_frames).
 
 The daemons are found as ``cachemw status`` finds them: every node's through Ray when a
 cachemw-managed (or given) Ray cluster answers, else this node's own daemon.
 """
 from __future__ import annotations
 
+import io
 import json
+import sys
 import time
 
 from .client.link import DaemonClient
@@ -26,6 +28,8 @@ def sample(address: str | None = None, runtime_dir: str | None = None) -> list[d
     runtime_dir = resolve_runtime_dir(runtime_dir)
     try:
         nodes = daemon.status(address, runtime_dir=runtime_dir, timeout=10)
+    except daemon.UnreachableCluster:  # the address given is wrong: said, not passed over
+        raise
     except ConnectionError:
         nodes = []
     if nodes:
@@ -119,6 +123,8 @@ def main(address=None, runtime_dir=None, *, as_json: bool = False, interval: flo
     if not before:
         print("no cachemw daemon runs (start one with `cachemw start`)")
         return 1
+    if not sys.stdout.isatty():
+        return _frames(address, runtime_dir, before, t0, interval, iterations)
     n = 0
     with Live(render(summarize(before, before, 1.0)), auto_refresh=False) as live:
         try:
@@ -130,3 +136,34 @@ def main(address=None, runtime_dir=None, *, as_json: bool = False, interval: flo
         except KeyboardInterrupt:
             pass
     return 0
+
+
+def _frames(address, runtime_dir, before: list[dict], t0: float, interval: float,
+            iterations: int | None) -> int:
+    """``top`` into a pipe or a file (``| head``, ``| tee``): rich's live display redraws
+    only on a terminal, so nothing reached them until top ended. Here each refresh is a
+    plain frame of its own (the table, no terminal control codes), flushed as it is made.
+    Rendered to text first: written by rich, a reader gone (``| head``) would end the
+    process with exit 1 instead of as SIGPIPE ends a tool (main's 141)."""
+    sys.stdout.write(_plain(render(summarize(before, before, 1.0))))
+    sys.stdout.flush()
+    n = 0
+    try:
+        while iterations is None or n < iterations:
+            time.sleep(max(0.0, interval - (time.monotonic() - t0)))
+            after, t1 = sample(address, runtime_dir), time.monotonic()
+            sys.stdout.write("\n" + _plain(render(summarize(before, after, t1 - t0))))
+            sys.stdout.flush()
+            before, t0, n = after, t1, n + 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _plain(table) -> str:
+    """The table as text, without colours or control codes."""
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, force_terminal=False, no_color=True).print(table)
+    return out.getvalue()

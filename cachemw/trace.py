@@ -4,7 +4,8 @@ DFTracer's analysis tools.
 On when ``CACHEMW_TRACE=DIR`` is set (read once, when this module is imported: every
 process of a job inherits it, DataLoader workers and an autostarted daemon included), or
 after ``start(DIR)`` (the filesystem's ``trace`` option, a daemon's ``trace_dir``). Each
-process writes ``DIR/cachemw-<host>-<pid>.pfw``: a ``[`` line, then one Chrome trace event
+process writes ``DIR/cachemw-<host>-<pid>.pfw``: a ``[`` line, a ``"ph":"M"`` metadata line
+naming the process (no ``ts``/``dur``: Perfetto shows the name), then one Chrome trace event
 per line (``{"id","name","cat","pid","tid","ts","dur","ph":"X","args"}``, ``ts``/``dur``
 in microseconds, ``ts`` since the epoch), as DFTracer writes them, and ``]`` at exit.
 
@@ -27,7 +28,9 @@ lines all parse. Ids (one count for both writers) are given as events happen, so
 (made when it ends) is above its children's though it is written before them.
 
 A process writes one file per ``start``: after ``stop`` (or a failed write), a ``start``
-opens ``cachemw-<host>-<pid>.<n>.pfw``, never truncating what it wrote before.
+opens ``cachemw-<host>-<pid>.<n>.pfw``, never truncating what it wrote before. A ``start``
+into another directory finishes the current file (``]``) first: every file a process leaves
+is a whole JSON array.
 
 Nesting: Perfetto's JSON importer needs the X events of a thread properly nested, and
 reads a parent before its children when both start in the same microsecond only if it
@@ -91,8 +94,9 @@ _warned = False
 
 def start(directory: str) -> None:
     """Trace this process (and the processes it forks) into ``directory`` (made if missing,
-    0700). Again with the same directory: nothing changes; with another: later events go
-    there."""
+    0700). Again with the same directory: nothing changes; with another: the file of the
+    directory before is finished (what is buffered, then ``]``: a whole JSON array), and
+    later events go to a file in the new one (a process traces into one file at a time)."""
     global ENABLED, _dir, _closed
     directory = check_trace_dir(directory, "trace")
     if directory is None:
@@ -105,7 +109,7 @@ def start(directory: str) -> None:
     with _lock:
         if _dir != directory:
             _flush_locked()
-            _close_file_locked()
+            _finish_file_locked()
             _dir = directory
         _closed = False
     _ensure_exit_hook()
@@ -118,9 +122,7 @@ def stop() -> None:
     ENABLED = False
     with _lock:
         _flush_locked()
-        if _fd is not None:
-            _write(b"]\n")
-        _close_file_locked()
+        _finish_file_locked()
         _closed = True
 
 
@@ -375,6 +377,13 @@ def _write(data: bytes) -> None:
         log.warning("writing the trace file failed (%s): not tracing this process", exc)
         ENABLED = False
         _close_file_locked()
+
+
+def _finish_file_locked() -> None:
+    """End the file with ``]`` (its events flushed before) and close it."""
+    if _fd is not None:
+        _write(b"]\n")
+    _close_file_locked()
 
 
 def _close_file_locked() -> None:

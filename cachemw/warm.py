@@ -12,7 +12,10 @@ before it reads anything: a node left out would leave its share cold without a w
 Alone (``--nodes 1`` given, or a daemon that is no cluster: autostarted, or site mode's
 node-local one; a one-node Slurm step in a cluster of several is refused without it, as
 any step of fewer nodes than the cluster is), a node reads everything; blocks owned by other nodes are fetched from the
-source by their owners and sent here, as for any read.
+source by their owners and sent here, as for any read. A daemon that is no cluster is a
+cache of one node: ``--nodes N`` (N > 1) given against it is refused as any cluster of
+another size is; the nodes of a Slurm step (its node count the default) each warm
+everything for themselves.
 
 A warm returns no bytes to anyone: it fills the tiers through the path every read takes
 (leases, fills pinned to the version listed, checksummed block files), so a failure midway
@@ -141,8 +144,11 @@ def node_share(client, config: WarmConfig, *, poll: float = 0.5) -> Share:
     deadline = time.monotonic() + config.ring_wait
     while True:
         d = client.ring()
-        if d is None:  # no cluster (an autostarted daemon): every node warms for itself
-            return Share(host, config.nodes)
+        if d is None:  # no cluster (autostarted, or site mode's node-local daemon): a ring of one
+            if config.nodes > 1 and config.alone_ok:  # --nodes N given: not this cache's size
+                raise WarmError(_other_size(config, 1, "a daemon of this node alone, "
+                                                       "autostarted or node-local"))
+            return Share(host, 1)  # alone, or each node of a Slurm step for itself (site mode)
         members = tuple(d["members"])
         formed = len(members) >= d.get("alive", len(members))
         if config.nodes == 1 and (config.alone_ok or (formed and len(members) == 1)):  # alone
@@ -153,13 +159,17 @@ def node_share(client, config: WarmConfig, *, poll: float = 0.5) -> Share:
             break
         time.sleep(poll)
     seen = "still forming" if not formed else "complete"
-    raise WarmError(
-        f"this warm runs on {config.nodes} nodes at once, but the cache cluster this node's "
-        f"daemon sees has {len(members)} node(s) ({seen} after {config.ring_wait:.0f} s; "
-        f"{d.get('alive', '?')} alive): each node warms only the blocks it owns, so the "
-        f"nodes warming must be the cluster's nodes, one task each (srun -N "
-        f"$SLURM_JOB_NUM_NODES --ntasks-per-node=1 cachemw warm ...), or give --nodes 1 "
-        f"to warm everything from one node")
+    raise WarmError(_other_size(config, len(members), f"{seen} after {config.ring_wait:.0f} "
+                                                      f"s; {d.get('alive', '?')} alive"))
+
+
+def _other_size(config: WarmConfig, members: int, why: str) -> str:
+    """Why a warm on ``config.nodes`` nodes cannot run on a cache cluster of ``members``."""
+    return (f"this warm runs on {config.nodes} nodes at once, but the cache cluster this "
+            f"node's daemon sees has {members} node(s) ({why}): each node warms only the "
+            f"blocks it owns, so the nodes warming must be the cluster's nodes, one task each "
+            f"(srun -N $SLURM_JOB_NUM_NODES --ntasks-per-node=1 cachemw warm ...), or give "
+            f"--nodes 1 to warm everything from one node")
 
 
 def plan(metas: list[FileMeta], share: Share, block_size: int) -> list[tuple[FileMeta, int, int]]:
@@ -268,7 +278,7 @@ def run(urls: list[str], config: WarmConfig, *, progress=None,
         raise WarmError(f"nothing to warm: not found at the store: {', '.join(missing)}")
     ensure_daemon(fs0)
     share = node_share(fs0.client, config)
-    report = Report(share.node, config.nodes)
+    report = Report(share.node, share.nodes)
     started = time.monotonic()
     work = []
     for url, fs, path in opened:

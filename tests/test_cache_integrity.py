@@ -111,9 +111,11 @@ def _read(fs, path, data, how):
 @pytest.mark.parametrize("how", ["cat_file", "range", "open"])
 def test_a_block_file_that_cannot_be_read_is_read_from_the_source_and_forgotten(make_cache_fs, runtime_dir,
                                                                                 tmp_path, how, caplog):
-    """Not a corrupt block: the file cannot be opened at all (ENOTDIR here: its directory in
-    the tier was made a file; EIO and EACCES take the same path). The read is served from the
-    source, counted, logged once, and the daemon no longer lists the block."""
+    """Not a corrupt block: the file cannot be opened at all (ELOOP here: its directory in
+    the tier was made a link to itself; EIO and EACCES take the same path, which a test run
+    as root cannot make with a chmod). The read is served from the source, counted, logged
+    once, and the daemon no longer lists the block. (A directory made a file holds no
+    block: a miss, test_tier_absent_blocks.py.)"""
     fs = make_cache_fs(block_size=BS)
     dram = DirectoryTier("dram", daemon_stats(runtime_dir)["tiers"]["dram"]["path"])
     datas = {}
@@ -126,14 +128,13 @@ def test_a_block_file_that_cannot_be_read_is_read_from_the_source_and_forgotten(
     published(fs)
     blocks = daemon_stats(runtime_dir)["tiers"]["dram"]["blocks"]
     broken = set()
-    for path, data in datas.items():  # the directory of the block each read touches made a file
+    for path, data in datas.items():  # the directory of the block each read touches made a loop
         meta = fs.meta.file(path)
         index = 1 if how == "range" and len(data) > BS else 0  # see _read
         sub = os.path.dirname(dram.block_path(block_key(meta.url, meta.version, index, BS)))
         if sub not in broken:
             os.rename(sub, sub + ".aside")
-            with open(sub, "wb") as f:
-                f.write(b"not a directory")
+            os.symlink(os.path.basename(sub), sub)  # opening sub/<key>: ELOOP
             broken.add(sub)
     with caplog.at_level("WARNING", logger="cachemw"):
         for _ in range(2):

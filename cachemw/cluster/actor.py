@@ -145,6 +145,8 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
     ``RAY_ADDRESS`` names. The local one comes first: its daemons are this runtime dir's,
     and a RAY_ADDRESS exported for other work must not send ``stop`` elsewhere. ``start``
     never reads RAY_ADDRESS: without ``--address`` it makes its private cluster, as said.
+    An address given where nothing answers is UnreachableCluster at once (ray.init would
+    retry for minutes, silent); one naming that local cluster is that cluster (own_address).
 
     Ray reads its auth settings when it is imported: set them before importing it.
     """
@@ -152,7 +154,11 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():  # a driver already connected: use its cluster
         return {"address": address or "current", "started_by_cachemw": False}
+    address = own_address(address, runtime_dir)
     state = None
+    if address is not None and not local_ray.answers(address):  # ray.init would retry minutes
+        raise UnreachableCluster(f"no Ray cluster answers at {address} (the address "
+                                 f"given): check it, or leave --address out")
     if address is None:
         state = local_ray.read_state(runtime_dir)
         if state is None or not local_ray.alive(state):
@@ -178,6 +184,21 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
     return state or {"address": address, "started_by_cachemw": False}
 
 
+class UnreachableCluster(ConnectionError):
+    """Nothing answers at the address given: the command's error (exit 2), not "no
+    cluster", after which status and top would show this node's own daemon instead."""
+
+
+def own_address(address: str | None, runtime_dir: str) -> str | None:
+    """``address``, or None where it names the local cluster ``cachemw start`` made for
+    ``runtime_dir`` (alive): reached as if no address were given, with its token (and
+    ``stop`` stops it whole)."""
+    if address is None:
+        return None
+    state = local_ray.read_state(runtime_dir)
+    return None if local_ray.names(state, address) and local_ray.alive(state) else address
+
+
 def start(address: str | None = None, *, runtime_dir: str | None = None, timeout: float = 120,
           **options) -> list[dict]:
     """Place one daemon on every alive Ray node (idempotent: existing ones are kept).
@@ -198,6 +219,7 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
         raise RuntimeError(f"an autostarted cachemw daemon (pid {holder.get('pid')}) serves "
                            f"{runtime_dir}; stop it first (`cachemw stop`)")
     asked = dict(options)
+    address = own_address(address, runtime_dir)
     state = connect(address, runtime_dir, start_if_needed=address is None)
     ray = _ray()
     try:
@@ -328,11 +350,14 @@ def stop(address: str | None = None, *, runtime_dir: str | None = None, timeout:
 
 
 def _stop_ray_daemons(address: str | None, runtime_dir: str, timeout: float) -> int:
+    address = own_address(address, runtime_dir)
     local = local_ray.read_state(runtime_dir) if address is None else None
     if address is None and local is None and not ray_address() and "ray" not in sys.modules:
         return 0  # no Ray cluster of ours, none given: nothing to stop through Ray
     try:
         state = connect(address, runtime_dir)
+    except UnreachableCluster:  # the address given is wrong: nothing is stopped, said
+        raise
     except Exception as exc:  # cluster unreachable: still clean up what cachemw started
         log.warning("could not reach the Ray cluster: %s", exc)
         state = None

@@ -169,6 +169,25 @@ def answers(address: str) -> bool:
         return False
 
 
+def names(state: dict | None, address: str) -> bool:
+    """Does ``address`` name the local cluster of ``state`` (``ray.json``)? Its GCS listens
+    on every interface of this machine: its port at any address of this machine (127.0.0.1,
+    localhost, the node's IP) is that cluster, whose token a command must then present."""
+    import socket
+
+    if state is None or "://" in address:
+        return False
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or int(port) != int(state["address"].rpartition(":")[2]):
+        return False
+    try:
+        with socket.socket(socket.AF_INET) as s:  # binds only to an address of this machine
+            s.bind((host, 0))
+        return True
+    except (OSError, ValueError):  # not of this machine, or no host name at all
+        return False
+
+
 def forget_state(runtime_dir: str) -> None:
     """The local cluster is gone: its state and its token (the next one makes a fresh one)."""
     for path in (state_path(runtime_dir), os.path.join(runtime_dir, "ray-token")):
