@@ -14,8 +14,10 @@ Scoring a policy::
 Policies (names for ``simulate`` and ``Engine``): ``"lru"`` (baseline), ``"history"``
 (frequency + aging + admission gate; the default without an announced order), ``"pin"``
 (CoorDL's MinIO), ``"clairvoyant"`` (furthest announced next use, NoPFS-style; the default
-with an announced order), ``"belady"`` (offline MIN, scoring only). ``python -m
-cachemw.placement.simulate`` prints policies x workloads with each ratio to Belady.
+with an announced order), ``"belady"`` (offline MIN, scoring only: the optimum for blocks
+of equal size, a reference for sizes that vary, which other policies can beat slightly).
+``python -m cachemw.placement.simulate`` prints policies x workloads with each ratio to
+Belady's MIN.
 
 How a node daemon drives it (one :class:`Engine` per node, called from the daemon's own
 thread; the engine is not thread-safe)::

@@ -2,9 +2,10 @@
 
 Both evict the cached block whose next read is furthest away, and do not admit a missed
 block whose own next read is further than that of every block it would displace (MIN with
-bypass). With unit-size blocks this is Belady's optimum: no policy has fewer misses on the
-same trace. With blocks of different sizes minimising misses is NP-hard, and MIN is the
-standard near-optimal reference used for scoring.
+bypass). With blocks of equal size this is Belady's optimum: no policy has fewer misses on
+the same trace. With blocks of different sizes minimising misses (or missed bytes) is
+NP-hard, and MIN is the standard reference used for scoring, not a bound: another policy
+can score slightly above it (pin and history on the unet3d and resnet50 workloads).
 
 * ``BeladyPolicy`` gets the whole trace up front (``prepare``) and precomputes, for every
   position, the position of the same key's next read: O(n) time and memory, then

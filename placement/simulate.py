@@ -1,4 +1,5 @@
-"""``python -m cachemw.placement.simulate``: policies x workloads, each as a ratio to Belady.
+"""``python -m cachemw.placement.simulate``: policies x workloads, each as a ratio to Belady's MIN
+(the optimum for blocks of equal size; with sizes that vary, a reference a policy can beat).
 
 Why a module of its own: the simulator proper lives in :mod:`.simulator`, so the package can
 export the function ``simulate`` while this command-line module keeps the name the issue
@@ -39,7 +40,8 @@ def standard_workloads(scale: float = 1.0) -> Dict[str, Tuple[Callable[[], list]
 def table(scale: float = 1.0, out=sys.stdout) -> List[dict]:
     rows = []
     header = f"{'workload':44s} {'accesses':>9s} " + " ".join(f"{p:>19s}" for p in POLICY_ORDER)
-    print("hit ratio (ratio to Belady on the same trace)", file=out)
+    print("hit ratio (ratio to Belady's MIN on the same trace: the optimum for blocks of equal "
+          "size; where sizes vary, a reference that a policy can beat, above 1.000x)", file=out)
     print(header, file=out)
     for name, (make, frac) in standard_workloads(scale).items():
         trace = make()

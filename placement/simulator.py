@@ -1,7 +1,8 @@
 """Trace simulator: replay accesses through a policy and count hits, bytes and (optionally) time.
 
 ``simulate(trace, policy, capacity_bytes)`` is how every policy is scored: run it and
-Belady's MIN on the same trace and compare. A trace is a sequence of ``(key, size_bytes)``
+Belady's MIN on the same trace and compare. MIN is the optimum for blocks of equal size;
+with sizes that vary it is a reference, which another policy can beat slightly. A trace is a sequence of ``(key, size_bytes)``
 or ``(key, size_bytes, node)``; with nodes, each node has its own cache of
 ``capacity_bytes`` and its own policy instance, and sees only its own accesses (as a node
 daemon does). The hot loop is a plain call per access, so a 1M-access trace replays in a

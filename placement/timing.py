@@ -14,8 +14,8 @@ Why: hit ratio is not what users pay for; idle accelerators are. Two pipelines a
   victim is the block needed furthest in the future). The trainer reads from the cache.
 
 The lower bound on stall for a trace and capacity (see :func:`stall_lower_bound`): the bytes
-that must come from the source (Belady's misses; with blocks of different sizes Belady is a
-near-optimal reference, not a proof), minus what compute time can hide -- and compute
+that must come from the source (Belady's misses; with blocks of different sizes Belady's MIN
+is a reference, not the least a policy can miss, so this "bound" is approximate), minus what compute time can hide -- and compute
 cannot hide a first read it has not reached yet.
 """
 from __future__ import annotations

@@ -30,6 +30,12 @@ cachemw_job_layout() {
         return 1
     fi
     CACHEMW_RAY_PORT_BASE=${CACHEMW_RAY_PORT_BASE:-$((10000 + (job % 220) * 100))}
+    if ! [[ $CACHEMW_RAY_PORT_BASE =~ ^[0-9]{4,5}$ ]] || (( CACHEMW_RAY_PORT_BASE < 1024 ||
+            CACHEMW_RAY_PORT_BASE > 65436 )); then
+        echo "cachemw-job: CACHEMW_RAY_PORT_BASE must be a port from 1024 to 65436 (its" \
+             "block of 100 below 32768 is best: 10000-32668), got '$CACHEMW_RAY_PORT_BASE'" >&2
+        return 1
+    fi
     runtime=${CACHEMW_RUNTIME_DIR:-/dev/shm/cachemw-$uid}
     tmp=${CACHEMW_RAY_TMP:-/tmp/cachemw-ray-$uid}
     while [[ $runtime == */ && $runtime != / ]]; do runtime=${runtime%/}; done
@@ -46,14 +52,30 @@ cachemw_job_layout() {
     export CACHEMW_RAY_PORT_BASE CACHEMW_RUNTIME_DIR CACHEMW_RAY_TMP
 }
 
-# `ray start` options of this job's ports (GCS on the base port, workers on base+20..+99).
+# `ray start` options of this job's ports: every port Ray opens by default is given its
+# place in the job's block (Ray's defaults, 6379, 8265, 10001, 44217, 52365 and random ones,
+# would be shared by jobs side by side, or fall inside a block: `ray start` refuses a port
+# given twice, on workers too, whose client-server port is set though only the head opens it):
+#   +0 GCS (head: "head" adds it)  +4 dashboard agent gRPC   +8 dashboard (head; it runs
+#   +1 node manager                +5 dashboard agent HTTP      with the GUI off too)
+#   +2 object manager              +6 metrics export         +9 autoscaler metrics (head;
+#   +3 Ray client server (head)    +7 runtime-env agent         AUTOSCALER_METRIC_PORT)
+#   +20..+99 worker processes (one port each)
+# The autoscaler's port is an environment variable only (cachemw_ray_env). A Ray client
+# (ray://) connection, which the script never makes, would open Ray's own 23000-24000.
 cachemw_ray_ports() {
-    local b=$CACHEMW_RAY_PORT_BASE
+    local b=$CACHEMW_RAY_PORT_BASE head=
+    if [[ ${1:-} == head ]]; then head=" --port=$b"; fi
     echo "--node-manager-port=$((b + 1)) --object-manager-port=$((b + 2))" \
-         "--dashboard-agent-grpc-port=$((b + 4))" \
+         "--ray-client-server-port=$((b + 3)) --dashboard-agent-grpc-port=$((b + 4))" \
          "--dashboard-agent-listen-port=$((b + 5)) --metrics-export-port=$((b + 6))" \
-         "--runtime-env-agent-port=$((b + 7)) --min-worker-port=$((b + 20))" \
-         "--max-worker-port=$((b + 99))"
+         "--runtime-env-agent-port=$((b + 7)) --dashboard-port=$((b + 8))" \
+         "--min-worker-port=$((b + 20)) --max-worker-port=$((b + 99))$head"
+}
+
+# The environment `ray start` needs for the rest of the block (see cachemw_ray_ports).
+cachemw_ray_env() {
+    echo "AUTOSCALER_METRIC_PORT=$((CACHEMW_RAY_PORT_BASE + 9))"
 }
 
 # The address Slurm reaches a node at (NodeAddr), as an IP address for Ray.
@@ -75,15 +97,16 @@ cachemw_node_ray() {
     local me tmp ports role ray_pid
     me=$(cachemw_node_addr "$SLURMD_NODENAME")
     tmp="$CACHEMW_RAY_TMP-$SLURMD_NODENAME"
-    ports=$(cachemw_ray_ports)
     mkdir -p "$tmp" && chmod 0700 "$tmp"
+    ports=$(cachemw_ray_ports)
     role=(--address="$RAY_ADDRESS")
     if [[ $SLURMD_NODENAME == "$CACHEMW_HEAD" ]]; then
-        role=(--head --port="$CACHEMW_RAY_PORT_BASE" --include-dashboard=false)
+        ports=$(cachemw_ray_ports head)
+        role=(--head --include-dashboard=false)
     fi
-    # shellcheck disable=SC2086  # $ports is a list of options
-    ray start --block --node-ip-address="$me" "${role[@]}" $ports --disable-usage-stats \
-        --temp-dir="$tmp/r" &
+    # shellcheck disable=SC2086,SC2046  # $ports is a list of options, cachemw_ray_env of VAR=N
+    env $(cachemw_ray_env) ray start --block --node-ip-address="$me" "${role[@]}" $ports \
+        --disable-usage-stats --temp-dir="$tmp/r" &
     ray_pid=$!
     # shellcheck disable=SC2064  # expanded now
     trap "cachemw_node_clean $ray_pid '$tmp'; exit 0" TERM INT
@@ -108,25 +131,49 @@ cachemw_node_clean() {
     rm -rf "$CACHEMW_RUNTIME_DIR" "$tmp"
 }
 
-# Wait until ``n`` Ray nodes are up (fail after ``timeout`` seconds, or at once when the
-# Ray step ``pid`` has ended).
+# How many Ray nodes are up, one bounded look (at most $1 seconds, then its process is
+# gone): "closed" when nothing listens at RAY_ADDRESS (a TCP connect: at once), the count
+# when Ray answers, nothing when it does not answer in time. ray.init alone retries an
+# address that does not answer for ~14 minutes, past any timeout and past the job's end.
+cachemw_ray_nodes_up() {
+    timeout -k 2 "$1" python - "$1" <<'EOF' 2>/dev/null
+import os, signal, socket, sys
+signal.alarm(int(sys.argv[1]))  # ends this process even if `timeout` is killed first
+host, _, port = os.environ["RAY_ADDRESS"].rpartition(":")
+try:
+    socket.create_connection((host, int(port)), timeout=2).close()
+except OSError:
+    print("closed")
+    sys.exit(0)
+import ray
+ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+print(sum(1 for n in ray.nodes() if n["Alive"]))
+EOF
+}
+
+# Wait until ``n`` Ray nodes are up: fail after ``timeout`` seconds (plus a few), or at once
+# when the Ray step ``pid`` has ended, saying why. Each look is bounded (15 s, never past the
+# timeout), so neither the timeout nor a scancel's TERM waits on one longer.
 cachemw_wait_nodes() {
-    local n=$1 timeout=$2 pid=$3 start=$SECONDS up
-    while (( SECONDS - start < timeout )); do
+    local n=$1 timeout=$2 pid=$3 start=$SECONDS left up=
+    while (( (left = timeout - (SECONDS - start)) > 0 )); do
         if ! kill -0 "$pid" 2>/dev/null; then
             echo "cachemw-job: Ray did not start (its step ended; see the job's output)" >&2
             return 1
         fi
-        up=$(python - <<'EOF' 2>/dev/null
-import os, ray
-ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
-print(sum(1 for n in ray.nodes() if n["Alive"]))
-EOF
-        ) || up=0
-        if (( ${up:-0} >= n )); then return 0; fi
-        sleep 2
+        up=$(cachemw_ray_nodes_up $(( left < 15 ? left : 15 ))) || up=
+        up=${up##*$'\n'}  # its last line (Ray may have printed before it)
+        if [[ $up =~ ^[0-9]+$ ]] && (( up >= n )); then return 0; fi
+        left=$(( timeout - (SECONDS - start) ))
+        if (( left > 0 )); then sleep $(( left < 2 ? left : 2 )); fi
     done
-    echo "cachemw-job: only ${up:-0} of $n Ray nodes came up within ${timeout}s" >&2
+    case $up in
+        closed) echo "cachemw-job: Ray's head did not come up within ${timeout}s: nothing" \
+                     "listens at $RAY_ADDRESS (see the Ray step's output above)" >&2 ;;
+        "") echo "cachemw-job: Ray's head at $RAY_ADDRESS did not answer within ${timeout}s" \
+                 "(see the Ray step's output above)" >&2 ;;
+        *) echo "cachemw-job: only $up of $n Ray nodes came up within ${timeout}s" >&2 ;;
+    esac
     return 1
 }
 
@@ -136,9 +183,17 @@ cachemw_cleanup() {
     local rc=$?
     trap - EXIT TERM INT
     echo "cachemw-job: cleaning up (exit status $rc)" >&2
-    timeout 15 cachemw stop --address "$RAY_ADDRESS" >/dev/null 2>&1 || true
+    if [[ -n ${CACHEMW_STARTED:-} ]]; then  # not when Ray never came up: none to stop
+        timeout 15 cachemw stop --address "$RAY_ADDRESS" >/dev/null 2>&1 || true
+    fi
     if [[ -n ${CACHEMW_RAY_STEP:-} ]]; then
+        # its tasks end their Ray and remove their dirs within ~25 s (cachemw_node_clean)
         kill -TERM "$CACHEMW_RAY_STEP" 2>/dev/null || true
+        for _ in $(seq 90); do
+            kill -0 "$CACHEMW_RAY_STEP" 2>/dev/null || break
+            sleep 0.5
+        done
+        kill -KILL "$CACHEMW_RAY_STEP" 2>/dev/null || true
         wait "$CACHEMW_RAY_STEP" 2>/dev/null || true
     fi
     # shellcheck disable=SC2016  # expanded on each node
@@ -158,6 +213,11 @@ cachemw_job_main() {
         return 2
     fi
     : "${SLURM_JOB_ID:?run this under Slurm: sbatch $0 COMMAND}"
+    if ! [[ ${CACHEMW_RAY_TIMEOUT:-180} =~ ^[1-9][0-9]*$ ]]; then
+        echo "cachemw-job: CACHEMW_RAY_TIMEOUT must be a whole number of seconds, got" \
+             "'$CACHEMW_RAY_TIMEOUT'" >&2
+        return 2
+    fi
     cachemw_job_layout "$SLURM_JOB_ID"
     CACHEMW_HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
     RAY_ADDRESS="$(cachemw_node_addr "$CACHEMW_HEAD"):$CACHEMW_RAY_PORT_BASE"
@@ -165,7 +225,8 @@ cachemw_job_main() {
     RAY_AUTH_MODE=token
     RAY_AUTH_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(32))')
     export CACHEMW_HEAD RAY_ADDRESS RAY_AUTH_MODE RAY_AUTH_TOKEN
-    export -f cachemw_node_addr cachemw_ray_ports cachemw_node_ray cachemw_node_clean
+    export -f cachemw_node_addr cachemw_ray_ports cachemw_ray_env cachemw_node_ray \
+        cachemw_node_clean
     trap cachemw_cleanup EXIT
     trap 'exit 143' TERM
     trap 'exit 130' INT
@@ -174,6 +235,7 @@ cachemw_job_main() {
         --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c cachemw_node_ray &
     CACHEMW_RAY_STEP=$!
     cachemw_wait_nodes "$SLURM_JOB_NUM_NODES" "${CACHEMW_RAY_TIMEOUT:-180}" "$CACHEMW_RAY_STEP"
+    CACHEMW_STARTED=1
     cachemw start --address "$RAY_ADDRESS"
     echo "cachemw-job: Ray at $RAY_ADDRESS, a cache daemon on each of $SLURM_JOB_NUM_NODES" \
          "node(s), runtime dir $CACHEMW_RUNTIME_DIR" >&2

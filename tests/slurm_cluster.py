@@ -6,8 +6,12 @@ machine), a UTS namespace (its own hostname) and a mount namespace (its own tmpf
 and its own "local disk" at one path on every node, ``SlurmCluster.nvme``, as /local is on
 a real cluster), with its own slurmd; one slurmctld and one munged serve them all.
 Everything is torn down after use whatever happens. Needs root and Debian's slurmctld,
-slurmd, slurm-client and munge (.ci/run installs them). One emulation at a time per machine
-(the names below are fixed): ``emulated_cluster`` waits for a lock.
+slurmd, slurm-client and munge (.ci/run installs them). One emulation at a time per name
+prefix: ``emulated_cluster`` waits for a lock. Two emulations side by side on one machine
+(two checkouts testing at once) need their own names and network: set
+CACHEMW_TEST_SLURM_PREFIX (2-6 lowercase letters, default "cmw": bridge <prefix>br0,
+namespaces <prefix>-<node>, nodes <prefix>n1..) and CACHEMW_TEST_SLURM_NET (a private /24's
+first three numbers, default 10.231.77).
 
 The emulated PFS: ``counting_source(dir)`` installs an fsspec filesystem ``countfile://``
 (local files, plus one logged line per data read and an optional delay per read) where
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import signal
 import socket
@@ -31,10 +36,15 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB_SCRIPT = os.path.join(REPO, "slurm", "cachemw-job.sh")
 NODES = 3
-BRIDGE = "cmwbr0"
-NET = "10.231.77"  # private, exists only on this machine while the cluster runs
+PREFIX = os.environ.get("CACHEMW_TEST_SLURM_PREFIX", "cmw")
+NET = os.environ.get("CACHEMW_TEST_SLURM_NET", "10.231.77")  # private, only on this machine
+if not re.fullmatch(r"[a-z]{2,6}", PREFIX):  # network interface names have 15 characters
+    raise ValueError(f"CACHEMW_TEST_SLURM_PREFIX: 2-6 lowercase letters, got {PREFIX!r}")
+if not re.fullmatch(r"\d{1,3}\.\d{1,3}\.\d{1,3}", NET):
+    raise ValueError(f"CACHEMW_TEST_SLURM_NET: three numbers of a /24 (10.231.77), got {NET!r}")
+BRIDGE = f"{PREFIX}br0"
 HOST_ADDR = f"{NET}.1"
-LOCK = "/tmp/cachemw-slurm-emulation.lock"
+LOCK = "/tmp/cachemw-slurm-emulation" + ("" if PREFIX == "cmw" else f"-{PREFIX}") + ".lock"
 
 
 def missing() -> str | None:
@@ -72,7 +82,7 @@ class SlurmCluster:
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self.names = [f"cmwn{i}" for i in range(1, NODES + 1)]
+        self.names = [f"{PREFIX}n{i}" for i in range(1, NODES + 1)]
         self.nvme = os.path.join(root, "nvme")  # each node's own disk, mounted here
         self.procs: list[subprocess.Popen] = []
         self.slurmd: dict[str, subprocess.Popen] = {}
@@ -92,7 +102,7 @@ class SlurmCluster:
         run("ip", "addr", "add", f"{HOST_ADDR}/24", "dev", BRIDGE)
         run("ip", "link", "set", BRIDGE, "up")
         for i, name in enumerate(self.names, start=1):
-            ns, veth = f"cmw-{name}", f"cmwv{i}"
+            ns, veth = f"{PREFIX}-{name}", f"{PREFIX}v{i}"
             run("ip", "netns", "add", ns)
             run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
             run("ip", "link", "set", veth, "master", BRIDGE, "up")
@@ -115,7 +125,7 @@ class SlurmCluster:
                       f" && mount --bind {disk} {self.nvme}"
                       f" && exec slurmd -D -N {name} -f {self.env['SLURM_CONF']}")
             p = subprocess.Popen(
-                ["nsenter", f"--net=/run/netns/cmw-{name}", "unshare", "--uts", "--mount",
+                ["nsenter", f"--net=/run/netns/{PREFIX}-{name}", "unshare", "--uts", "--mount",
                  "--propagation", "private", "sh", "-c", script], env=self.env,
                 stdout=subprocess.DEVNULL,
                 stderr=open(os.path.join(self.root, f"slurmd-{name}.err"), "w"))
@@ -211,7 +221,7 @@ class SlurmCluster:
         out = {n: self.on_node(n, "sh", "-c", "ls -A /dev/shm | grep cachemw || true").split()
                for n in self.names}
         for name, slurmd in self.slurmd.items():  # every process of a node but its slurmd
-            pids = run("ip", "netns", "pids", f"cmw-{name}", check=False).stdout.split()
+            pids = run("ip", "netns", "pids", f"{PREFIX}-{name}", check=False).stdout.split()
             out[f"{name} processes"] = [
                 run("ps", "-o", "args=", "-p", p, check=False).stdout.strip()[:200]
                 for p in pids if int(p) != slurmd.pid]
@@ -253,14 +263,14 @@ class SlurmCluster:
     def _remove_network(self) -> None:
         """The nodes' namespaces (and any process still in one: only ours are), the bridge."""
         for i, name in enumerate(self.names, start=1):
-            ns = f"cmw-{name}"
+            ns = f"{PREFIX}-{name}"
             for pid in run("ip", "netns", "pids", ns, check=False).stdout.split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             run("ip", "netns", "del", ns, check=False)
-            run("ip", "link", "del", f"cmwv{i}", check=False)
+            run("ip", "link", "del", f"{PREFIX}v{i}", check=False)
         run("ip", "link", "del", BRIDGE, check=False)
 
 

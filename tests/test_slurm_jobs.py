@@ -151,8 +151,11 @@ def test_scancel_mid_job_cleans_every_node(slurm, tmp_path):
         while True:
             fs.cat_file({str(tmp_path / 'sample')!r})
         """))
+    # the port block of job ids 220, 440, ... (base 10000): Ray's head once refused it (its
+    # client server's default port, 10001, was the node manager's)
     submitted = _run("sbatch", "--parsable", f"-N{NODES}", f"--output={tmp_path}/job.out",
-                     JOB_SCRIPT, sys.executable, str(reader), env=slurm.env, cwd=slurm.root)
+                     JOB_SCRIPT, sys.executable, str(reader),
+                     env=dict(slurm.env, CACHEMW_RAY_PORT_BASE="10000"), cwd=slurm.root)
     job = submitted.stdout.strip().split(";")[0]
     try:
         assert wait_for(marker.exists, 240), (tmp_path / "job.out").read_text()[-4000:]
@@ -163,6 +166,50 @@ def test_scancel_mid_job_cleans_every_node(slurm, tmp_path):
         _run("scancel", job, env=slurm.env, check=False)
     assert wait_for(lambda: _squeue_empty(slurm) and not slurm.leftovers(), 30), \
         (slurm.leftovers(), (tmp_path / "job.out").read_text()[-4000:])
+
+
+FAKE_RAY = textwrap.dedent('''\
+    #!{python}
+    """`ray start` of a Ray head that never answers: it accepts on the GCS port, then says
+    nothing (a worker's: nothing at all), until ended."""
+    import socket, sys, time
+    args = dict(a.split("=", 1) for a in sys.argv if a.startswith("--") and "=" in a)
+    conns = []
+    if "--head" in sys.argv:
+        s = socket.create_server((args["--node-ip-address"], int(args["--port"])))
+        while True:
+            conns.append(s.accept()[0])
+    time.sleep(3600)
+    ''')
+
+
+@pytest.mark.timeout(600)
+def test_a_ray_head_that_never_answers_fails_the_job_within_its_timeout(slurm, tmp_path):
+    """Each look at Ray's nodes is bounded: one ray.init at a head that did not answer took
+    ~14 minutes, past CACHEMW_RAY_TIMEOUT, and outlived the job."""
+    os.chmod(tmp_path, 0o755)
+    fake = tmp_path / "bin"
+    fake.mkdir(mode=0o755)
+    (fake / "ray").write_text(FAKE_RAY.format(python=sys.executable))
+    (fake / "ray").chmod(0o755)
+    ran = tmp_path / "ran"
+    env = dict(slurm.env, PATH=f"{fake}:{slurm.env['PATH']}", CACHEMW_RAY_TIMEOUT="15")
+    began = time.monotonic()
+    job = _run("sbatch", "--parsable", "-N2", f"--output={tmp_path}/job.out", JOB_SCRIPT,
+               "touch", str(ran), env=env, cwd=slurm.root).stdout.strip().split(";")[0]
+    try:  # squeue, not `sbatch --wait`, whose polls back off to tens of seconds
+        ended = wait_for(lambda: _squeue_empty(slurm), 300)
+    finally:
+        _run("scancel", job, env=slurm.env, check=False)
+    took = time.monotonic() - began
+    log = (tmp_path / "job.out").read_text()
+    assert ended, f"job {job} still ran after 300 s (its timeout: 15 s)\n{log[-4000:]}"
+    assert "did not answer within 15s" in log and "exit status 1" in log, log[-4000:]
+    assert not ran.exists()
+    # 15 s, then the clean-up (the Ray step's end) and Slurm's scheduling: generous bounds
+    # for a loaded host; the unbounded wait took ~14 minutes
+    assert took < 15 + 90, (took, log[-4000:])
+    assert wait_for(lambda: not slurm.leftovers(), 30), slurm.leftovers()
 
 
 @pytest.mark.timeout(600)
