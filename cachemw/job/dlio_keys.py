@@ -5,9 +5,11 @@ Taken from dlio_benchmark 2.0.0's ``utils/config.py`` (``LoadConfig``: every key
 up) and checked against the 14 workload files it ships (``configs/workload/*.yaml``).
 2.0.0's names differ from later releases' (``dataset.record_length``, not
 ``record_length_bytes``; ``model`` is the workload's name, not a section;
-``checkpoint.model_size`` is the checkpointed state's size in bytes): a later release's
-name is an error that names 2.0.0's, since DLIO 2.0.0 would silently run with its default
-instead (a 64 KiB record, a 10 KiB model).
+``checkpoint.model_size`` is the checkpointed state's size in bytes): the job takes a
+later release's name as the 2.0.0 key that says the same (LATER_NAMES: a workload file of
+MLPerf Storage's or a later DLIO's runs as written); both given with different values is an
+error. (DLIO 2.0.0 itself ignores the later names: run such a file there, through
+``cachemw.dlio``, with 2.0.0's.)
 """
 from __future__ import annotations
 
@@ -132,7 +134,7 @@ workflow.do_eval
 
 SECTIONS = frozenset(k.split(".")[0] for k in [*EMULATED, *AS_EMULATED, *NOT_EMULATED])
 
-# A later dlio_benchmark's key -> the 2.0.0 key that says the same (named in the error).
+# A later dlio_benchmark's key -> the 2.0.0 key that says the same (taken as that key).
 LATER_NAMES = {
     "model.name": "model",
     "model.model_size_bytes": "checkpoint.model_size",

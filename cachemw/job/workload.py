@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from .dlio_keys import AS_EMULATED, EMULATED, NOT_EMULATED, SECTIONS, known, unknown_key_hint
+from .dlio_keys import AS_EMULATED, EMULATED, LATER_NAMES, NOT_EMULATED, SECTIONS, known, unknown_key_hint
 from .settings import WORKLOAD_DIR, shipped
 
 
@@ -185,6 +185,16 @@ def from_mapping(tree: Mapping, *, source: str = "workload", overrides: Mapping[
             key = "reader." + key.removeprefix("data_reader.")
         flat[key] = yaml.safe_load(value) if isinstance(value, str) else value
         given.add(key)
+
+    for later, key in LATER_NAMES.items():  # a later DLIO's name: taken as 2.0.0's
+        if later in flat:
+            value = flat.pop(later)
+            if key in flat and flat[key] != value:
+                raise ValueError(f"{source}: {later} ({value!r}) and {key} ({flat[key]!r}) say "
+                                 f"the same (a later dlio_benchmark's name and 2.0.0's): keep one")
+            flat[key] = value
+            if later in given:
+                given.add(key)
 
     def where(key: str) -> str:
         return f"--set {key}" if key in given else f"{source}: {key}"
