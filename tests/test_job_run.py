@@ -16,9 +16,9 @@ pytestmark = pytest.mark.torch
 
 TINY = ["--set", "dataset.num_files_train=24", "--set", "reader.batch_size=4",
         "--set", "reader.read_threads=1", "--set", "train.epochs=2",
-        "--set", "train.computation_time=0.005", "--set", "model.model_size_bytes=1048576",
+        "--set", "train.computation_time=0.005", "--set", "checkpoint.model_size=1048576",
         "--set", "checkpoint.steps_between_checkpoints=3",
-        "--set", "dataset.record_length_bytes=4096", "--checkpoint-saves", "2", "--quiet"]
+        "--set", "dataset.record_length=4096", "--checkpoint-saves", "2", "--quiet"]
 
 
 def _job_dirs() -> set:
@@ -153,7 +153,9 @@ def test_the_job_against_a_directory(tmp_path):
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     assert res["job"]["store"] == str(source) and set(res["systems"]) == {"direct", "cachemw"}
     assert all(s["error"] is None for s in res["checkpoints"]["methods"]["Checkpointer"]["saves"])
-    assert not (source / "cachemw-job" / "checkpoints").exists()  # removed after the run
+    # each run checkpoints in a directory of its own, removed after the run
+    assert res["checkpoints"]["root"].startswith(str(source / "cachemw-job" / "checkpoints" / "run-"))
+    assert list((source / "cachemw-job" / "checkpoints").iterdir()) == []
     second = _job(args, tmp_path)  # the dataset is found complete and read again
     assert "wrote" not in second.stderr
 
@@ -176,16 +178,27 @@ def test_the_job_against_an_object_store_url(tmp_path, s3_server):
         Bucket=s3_server["bucket"], Prefix="jobrun/").get("Contents", [])]
     assert len([k for k in keys if "/train/" in k]) == 24
     assert not [k for k in keys if "/checkpoints/" in k]
+    # an option s3fs does not take: one line, exit 2 (it was a TypeError's traceback)
+    bad = subprocess.run([sys.executable, "-m", "cachemw.cli", "job", *TINY, "--source", url,
+                          "--source-options", json.dumps({**s3_server["target_options"], "bogus_opt": 1}),
+                          "--systems", "direct", "--out", str(tmp_path / "bad")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=150)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    assert bad.stderr.strip().splitlines()[-1].startswith(
+        f"cachemw job: --source-options: {url}'s filesystem refused them:"), bad.stderr[-3000:]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigterm-group"])
 def test_an_interrupted_job_says_so_and_leaves_nothing(tmp_path, how):
     """Ctrl-C reached the store first, so the job failed with a DataLoader worker's
     FileNotFoundError as if the dataset were missing; a SIGTERM left the store's data in
-    /dev/shm; a second Ctrl-C cut the cleanup short (found by black-box checks). Each is
-    now an "interrupted", exit 130, with everything removed."""
+    /dev/shm; a second Ctrl-C cut the cleanup short; a SIGTERM to the whole process group
+    (timeout, Slurm, systemd) was said as "DataLoader worker ... killed", exit 2, and left
+    the store's data or a daemon's runtime dir in /dev/shm (found by black-box checks).
+    Ctrl-C is now an "interrupted", exit 130, SIGTERM a "terminated", exit 143, each with
+    everything removed."""
     import os
     import signal
     import threading
@@ -214,6 +227,8 @@ def test_an_interrupted_job_says_so_and_leaves_nothing(tmp_path, how):
             os.killpg(job.pid, signal.SIGINT)  # second one cut the cleanup short
             time.sleep(0.3)
             os.killpg(job.pid, signal.SIGINT)
+        elif how == "sigterm-group":  # its DataLoader workers and daemon too, at once
+            os.killpg(job.pid, signal.SIGTERM)
         else:
             job.terminate()
         job.wait(120)
@@ -223,11 +238,29 @@ def test_an_interrupted_job_says_so_and_leaves_nothing(tmp_path, how):
             os.killpg(job.pid, signal.SIGKILL)
         job.stdout.close()
     err = "".join(said)
-    assert job.returncode == 130, err[-3000:]
-    assert err.strip().splitlines()[-1] == "cachemw job: interrupted", err[-3000:]
+    code, last = ((130, "cachemw job: interrupted") if how == "ctrl-c" else
+                  (143, "cachemw job: terminated (SIGTERM); everything it started is stopped "
+                        "and removed"))
+    assert job.returncode == code, err[-3000:]
+    assert err.strip().splitlines()[-1] == last, err[-3000:]
     assert "Error" not in err, err[-3000:]
     time.sleep(1)
     assert _job_dirs() == before and _job_processes() == running
+
+
+@pytest.mark.timeout(120)
+def test_an_out_dir_that_cannot_take_the_results_fails_before_the_run(tmp_path):
+    """It was found at the end, after the whole run, with no table printed (found by a
+    black-box check)."""
+    out = tmp_path / "out"
+    (out / "results.json").mkdir(parents=True)  # results.json cannot be written there
+    run = subprocess.run([sys.executable, "-m", "cachemw.cli", "job", *TINY, "--systems",
+                          "direct", "--checkpoints", "none", "--io-epochs", "0", "--out", str(out)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        f"cachemw job: --out {out}: the results cannot be written there"), run.stderr[-2000:]
+    assert "epoch 1:" not in run.stderr  # nothing ran
 
 
 def test_scratch_dirs_of_jobs_killed_outright_are_removed_by_the_next(tmp_path, monkeypatch):

@@ -2,10 +2,12 @@
 emulated slow shared store, with what users pick instead side by side.
 
 Modules: ``store`` (the emulated PFS: an HTTP server in a process of its own), ``storefs``
-(the fsspec filesystem that writes checkpoints to it), ``workload`` (DLIO workload YAML ->
-``Workload``), ``training`` (the training loop and its AU timeline), ``systems`` (the read
-paths compared), ``checkpoints`` (the checkpoint methods compared), ``results`` (table,
-JSON, PNG, verdict), ``command`` (the CLI) and ``run`` (the job itself).
+(the fsspec filesystem that writes checkpoints to it), ``workload`` and ``dlio_keys`` (DLIO
+2.0.0 workload YAML -> ``Workload``), ``training`` (the training loop and its AU timeline),
+``systems`` (the read paths compared), ``checkpoints`` (the checkpoint methods compared),
+``source`` (the dataset and each run's checkpoint directory on a store), ``owners`` (the
+marks of the job's leftovers), ``results`` (table, JSON, PNG, verdict), ``command`` and
+``arguments`` (the CLI) and ``run`` (the job itself).
 
 Importing this package imports neither torch nor aiohttp; ``training``, ``systems``,
 ``checkpoints`` and ``run`` need torch.

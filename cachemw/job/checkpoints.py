@@ -15,7 +15,10 @@ same store from the training loop:
 For each save: the training stall (the time the loop was blocked by it, waiting for an
 earlier save included) and the time to durable (from the call until the checkpoint is
 committed on the store). Durable times are taken by a thread per save waiting on the save's
-future or handle, so measuring never blocks the loop.
+future or handle, so measuring never blocks the loop. A save that fails, at the call or
+later, has its error recorded (the table shows it FAILED) and the training goes on: DCP's
+``CheckpointException`` is a ``BaseException``, caught as such, and a save's wait for the
+one before it does not raise that one's failure again.
 
 fsspec URLs are written with DCP's ``FsspecWriter(sync_files=False)``: the store's close is
 durable already, and DCP's fallback for a stream without a descriptor is ``os.sync()``, a
@@ -33,11 +36,26 @@ from fsspec.implementations.local import LocalFileSystem
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..checkpoint import Checkpointer
 from ..node_daemon import node_daemon
 from .settings import METHODS
 TENSOR_BYTES = 16 << 20  # the state is cut into tensors of this size (layers of a model)
+FAILURES = (Exception, CheckpointException)  # a save's failure (DCP's is a BaseException)
+
+
+def failure_of(exc: BaseException) -> str:
+    """A save's failure in one line: DCP's CheckpointException carries each rank's
+    exception and traceback; the first rank's exception says what went wrong."""
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                exc = inner
+                break
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def model_state(nbytes: int, seed: int = 0) -> dict:
@@ -81,17 +99,20 @@ class Method:
         record = {"step": step, "stall_s": None, "durable_s": None, "error": None}
         with self._lock:
             self.records.append(record)
-        self._save(step, state, record, t0)
+        try:
+            self._save(step, state, record, t0)
+        except FAILURES as exc:  # recorded (shown FAILED); the training goes on
+            record["error"] = failure_of(exc)
         record["stall_s"] = time.perf_counter() - t0
-        if self.synchronous:  # durable when it returns: its stall is its time to durable
+        if self.synchronous and record["error"] is None:  # durable when it returns
             record["durable_s"] = record["stall_s"]
 
     def _watch(self, record: dict, t0: float, wait) -> None:
         def run() -> None:
             try:
                 wait()
-            except Exception as exc:  # a failed save: recorded, shown in the results
-                record["error"] = f"{type(exc).__name__}: {exc}"
+            except FAILURES as exc:  # a failed save: recorded, shown in the results
+                record["error"] = failure_of(exc)
             else:
                 record["durable_s"] = time.perf_counter() - t0
 
@@ -138,7 +159,10 @@ class DcpAsyncSave(Method):
 
     def _save(self, step, state, record, t0):
         if self._pending is not None:  # DCP: one async save in flight at a time
-            self._pending.result()
+            try:
+                self._pending.result()
+            except FAILURES:
+                pass  # that save's failure: recorded by its own watcher, not this save's
         path = f"{self.root}/dcp/step_{step:08d}"
         if "://" in path:
             writer = FsspecWriter(path, sync_files=False)

@@ -24,17 +24,20 @@ def add_arguments(p) -> None:
     p.add_argument("--source", metavar="DIR|URL",
                    help="run against a real store instead of the emulated one: a directory "
                         "or an fsspec URL (the dataset is written under <source>/cachemw-job/ "
-                        "if missing and kept; checkpoints are removed after)")
-    p.add_argument("--source-options", default="{}", metavar="JSON",
-                   help="storage options of --source's filesystem, e.g. '{\"anon\": true}'")
+                        "if missing and kept; each run checkpoints in a directory of its own "
+                        "under <source>/cachemw-job/checkpoints/, removed after)")
+    p.add_argument("--source-options", metavar="JSON",
+                   help="storage options of --source's filesystem (a URL's), e.g. "
+                        "'{\"anon\": true}'")
     p.add_argument("--systems", default=",".join(SYSTEMS), metavar="LIST",
                    help=f"read paths to compare, comma-separated (default: all: {','.join(SYSTEMS)})")
     p.add_argument("--checkpoints", default=",".join(METHODS), metavar="LIST",
                    help="checkpoint methods to compare, comma-separated, or none "
                         f"(default: all: {','.join(METHODS)})")
     p.add_argument("--checkpoint-saves", type=int, default=3, metavar="N",
-                   help="checkpoints per method, on the workload's schedule (checkpoint.*); "
-                        "as many epochs are trained as that takes (default 3)")
+                   help="checkpoints per method, exactly, on the workload's schedule "
+                        "(checkpoint.*): as many steps are trained as that takes, whole "
+                        "epochs, the last one stopped at the last save (default 3)")
     p.add_argument("--io-epochs", type=int, default=10, metavar="N",
                    help="after the training epochs of simplecache and cachemw, N more warm "
                         "epochs without compute: the loader flat out, where the readers set "

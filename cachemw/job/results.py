@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import tempfile
 
 import matplotlib
 
@@ -87,6 +89,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def _saves(checkpoints: dict, key: str) -> list | None:
+    method = (checkpoints or {}).get("methods", {}).get(key)
+    return None if method is None else method.get("saves", [])
+
+
 def _median_stall(checkpoints: dict, key: str) -> float | None:
     method = (checkpoints or {}).get("methods", {}).get(key)
     stalls = [s["stall_s"] for s in (method or {}).get("saves", []) if s["stall_s"] is not None]
@@ -94,8 +101,16 @@ def _median_stall(checkpoints: dict, key: str) -> float | None:
 
 
 def _method_au(checkpoints: dict, key: str) -> float | None:
+    """The mean AU of a method's epochs; None for a method that made no save (its epochs
+    say nothing of what checkpoints cost)."""
     method = (checkpoints or {}).get("methods", {}).get(key)
-    return _mean(e["au"] for e in method["epochs"]) if method else None
+    if not method or (key != "none" and not method.get("saves")):
+        return None
+    return _mean(e["au"] for e in method["epochs"])
+
+
+# the checkpoint targets and the methods each is taken from
+CHECKPOINT_TARGETS = {"stall_ratio": ("Checkpointer", "torch.save"), "au_lost": ("Checkpointer",)}
 
 
 def targets(results: dict) -> list[dict]:
@@ -115,6 +130,11 @@ def targets(results: dict) -> list[dict]:
     }
     checked = [{"key": key, "what": what, "threshold": threshold, "value": values[key],
                 "met": _holds(values[key], threshold)} for key, what, threshold in TARGETS]
+    for t in checked:  # a failed save's stall or AU would pass for a cheap checkpoint
+        failed = [m for m in CHECKPOINT_TARGETS.get(t["key"], ())
+                  if any(s.get("error") for s in _saves(ck, m) or ())]
+        if failed:
+            t["met"], t["note"] = None, f"not measured: saves of {', '.join(failed)} failed"
     job = results.get("job", {})
     if "profile" in job and job["profile"] is None:  # --source: the user's own store
         for t in checked:
@@ -237,6 +257,47 @@ def _read_time_table(results: dict) -> list[str]:
 
 
 # -- the files -----------------------------------------------------------------------------
+
+FILES = ("results.json", "results.png", "results.txt")
+
+
+class ResultsNotWritten(OSError):
+    """The run's results could not be written to its output directory; ``results`` holds
+    them, for the table to be printed all the same."""
+
+    def __init__(self, message: str, results: dict) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+def check_writable(out_dir: str) -> None:
+    """Before the run: the results can be written to ``out_dir`` (a file made and removed
+    there, and the result files already there opened for writing, untouched), so that a
+    directory that cannot take them is said at once, not after minutes of work."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".cachemw-job-probe-"):
+            pass
+        for name in FILES:
+            path = os.path.join(out_dir, name)
+            if os.path.lexists(path):
+                with open(path, "a"):
+                    pass
+    except OSError as exc:
+        raise ValueError(f"--out {out_dir}: the results cannot be written there: "
+                         f"{exc.strerror or exc}") from None
+
+
+def write_all(results: dict, out_dir: str) -> None:
+    """results.json, results.png and results.txt in ``out_dir``; ResultsNotWritten (an
+    OSError holding the results) if one cannot be written."""
+    try:
+        write_json(results, os.path.join(out_dir, "results.json"))
+        write_png(results, os.path.join(out_dir, "results.png"))
+        with open(os.path.join(out_dir, "results.txt"), "w") as f:
+            f.write(table(results) + "\n\n" + results["verdict"] + "\n")
+    except OSError as exc:
+        raise ResultsNotWritten(f"could not write the results to {out_dir}: {exc}",
+                                results) from None
 
 def write_json(results: dict, path: str) -> None:
     def clean(v):

@@ -7,15 +7,17 @@ two caches, whose warm loaders, once both have trained, run their flat-out epoch
 compute) in turn with the DataLoader's floor, epoch by epoch (the systems after them then
 train alone), and the checkpoint phase's reader (cachemw, warm),
 which then trains, without checkpoints and then with each checkpoint method, as many
-epochs as ``checkpoint_saves`` saves take on the workload's schedule: every method runs
-under the same reads, against a like baseline. Everything the run started is stopped and
-removed at the end, also on an error or Ctrl-C; the results stay in ``out_dir``.
+steps as exactly ``checkpoint_saves`` saves take on the workload's schedule (whole epochs,
+the last one stopped at its last save): every method runs under the same reads, against a
+like baseline. Everything the run started is stopped and removed at the end, also on an
+error, a Ctrl-C or a SIGTERM (to the job or to its whole process group, as ``timeout``,
+Slurm and systemd send it); the results stay in ``out_dir``, checked writable first.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
-import json
 import os
 import shutil
 import signal
@@ -29,18 +31,18 @@ from fsspec.implementations.local import LocalFileSystem
 from tqdm import tqdm
 
 from ..checkpoint import quiet
-from ..config import parse_size
 from . import checkpoints as ck
 from . import iowait
 from . import results as report
 from . import source as sources
 from . import storefs
-from .settings import CACHES, JobSettings, StoreProfile
+from .arguments import settings_from
+from .settings import CACHES, JobSettings
 from .store import EmulatedStore
 from .systems import build, scratch_dir, sweep_scratch
 from .training import (Compute, MemorySamples, SampleDataset, base_sampler, make_loader,
                        train_epoch)
-from .workload import Workload, load
+from .workload import Workload
 
 COUNTERS = ("hits", "misses", "prefetched", "bytes_from_source", "fallbacks", "bypassed")
 
@@ -60,20 +62,41 @@ def _prepare(settings: JobSettings, work: str, bar):
     if "://" not in settings.source and "::" not in settings.source:
         if not os.path.isdir(settings.source):
             raise ValueError(f"--source {settings.source}: not a directory (nor an fsspec URL)")
+        if settings.source_options:
+            raise ValueError(f"--source-options: a directory (--source {settings.source}) "
+                             "takes none; they are the options of a URL's filesystem")
         src = sources.local_source(settings.source, wl)
     else:
-        src = sources.url_source(settings.source, settings.source_options, wl)
+        with _options_checked(settings):
+            src = sources.url_source(settings.source, settings.source_options, wl)
+    with _options_checked(settings):  # the store's first request: where its client is made
+        if src.protocol in ("http", "https"):  # read-only: the dataset must be there already
+            src.fs().ls(src.train_dir, detail=False)
+            written = 0
+        else:
+            written = sources.generate(src.fs(), src.train_dir, wl)
+    if settings.source_options:
         # the store's options as fsspec's defaults for its protocol, in this process and
         # its workers: checkpoint methods open their root by URL alone (the Checkpointer,
         # DCP), as a user's job would with a configured fsspec
         fsspec.config.conf[src.protocol] = {**fsspec.config.conf.get(src.protocol, {}),
                                             **settings.source_options}
-    if src.protocol in ("http", "https"):  # read-only: the dataset must be there already
-        return src, None
-    written = sources.generate(src.fs(), src.train_dir, wl)
     if written:
         _say(bar, f"wrote {written} dataset files to {src.train_dir}")
     return src, None
+
+
+@contextlib.contextmanager
+def _options_checked(settings: JobSettings):
+    """An option the store's filesystem does not take (a TypeError from its client,
+    s3fs's at the first request) said as --source-options's, in one line."""
+    try:
+        yield
+    except TypeError as exc:
+        if not settings.source_options:
+            raise
+        raise ValueError(f"--source-options: {settings.source}'s filesystem refused them: "
+                         f"{exc}") from None
 
 
 def _store_counts(store) -> dict | None:
@@ -99,15 +122,17 @@ def _epoch_record(epoch, wl: Workload, store_before, store_after, counters_befor
     return out
 
 
-def _train(system, loader, wl: Workload, store, bar, epochs, label, checkpoint=None,
+def _train(system, loader, wl: Workload, store, bar, plan: list[int], label, checkpoint=None,
            compute=None, first: int = 1) -> list:
+    """Epochs ``first``, ``first + 1``, ... of ``plan[i]`` steps each."""
     compute = Compute(wl) if compute is None else compute
     step, out = 0, []
-    for e in range(first, first + epochs):
-        bar.set_description(f"{label} epoch {e}/{first + epochs - 1}")
+    for e, steps in enumerate(plan, start=first):
+        bar.set_description(f"{label} epoch {e}/{first + len(plan) - 1}")
         s0, c0 = _store_counts(store), system.daemon_counters() if system else None
         started = time.time()
-        epoch, step = train_epoch(loader, wl, e, step, compute, checkpoint, on_step=bar.update)
+        epoch, step = train_epoch(loader, wl, e, step, compute, checkpoint, on_step=bar.update,
+                                  steps=steps)
         flusher = loader.dataset.flusher  # the workers' last counts, before the snapshot
         complete = flusher.flush() if flusher is not None else True
         s1, c1 = _store_counts(store), system.daemon_counters() if system else None
@@ -137,7 +162,7 @@ def _run_system(system, src, wl: Workload, store, bar) -> tuple[dict, object]:
     if system.cachemw and wl.read_threads > 0:
         dataset.flusher = iowait.WorkerFlush(wl.multiprocessing_context, wl.read_threads)
     loader = make_loader(dataset, wl, system.sampler(base_sampler(wl, len(entries)), entries))
-    epochs = _train(system, loader, wl, store, bar, wl.epochs, system.label)
+    epochs = _train(system, loader, wl, store, bar, [wl.epoch_steps] * wl.epochs, system.label)
     out = {"label": system.label, "start_s": started - t0, "listing_s": listed - started,
            "epochs": epochs}
     return out, loader
@@ -185,7 +210,8 @@ def _run_flat_out(warm: dict, wl: Workload, store, bar, io_epochs: int) -> dict:
             system, loader = runs[key]
             label = system.label if system else "DataLoader floor"
             try:
-                out[key] += _train(system, loader, wl, store if system else None, bar, 1,
+                out[key] += _train(system, loader, wl, store if system else None, bar,
+                                   [wl.epoch_steps],
                                    f"{label} (no compute)", compute=Compute(wl, flat_out=True),
                                    first=wl.epochs + 1 + e)
             except Exception as exc:
@@ -214,9 +240,9 @@ def _run_checkpoints(settings, system, loader, src, store, bar) -> dict:
     wl = settings.workload
     state = ck.model_state(wl.model_size_bytes, wl.seed)
     methods = {}
+    plan = wl.steps_for_saves(settings.checkpoint_saves)  # "none" too: a like baseline
     for key in ("none", *settings.methods):
         method = None if key == "none" else ck.build(key, src.checkpoint_root, system.runtime_dir)
-        epochs = wl.epochs_for_saves(settings.checkpoint_saves)  # "none" too: a like baseline
 
         def save(step: int, method=method) -> None:
             ck.touch(state, step)
@@ -226,7 +252,7 @@ def _run_checkpoints(settings, system, loader, src, store, bar) -> dict:
         try:
             if method is not None:
                 method.prepare(state)
-            epochs = _train(system, loader, wl, store, bar, epochs,
+            epochs = _train(system, loader, wl, store, bar, plan,
                             f"{system.label} + {key}", checkpoint=save)
             waited = method.finish() if method is not None else 0.0
         finally:
@@ -241,10 +267,17 @@ def _run_checkpoints(settings, system, loader, src, store, bar) -> dict:
             "root": src.checkpoint_root, "methods": methods}
 
 
-def _remove_checkpoints(src) -> None:
-    root = src.checkpoint_root
-    if not root:
-        return
+def _checkpoint_dir(src, bar, make: bool):
+    """``src`` with a checkpoint directory of this run's own if ``make`` (its store is
+    shared: another job may checkpoint under the same root), once those of this host's jobs
+    killed before their cleanup are removed."""
+    for left in sources.sweep_runs(src):
+        _say(bar, f"note: removed {left}, left by a job killed before its cleanup")
+    return sources.with_run_dir(src) if make else src
+
+
+def _remove_checkpoints(root: str) -> None:
+    """Remove this run's checkpoint directory (and nothing else under the root)."""
     try:
         fs, path = fsspec.core.url_to_fs(root)
         if fs.exists(path):
@@ -261,19 +294,19 @@ def text(results: dict, out_dir: str) -> str:
 
 def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
     """Run the job; returns every figure (also written to ``out_dir``: results.json,
-    results.png, results.txt)."""
+    results.png, results.txt; ResultsNotWritten, holding them, if they cannot be)."""
     warnings.filterwarnings("ignore", message=quiet.MESSAGE, category=UserWarning)
     wl = settings.workload
     os.makedirs(settings.out_dir, exist_ok=True)
+    report.check_writable(settings.out_dir)
     want_ck = wl.checkpoint and bool(settings.methods)
     reader = "cachemw" if "cachemw" in settings.systems else settings.systems[0]
-    total = len(settings.systems) * wl.epochs * wl.steps_per_epoch
-    total += sum(s in CACHES for s in settings.systems) * settings.io_epochs * wl.steps_per_epoch
+    total = len(settings.systems) * wl.epochs * wl.epoch_steps
+    total += sum(s in CACHES for s in settings.systems) * settings.io_epochs * wl.epoch_steps
     if "cachemw" in settings.systems:  # the DataLoader's floor, with the caches' flat-out epochs
-        total += settings.io_epochs * wl.steps_per_epoch
+        total += settings.io_epochs * wl.epoch_steps
     if want_ck:
-        total += ((1 + len(settings.methods)) * wl.epochs_for_saves(settings.checkpoint_saves)
-                  * wl.steps_per_epoch)
+        total += (1 + len(settings.methods)) * sum(wl.steps_for_saves(settings.checkpoint_saves))
     results = {"job": {
         "command": argv, "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "cpus": os.cpu_count(), "workload": dataclasses.asdict(wl),
@@ -283,7 +316,7 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
     for left in sweep_scratch():
         print(f"note: removed {left}, left by a job killed before its cleanup", file=sys.stderr)
     work = scratch_dir("cachemw-job-")
-    store, src, kept, warm = None, None, None, {}
+    store, src, kept, warm, run_dir = None, None, None, {}, None
     bar = tqdm(total=total, unit="step", disable=not settings.progress, file=sys.stderr,
                dynamic_ncols=True, leave=False)
     t_start = time.perf_counter()
@@ -292,6 +325,9 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
         if want_ck and not src.checkpoint_root:
             _say(bar, f"note: {src.description} is read-only here: no checkpoints")
             want_ck = False
+        if settings.source is not None and src.checkpoint_root:
+            src = _checkpoint_dir(src, bar, make=want_ck)
+            run_dir = src.checkpoint_root if want_ck else None
         caches = [k for k in settings.systems if k in CACHES] if settings.io_epochs else []
         for key in settings.systems:
             system = build(key, src, wl)
@@ -329,56 +365,19 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
             warm["kept"] = kept
         kept = None
         _stop_all(warm)
-        if src is not None and src.checkpoint_root and settings.source is not None:
-            _remove_checkpoints(src)
+        if run_dir is not None:
+            _remove_checkpoints(run_dir)
         if store is not None:
-            store.close()
+            try:
+                store.close()
+            except Exception as exc:  # the scratch dir below goes all the same
+                print(f"warning: could not stop the emulated store: {exc}", file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)
     results["over_floor"] = report.over_floor(results)
     results["targets"] = report.targets(results)
     results["verdict"] = report.verdict(results["targets"])
-    report.write_json(results, os.path.join(settings.out_dir, "results.json"))
-    report.write_png(results, os.path.join(settings.out_dir, "results.png"))
-    with open(os.path.join(settings.out_dir, "results.txt"), "w") as f:
-        f.write(report.table(results) + "\n\n" + results["verdict"] + "\n")
+    report.write_all(results, settings.out_dir)
     return results
-
-
-def _overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. train.epochs=2")
-        out[key.strip()] = value
-    return out
-
-
-def settings_from(args) -> JobSettings:
-    """The JobSettings ``cachemw job``'s arguments ask for (ValueError naming a bad one).
-    A workload's keys the job does not emulate are printed as a warning."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        workload = load(args.workload, _overrides(args.set))
-    for w in caught:
-        print(f"warning: {w.message}", file=sys.stderr)
-    profile = StoreProfile(latency=args.store_latency_ms / 1e3,
-                           meta_latency=args.store_meta_latency_ms / 1e3,
-                           bandwidth=parse_size(args.store_bandwidth, name="--store-bandwidth"))
-    try:
-        options = json.loads(args.source_options)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--source-options: not JSON ({exc})") from None
-    if not isinstance(options, dict):
-        raise ValueError(f"--source-options: expected a JSON object, got {args.source_options}")
-    methods = () if args.checkpoints.strip() == "none" else tuple(
-        m.strip() for m in args.checkpoints.split(",") if m.strip())
-    return JobSettings(workload=workload, profile=profile, source=args.source,
-                       source_options=options,
-                       systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
-                       methods=methods, checkpoint_saves=args.checkpoint_saves,
-                       io_epochs=args.io_epochs,
-                       out_dir=args.out, progress=not args.quiet)
 
 
 def main(args) -> int:
@@ -388,8 +387,10 @@ def main(args) -> int:
     where = settings.source or f"the emulated store ({settings.profile.describe()})"
     print(f"workload {wl.name}: {wl.num_files_train} files x {wl.num_samples_per_file} "
           f"sample(s) of {wl.record_length_bytes} bytes, batch {wl.batch_size}, "
-          f"{wl.read_threads} DataLoader workers, {wl.epochs} epochs, "
-          f"{wl.computation_time:g} s compute per step; on {where}", flush=True)
+          f"{wl.read_threads} DataLoader workers, {wl.epochs} epochs"
+          + (f" of {wl.epoch_steps} steps (train.total_training_steps)"
+             if wl.epoch_steps < wl.steps_per_epoch else "")
+          + f", {wl.computation_time:g} s compute per step; on {where}", flush=True)
     # a SIGTERM is taken as a Ctrl-C; either once only: a second one during the cleanup
     # would cut it short, leaving the store's data in /dev/shm
     _interrupts.clear()
@@ -397,6 +398,15 @@ def main(args) -> int:
     previous = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         out = run(settings, argv=sys.argv)
+    except report.ResultsNotWritten as exc:  # the run's figures, printed all the same
+        print(f"{report.table(exc.results)}\n{exc.results['verdict']}", flush=True)
+        raise
+    except KeyboardInterrupt:
+        if _interrupts and _interrupts[0] == signal.SIGTERM:  # cleaned up: said as such
+            print("cachemw job: terminated (SIGTERM); everything it started is stopped and "
+                  "removed", file=sys.stderr, flush=True)
+            return 128 + signal.SIGTERM
+        raise  # Ctrl-C: "interrupted", 130 (cli.py)
     finally:  # interrupted: the rest of the way out is not cut short either
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_IGN if _interrupts else handler)
@@ -412,6 +422,11 @@ def _interrupted(signum, frame) -> None:
         raise KeyboardInterrupt
     _interrupts.append(signum)
     if len(_interrupts) == 1:
+        # the DataLoader's SIGCHLD handler raises when a worker dies by a signal: the
+        # workers of a signalled process group die with this one, and that error, raised
+        # in the middle of the cleanup, cut it short (the store's data left in /dev/shm)
+        # and was said instead of the stop
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         raise KeyboardInterrupt(f"signal {signum}")
     print("cachemw job: cleaning up, one moment", file=sys.stderr, flush=True)
 

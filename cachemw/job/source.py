@@ -3,19 +3,28 @@ fsspec URL (``--source``), and the dataset generated there, DLIO-style.
 
 The dataset is ``num_files_train`` files named as DLIO names them
 (``{file_prefix}_{i}_of_{n}.bin``), each ``num_samples_per_file`` records of that file's
-record length (``record_length_bytes``, drawn around it with
-``record_length_bytes_stdev``), random bytes from the workload's seed: the same files on
+record length (DLIO's ``dataset.record_length``, drawn around it with
+``record_length_stdev``), random bytes from the workload's seed: the same files on
 every run, so a dataset left in a ``--source`` directory is found complete and reused.
+
+Checkpoints on a ``--source`` go to a directory of the run's own under
+``<source>/cachemw-job/checkpoints/`` (``with_run_dir``), removed after the run: two jobs on
+one store (two nodes, two users) never write or delete each other's. Each is marked with
+its job (owners.py), and a job removes the directories of this host's jobs that are gone
+without their cleanup (``sweep_runs``).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import posixpath
+import secrets
+import time
 
 import fsspec
 import numpy as np
 
+from . import owners
 from .workload import Workload
 
 JOB_DIR = "cachemw-job"  # under a --source: the job's datasets and (while it runs) checkpoints
@@ -113,3 +122,43 @@ def emulated_source(store_url: str, workload: Workload, jobstore_protocol: str) 
     hostport = store_url.split("://", 1)[1]
     return Source("http", {}, f"{store_url}/{workload.name}/train",
                   f"{jobstore_protocol}://{hostport}/checkpoints", "the emulated store")
+
+
+def _path(src: Source, url: str) -> tuple:
+    fs = src.fs()
+    return fs, fs._strip_protocol(url)
+
+
+def with_run_dir(src: Source) -> Source:
+    """``src`` with its checkpoints in a new directory of this run's own under its
+    checkpoint root, marked with this job (made now, so that no other job's sweep takes
+    it for a dead job's: a directory without its mark is never swept)."""
+    name = f"run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{secrets.token_hex(4)}"
+    root = f"{src.checkpoint_root.rstrip('/')}/{name}"
+    fs, path = _path(src, root)
+    fs.makedirs(path, exist_ok=True)
+    fs.pipe_file(f"{path}/{owners.OWNER}", owners.mark().encode())
+    return dataclasses.replace(src, checkpoint_root=root)
+
+
+def sweep_runs(src: Source) -> list[str]:
+    """Remove the run directories under ``src``'s checkpoint root whose job ran on this
+    host and is gone without its cleanup; returns them. Unmarked directories (a run's
+    being made, another tool's) and other hosts' runs are left alone."""
+    fs, base = _path(src, src.checkpoint_root)
+    try:
+        names = fs.ls(base, detail=False, refresh=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for path in names:
+        if not posixpath.basename(path.rstrip("/")).startswith("run-"):
+            continue
+        try:
+            dead = owners.gone(fs.cat_file(f"{path.rstrip('/')}/{owners.OWNER}").decode())
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if dead:
+            fs.rm(path, recursive=True)
+            removed.append(path)
+    return removed

@@ -19,13 +19,12 @@ import dataclasses
 import glob
 import os
 import shutil
-import socket
 import stat
 import tempfile
 
 from ..launch import stop_local
-from ..processes import process_alive, process_start
 from ..torch import AnnouncingSampler
+from .owners import OWNER, gone, mark
 from .settings import SYSTEMS
 from .source import Source
 from .training import Opener
@@ -33,9 +32,6 @@ from .workload import Workload
 
 LABELS = {"direct": "direct reads", "simplecache": "fsspec simplecache::",
           "cachemw": "cachemw:: (epoch 1 cold)", "cachemw+announce": "cachemw:: + AnnouncingSampler"}
-
-
-OWNER = ".cachemw-job-owner"  # in each scratch dir: its job's pid, start time and host
 
 
 def _scratch_base() -> str | None:
@@ -47,7 +43,7 @@ def scratch_dir(prefix: str) -> str:
     marked with the job that made it (``sweep_scratch``)."""
     path = tempfile.mkdtemp(prefix=prefix, dir=_scratch_base())
     with open(os.path.join(path, OWNER), "w") as f:
-        f.write(f"{os.getpid()} {process_start(os.getpid())} {socket.gethostname()}")
+        f.write(mark())
     return path
 
 
@@ -62,13 +58,10 @@ def sweep_scratch() -> list[str]:
                 if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                     continue
                 with open(os.path.join(path, OWNER)) as f:
-                    pid, start, host = f.read().split()
-                if host != socket.gethostname():  # a /tmp shared by nodes: not ours to judge
-                    continue
-                alive = process_alive(int(pid), None if start == "None" else int(start))
+                    dead = gone(f.read())  # (another node's, in a shared /tmp: never)
             except (OSError, ValueError):
                 continue  # no mark (another tool's, or being made): not ours to judge
-            if not alive:
+            if dead:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed

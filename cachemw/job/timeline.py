@@ -5,8 +5,8 @@ timelines.
 
 AU (accelerator utilisation) as dlio_benchmark computes it (``utils/statscounter.py``):
 the compute time of the steps kept, divided by the wall time they span, leaving out the
-first ``exclude_start_steps`` steps (1: the first step pays for starting the loader's
-workers) and the last ``exclude_end_steps``. One difference, on purpose: DLIO ends its
+first ``exclude_start_steps`` steps (1, as dlio_benchmark 2.0.0 leaves out the first: it
+pays for starting the loader's workers) and the last ``exclude_end_steps`` (0). One difference, on purpose: DLIO ends its
 timing block before a checkpoint and starts a new one after, so its AU never sees a
 checkpoint's stall; here the stall is part of the step that checkpoints, so AU shows what
 checkpoints cost the training.

@@ -11,6 +11,7 @@ trainer sees it), the compute, and a checkpoint's stall (timeline.Step).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import Callable, Sequence
@@ -85,7 +86,7 @@ class MemorySamples:
 
 def collate(batch: list) -> tuple:
     """A batch as one flat uint8 tensor and the samples' lengths (samples may differ in
-    size, as with DLIO's ``record_length_bytes_stdev``): one copy per sample. In a worker
+    size, as with DLIO's ``dataset.record_length_stdev``): one copy per sample. In a worker
     the batch is built in shared memory, as torch's default_collate builds its batches:
     a batch in private memory is copied once more into shared memory on its way to the
     trainer."""
@@ -111,15 +112,49 @@ def _batch_tensor(n: int) -> torch.Tensor:
     return torch.empty(n, dtype=torch.uint8)
 
 
-def base_sampler(workload: Workload, n: int):
+class EpochSteps(torch.utils.data.Sampler):
+    """The first ``steps`` batches of ``sampler``'s order each epoch (all of it while
+    ``steps`` is None; ``train_epoch`` sets it): an epoch stopped early
+    (``train.total_training_steps``, the checkpoint phase's last epoch at its last save)
+    reads no sample it does not train on. Handed the whole order, the DataLoader's workers
+    would read on past the last step, and those reads would be counted in the next epoch."""
+
+    def __init__(self, sampler, batch_size: int, steps: int | None = None) -> None:
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.steps = steps
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n if self.steps is None else min(n, self.steps * self.batch_size)
+
+    def __iter__(self):
+        if self.steps is None:
+            yield from self.sampler
+        else:
+            yield from itertools.islice(self.sampler, self.steps * self.batch_size)
+
+
+def base_sampler(workload: Workload, n: int) -> EpochSteps:
     """DLIO's ``sample_shuffle``: off (in order), seed (a fixed seed: every run and every
-    system reads the same orders, a new one each epoch) or random."""
+    system reads the same orders, a new one each epoch) or random; each epoch
+    ``workload.epoch_steps`` batches of it (``EpochSteps``)."""
     if workload.sample_shuffle == "off":
-        return torch.utils.data.SequentialSampler(range(n))
-    g = torch.Generator()
-    g.manual_seed(workload.seed if workload.sample_shuffle == "seed" else
-                  int.from_bytes(os.urandom(8), "little") >> 1)
-    return torch.utils.data.RandomSampler(range(n), generator=g)
+        order = torch.utils.data.SequentialSampler(range(n))
+    else:
+        g = torch.Generator()
+        g.manual_seed(workload.seed if workload.sample_shuffle == "seed" else
+                      int.from_bytes(os.urandom(8), "little") >> 1)
+        order = torch.utils.data.RandomSampler(range(n), generator=g)
+    return EpochSteps(order, workload.batch_size, workload.epoch_steps)
+
+
+def _epoch_steps_of(loader) -> EpochSteps | None:
+    """The loader's EpochSteps, under whatever wraps it (an AnnouncingSampler)."""
+    sampler = loader.sampler
+    while sampler is not None and not isinstance(sampler, EpochSteps):
+        sampler = getattr(sampler, "sampler", None)
+    return sampler
 
 
 def worker_init(worker_id: int) -> None:
@@ -160,14 +195,18 @@ class Compute:
 
 def train_epoch(loader, workload: Workload, epoch: int, step: int, compute: Compute,
                 checkpoint: Callable[[int], None] | None = None,
-                on_step: Callable[[], None] | None = None) -> tuple[Epoch, int]:
-    """One epoch; ``step`` is the global step count before it. Returns the epoch's
-    timeline and the global step count after it. ``checkpoint(step)`` runs where the
-    workload puts a checkpoint; its time is the step's checkpoint stall."""
-    n_steps = workload.steps_per_epoch
-    if workload.total_training_steps > 0:
-        n_steps = max(0, min(n_steps, workload.total_training_steps - step))
-    steps = []
+                on_step: Callable[[], None] | None = None,
+                steps: int | None = None) -> tuple[Epoch, int]:
+    """One epoch of ``steps`` steps (``workload.epoch_steps`` if None); ``step`` is the
+    global step count before it. Returns the epoch's timeline and the global step count
+    after it. ``checkpoint(step)`` runs where the workload puts a checkpoint; its time is
+    the step's checkpoint stall. The loader's sampler (``base_sampler``) is told how many
+    batches to hand out, so that its workers read no further than the epoch trains."""
+    n_steps = workload.epoch_steps if steps is None else steps
+    limit = _epoch_steps_of(loader)
+    if limit is not None:
+        limit.steps = n_steps
+    out = []
     t0 = time.perf_counter()
     it = iter(loader)
     for i in range(n_steps):
@@ -183,10 +222,10 @@ def train_epoch(loader, workload: Workload, epoch: int, step: int, compute: Comp
         if checkpoint is not None and workload.checkpoint_due(step, epoch, i == n_steps - 1):
             checkpoint(step)
         d = time.perf_counter()
-        steps.append(Step(load=b - a, compute=c - b, checkpoint=d - c, end=d - t0,
-                          samples=int(lengths.numel()), nbytes=int(flat.numel())))
+        out.append(Step(load=b - a, compute=c - b, checkpoint=d - c, end=d - t0,
+                        samples=int(lengths.numel()), nbytes=int(flat.numel())))
         del flat, lengths
         if on_step is not None:
             on_step()
-    wall = steps[-1].end if steps else time.perf_counter() - t0
-    return Epoch(epoch, tuple(steps), wall), step
+    wall = out[-1].end if out else time.perf_counter() - t0
+    return Epoch(epoch, tuple(out), wall), step

@@ -1,17 +1,19 @@
-"""DLIO workload files (YAML, dlio_benchmark's own keys) -> ``Workload``, the job's settings.
+"""DLIO workload files (YAML, dlio_benchmark 2.0.0's own keys) -> ``Workload``, the job's settings.
 
 A user can bring a workload file written for DLIO (``configs/workload/*.yaml`` of
-dlio_benchmark): every key DLIO reads is known here. Those the job emulates set a field;
-those it does not (formats, TensorFlow options, evaluation, profiling, storage, ...) are
-named in one warning, since a run that silently drops a setting would measure something
-else than the file says. A key DLIO does not know either is an error naming it (a typo
-would otherwise be a setting that never applies), with the nearest known key.
+dlio_benchmark 2.0.0, the version cachemw pins): every key DLIO reads is known here
+(dlio_keys.py). Those the job emulates set a field; those it does not (formats,
+TensorFlow options, evaluation, profiling, storage, ...) are named in one warning, since a
+run that silently drops a setting would measure something else than the file says. A key
+DLIO does not know either is an error naming it (a typo would otherwise be a setting that
+never applies), with the nearest known key, or 2.0.0's name for a later release's key.
 
-Names and defaults follow dlio_benchmark's ``utils/config.py`` (``ConfigArguments`` and
-``LoadConfig``): e.g. ``model.model_size_bytes`` is the checkpointed state's size (DLIO
-ignores ``model.model_size``, which some of its own files carry), AU leaves out the first
-step (``output.metric.exclude_start_steps: 1``), checkpoints are off unless
-``workflow.checkpoint`` is true.
+Names and defaults follow dlio_benchmark 2.0.0's ``utils/config.py`` (``ConfigArguments``
+and ``LoadConfig``): ``dataset.record_length`` is a sample's size in bytes,
+``checkpoint.model_size`` the checkpointed state's, ``model`` the workload's name;
+checkpoints are off unless ``workflow.checkpoint`` is true; ``train.total_training_steps``
+stops each epoch after that many steps (2.0.0 counts them per epoch); AU leaves out the
+first step, as 2.0.0's statistics do.
 
 ``--set dataset.num_files_train=64`` (``overrides``) changes one key from the command line,
 as DLIO's ``++workload.dataset.num_files_train=64`` does.
@@ -19,127 +21,15 @@ as DLIO's ``++workload.dataset.num_files_train=64`` does.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
+import re
 import warnings
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import yaml
 
+from .dlio_keys import AS_EMULATED, EMULATED, LATER_NAMES, NOT_EMULATED, SECTIONS, known, unknown_key_hint
 from .settings import WORKLOAD_DIR, shipped
-
-SHUFFLE_VALUES = ("off", "seed", "random")
-
-
-def _int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"expected an integer, got {v!r}")
-    return int(float(v))
-
-
-def _float(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"expected a number, got {v!r}")
-    return float(v)
-
-
-def _bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, str) and v.lower() in ("true", "false"):
-        return v.lower() == "true"
-    raise ValueError(f"expected true or false, got {v!r}")
-
-
-def _shuffle(v: Any) -> str:
-    s = str(v).lower() if not isinstance(v, bool) else ("seed" if v else "off")
-    if s not in SHUFFLE_VALUES:
-        raise ValueError(f"expected one of {', '.join(SHUFFLE_VALUES)}, got {v!r}")
-    return s
-
-
-def _str(v: Any) -> str:
-    return str(v)
-
-
-def _normal(v: Any) -> str:
-    if v != "normal":
-        raise ValueError(f"the job draws computation times from a normal distribution "
-                         f"(mean, stdev) only, got type {v!r}")
-    return v
-
-
-# DLIO key -> (Workload field, converter). Timings given as {mean, stdev} dicts (DLIO's
-# other form) are split by _flatten into key.mean / key.stdev.
-EMULATED: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "model.name": ("name", _str),
-    "model.model_size_bytes": ("model_size_bytes", _int),
-    "workflow.train": ("train", _bool),
-    "workflow.checkpoint": ("checkpoint", _bool),
-    "workflow.generate_data": ("generate_data", _bool),
-    "dataset.num_files_train": ("num_files_train", _int),
-    "dataset.num_samples_per_file": ("num_samples_per_file", _int),
-    "dataset.record_length_bytes": ("record_length_bytes", _int),
-    "dataset.record_length_bytes_stdev": ("record_length_bytes_stdev", _int),
-    "dataset.file_prefix": ("file_prefix", _str),
-    "reader.batch_size": ("batch_size", _int),
-    "reader.read_threads": ("read_threads", _int),
-    "reader.prefetch_size": ("prefetch_size", _int),
-    "reader.sample_shuffle": ("sample_shuffle", _shuffle),
-    "reader.multiprocessing_context": ("multiprocessing_context", _str),
-    "train.epochs": ("epochs", _int),
-    "train.computation_time": ("computation_time", _float),
-    "train.computation_time.mean": ("computation_time", _float),
-    "train.computation_time.stdev": ("computation_time_stdev", _float),
-    "train.computation_time_stdev": ("computation_time_stdev", _float),
-    "train.computation_time.type": ("computation_time_type", _normal),
-    "train.total_training_steps": ("total_training_steps", _int),
-    "train.seed": ("seed", _int),
-    "checkpoint.steps_between_checkpoints": ("steps_between_checkpoints", _int),
-    "checkpoint.epochs_between_checkpoints": ("epochs_between_checkpoints", _int),
-    "checkpoint.checkpoint_after_epoch": ("checkpoint_after_epoch", _int),
-    "metric.au": ("au", _float),
-    "output.metric.exclude_start_steps": ("exclude_start_steps", _int),
-    "output.metric.exclude_end_steps": ("exclude_end_steps", _int),
-}
-
-# Keys that describe what the job does anyway when they have this value (a DLIO file for
-# the torch loader says so); any other value is not emulated (warned about).
-AS_EMULATED = {"framework": "pytorch", "reader.data_loader": "pytorch"}
-
-# Keys dlio_benchmark reads (utils/config.py LoadConfig) that the job does not emulate.
-NOT_EMULATED = frozenset("""
-storage.storage_type storage.storage_root storage.storage_options
-dataset.record_length_bytes_resize dataset.num_files_eval dataset.generation_buffer_size
-dataset.data_folder dataset.num_subfolders_train dataset.num_subfolders_eval
-dataset.enable_chunking dataset.chunk_size dataset.compression dataset.compression_level
-dataset.format dataset.keep_files dataset.record_element_bytes dataset.record_element_type
-dataset.record_dims dataset.hdf5.chunk_dims dataset.hdf5.num_dset_per_record
-dataset.hdf5.max_shape
-reader.dont_use_mmap reader.reader_classname
-reader.data_loader_classname reader.data_loader_sampler reader.computation_threads
-reader.batch_size_eval reader.file_shuffle reader.file_access reader.shuffle_size
-reader.read_type reader.transfer_size reader.odirect reader.preprocess_time
-reader.preprocess_time.mean reader.preprocess_time.stdev reader.preprocess_time_stdev
-reader.pin_memory reader.transformed_record_dims reader.transformed_record_element_type
-train.seed_change_epoch
-evaluation.eval_time evaluation.eval_time.mean evaluation.eval_time.stdev
-evaluation.eval_time_stdev evaluation.eval_after_epoch evaluation.epochs_between_evals
-checkpoint.checkpoint_folder checkpoint.type checkpoint.checkpoint_mechanism_classname
-checkpoint.fsync checkpoint.time_between_checkpoints checkpoint.num_checkpoints_write
-checkpoint.num_checkpoints_read checkpoint.recovery_rank_shift checkpoint.rank_sync
-checkpoint.mode checkpoint.randomize_tensor checkpoint.ksm checkpoint.ksm.madv_mergeable_id
-checkpoint.ksm.high_ram_trigger checkpoint.ksm.low_ram_exit checkpoint.ksm.await_time
-model.type model.model_size model.optimization_groups model.num_layers
-model.layer_parameters model.model_datatype model.optimizer_datatype
-model.parallelism.tensor model.parallelism.pipeline model.parallelism.data
-model.parallelism.zero_stage model.transformer.vocab_size model.transformer.hidden_size
-model.transformer.ffn_hidden_size model.transformer.num_attention_heads
-model.transformer.num_kv_heads
-output.folder output.log_file
-workflow.evaluation workflow.profiling workflow.debug
-profiling.profiler profiling.iostat_devices
-""".split())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +53,6 @@ class Workload:
     epochs: int = 1
     computation_time: float = 0.0
     computation_time_stdev: float = 0.0
-    computation_time_type: str = "normal"  # DLIO's sleep(): abs(normal(mean, stdev))
     total_training_steps: int = -1
     seed: int = 123
     steps_between_checkpoints: int = -1
@@ -171,6 +60,7 @@ class Workload:
     checkpoint_after_epoch: int = 1
     model_size_bytes: int = 10240
     au: float = 0.90
+    # AU leaves out the first step, as 2.0.0's statistics do (no key sets these)
     exclude_start_steps: int = 1
     exclude_end_steps: int = 0
     not_emulated: tuple = ()  # DLIO keys the file set that the job does not emulate
@@ -185,8 +75,7 @@ class Workload:
             if getattr(self, name) < 1:
                 raise ValueError(f"{_key_of(name)}: must be >= 1, got {getattr(self, name)}")
         for name in ("read_threads", "prefetch_size", "record_length_bytes_stdev",
-                     "computation_time", "computation_time_stdev", "exclude_start_steps",
-                     "exclude_end_steps"):
+                     "computation_time", "computation_time_stdev"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_key_of(name)}: must be >= 0, got {getattr(self, name)}")
         if self.steps_between_checkpoints == 0 or self.steps_between_checkpoints < -1:
@@ -200,7 +89,7 @@ class Workload:
         if self.samples < self.batch_size:  # whole batches only, as DLIO: no step at all
             raise ValueError(f"reader.batch_size: {self.batch_size} is more than the dataset's "
                              f"{self.samples} samples (dataset.num_files_train x "
-                             f"num_samples_per_file): an epoch would have no step")
+                             f"dataset.num_samples_per_file): an epoch would have no step")
 
     # -- derived ---------------------------------------------------------------------
 
@@ -212,6 +101,15 @@ class Workload:
     def steps_per_epoch(self) -> int:
         """DLIO's: floor(samples / batch_size) (a last partial batch is dropped)."""
         return self.samples // self.batch_size
+
+    @property
+    def epoch_steps(self) -> int:
+        """Steps an epoch trains: ``steps_per_epoch``, at most ``total_training_steps``
+        when that is set (> 0): dlio_benchmark 2.0.0 counts a run's steps per epoch and
+        stops each epoch there (``main.py``, ``_train``), every epoch still run."""
+        if self.total_training_steps > 0:
+            return min(self.steps_per_epoch, self.total_training_steps)
+        return self.steps_per_epoch
 
     @property
     def dataset_bytes(self) -> int:
@@ -227,7 +125,9 @@ class Workload:
     def checkpoint_due(self, step: int, epoch: int, last_step_of_epoch: bool) -> bool:
         """Whether the job checkpoints after global ``step`` (1-based, counted over epochs),
         in ``epoch`` (1-based): every ``steps_between_checkpoints`` steps, or at the end
-        of epoch ``checkpoint_after_epoch`` and every ``epochs_between_checkpoints`` after."""
+        of epoch ``checkpoint_after_epoch`` and every ``epochs_between_checkpoints`` after.
+        One difference from dlio_benchmark 2.0.0, kept on purpose: 2.0.0 restarts its step
+        count each epoch, so an interval longer than an epoch never checkpoints there."""
         if not self.checkpoint:
             return False
         if self.steps_between_checkpoints > 0:
@@ -235,13 +135,15 @@ class Workload:
         return (last_step_of_epoch and epoch >= self.checkpoint_after_epoch and
                 (epoch - self.checkpoint_after_epoch) % self.epochs_between_checkpoints == 0)
 
-
-    def epochs_for_saves(self, saves: int) -> int:
-        """Whole epochs to train for ``saves`` checkpoints on the workload's schedule."""
+    def steps_for_saves(self, saves: int) -> list[int]:
+        """The steps of each epoch to train for exactly ``saves`` checkpoints on the
+        workload's schedule: whole epochs (``epoch_steps``), the last one stopped at the
+        step of the last save (it is whole on a per-epoch schedule)."""
         if self.steps_between_checkpoints > 0:
-            steps = saves * self.steps_between_checkpoints
-            return max(1, -(-steps // max(1, self.steps_per_epoch)))
-        return self.checkpoint_after_epoch + (saves - 1) * self.epochs_between_checkpoints
+            whole, rest = divmod(saves * self.steps_between_checkpoints, self.epoch_steps)
+            return [self.epoch_steps] * whole + ([rest] if rest else [])
+        epochs = self.checkpoint_after_epoch + (saves - 1) * self.epochs_between_checkpoints
+        return [self.epoch_steps] * epochs
 
 
 def _key_of(field: str) -> str:
@@ -270,12 +172,29 @@ def from_mapping(tree: Mapping, *, source: str = "workload", overrides: Mapping[
                          f"train:, ...), got {type(tree).__name__}")
     if set(tree) == {"workload"} and isinstance(tree["workload"], Mapping):
         tree = tree["workload"]  # a file written as hydra's ++workload.* group
+    if "data_reader" in tree:  # DLIO 2.0.0's other name of the reader section
+        if "reader" in tree:
+            raise ValueError(f"{source}: both reader: and data_reader: (dlio_benchmark reads "
+                             f"data_reader: alone then); keep one")
+        tree = {("reader" if k == "data_reader" else k): v for k, v in tree.items()}
     flat = _flatten(tree)
     given: set[str] = set()  # keys set on the command line: named as such in messages
     for key, value in dict(overrides).items():
         key = key.removeprefix("++").removeprefix("workload.")
+        if key.startswith("data_reader."):
+            key = "reader." + key.removeprefix("data_reader.")
         flat[key] = yaml.safe_load(value) if isinstance(value, str) else value
         given.add(key)
+
+    for later, key in LATER_NAMES.items():  # a later DLIO's name: taken as 2.0.0's
+        if later in flat:
+            value = flat.pop(later)
+            if key in flat and flat[key] != value:
+                raise ValueError(f"{source}: {later} ({value!r}) and {key} ({flat[key]!r}) say "
+                                 f"the same (a later dlio_benchmark's name and 2.0.0's): keep one")
+            flat[key] = value
+            if later in given:
+                given.add(key)
 
     def where(key: str) -> str:
         return f"--set {key}" if key in given else f"{source}: {key}"
@@ -293,14 +212,13 @@ def from_mapping(tree: Mapping, *, source: str = "workload", overrides: Mapping[
             continue
         elif key in AS_EMULATED:
             skipped.append(f"{key} ({value}: the job runs {AS_EMULATED[key]})")
-        elif key in NOT_EMULATED or any(key.startswith(k + ".") for k in NOT_EMULATED):
+        elif known(key) or any(key.startswith(k + ".") for k in NOT_EMULATED):
             skipped.append(key)
+        elif key in SECTIONS and (value is None or value == {}):
+            continue  # a section left empty sets nothing
         else:
-            near = difflib.get_close_matches(key, [*EMULATED, *AS_EMULATED, *NOT_EMULATED],
-                                             n=1, cutoff=0.6)
-            hint = f" (did you mean {near[0]}?)" if near else ""
-            raise ValueError(f"{where(key).removesuffix(': ' + key)}: unknown key {key!r}{hint}: "
-                             f"neither dlio_benchmark nor the job reads it; remove or fix it")
+            raise ValueError(f"{where(key).removesuffix(': ' + key)}: unknown key {key!r}: "
+                             f"{unknown_key_hint(key)}")
     if skipped:
         by_set = sorted(s for s in skipped if s.split(" ")[0] in given)
         in_file = sorted(s for s in skipped if s.split(" ")[0] not in given)
@@ -311,7 +229,22 @@ def from_mapping(tree: Mapping, *, source: str = "workload", overrides: Mapping[
     try:
         return Workload(**fields, not_emulated=tuple(sorted(skipped)))
     except ValueError as exc:
-        raise ValueError(f"{source}: {exc}") from None
+        raise ValueError(_blamed(str(exc), source, given)) from None
+
+
+_KEY = re.compile(r"(?<![\w.])([a-z_]+(?:\.[a-z_]+)+)(?![\w.])")
+
+
+def _blamed(message: str, source: str, given: set) -> str:
+    """A bad value's message, said of whoever set the keys it names: the workload file,
+    ``--set``, or the file with some ``--set`` (a dataset too small for the batch)."""
+    named = [k for k in dict.fromkeys(_KEY.findall(message)) if k in EMULATED]
+    by_set = [k for k in named if k in given]
+    if not by_set:
+        return f"{source}: {message}"
+    if len(by_set) == len(named):
+        return f"--set {message}"
+    return f"{source} with --set {', '.join(by_set)}: {message}"
 
 
 def load(name_or_path: str, overrides: Mapping[str, Any] = ()) -> Workload:
