@@ -161,9 +161,27 @@ def _frames(address, runtime_dir, before: list[dict], t0: float, interval: float
 
 
 def _plain(table) -> str:
-    """The table as text, without colours or control codes."""
+    """The table as text, without colours or control codes; in ASCII boxes where stdout's
+    encoding (a latin-1 pipe, say) cannot hold rich's box characters, as rich's own
+    console then draws them."""
+    from rich import box
     from rich.console import Console
 
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:
+        "\u2500".encode(encoding)
+    except LookupError:  # an encoding Python does not know
+        encoding, table.box = "ascii", box.ASCII
+    except UnicodeEncodeError:
+        table.box = box.ASCII
     out = io.StringIO()
     Console(file=out, force_terminal=False, no_color=True).print(table)
-    return out.getvalue()
+    return out.getvalue().encode(encoding, "replace").decode(encoding)
+    if True:  # a latin-1 pipe, say: ASCII boxes, as rich's own
+        from rich import box
+
+        table.box = box.ASCII
+        out = io.StringIO()
+        Console(file=out, force_terminal=False, no_color=True).print(table)
+        text = out.getvalue().encode(encoding, "replace").decode(encoding)
+    return text

@@ -30,7 +30,7 @@ lines all parse. Ids (one count for both writers) are given as events happen, so
 A process writes one file per ``start``: after ``stop`` (or a failed write), a ``start``
 opens ``cachemw-<host>-<pid>.<n>.pfw``, never truncating what it wrote before. A ``start``
 into another directory finishes the current file (``]``) first: every file a process leaves
-is a whole JSON array.
+is finished, as DFTracer writes its files (``[``, one JSON value per line, ``]``).
 
 Nesting: Perfetto's JSON importer needs the X events of a thread properly nested, and
 reads a parent before its children when both start in the same microsecond only if it
@@ -95,7 +95,7 @@ _warned = False
 def start(directory: str) -> None:
     """Trace this process (and the processes it forks) into ``directory`` (made if missing,
     0700). Again with the same directory: nothing changes; with another: the file of the
-    directory before is finished (what is buffered, then ``]``: a whole JSON array), and
+    directory before is finished (what is buffered, then ``]``), and
     later events go to a file in the new one (a process traces into one file at a time)."""
     global ENABLED, _dir, _closed
     directory = check_trace_dir(directory, "trace")

@@ -30,7 +30,7 @@ cachemw_job_layout() {
         return 1
     fi
     CACHEMW_RAY_PORT_BASE=${CACHEMW_RAY_PORT_BASE:-$((10000 + (job % 220) * 100))}
-    if ! [[ $CACHEMW_RAY_PORT_BASE =~ ^[0-9]{4,5}$ ]] || (( CACHEMW_RAY_PORT_BASE < 1024 ||
+    if ! [[ $CACHEMW_RAY_PORT_BASE =~ ^[1-9][0-9]{3,4}$ ]] || (( CACHEMW_RAY_PORT_BASE < 1024 ||
             CACHEMW_RAY_PORT_BASE > 65436 )); then
         echo "cachemw-job: CACHEMW_RAY_PORT_BASE must be a port from 1024 to 65436 (its" \
              "block of 100 below 32768 is best: 10000-32668), got '$CACHEMW_RAY_PORT_BASE'" >&2

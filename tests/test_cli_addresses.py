@@ -113,3 +113,23 @@ def test_the_address_of_the_local_cluster_is_reached_with_its_token(tmp_path):
     finally:
         if (rt / "ray.json").exists():
             _cli("stop", env=env, timeout=240)
+
+
+def test_an_ipv6_address_is_checked_as_ray_takes_it():
+    """``[::1]:PORT`` (Ray's form of an IPv6 address): the brackets went into the connect,
+    whose lookup failed, so a listening cluster was said not to answer."""
+    import socket
+
+    from cachemw.cluster.local_ray import answers, names
+
+    try:
+        server = socket.socket(socket.AF_INET6)
+        server.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with server:
+        server.listen()
+        port = server.getsockname()[1]
+        assert answers(f"[::1]:{port}")
+        assert names({"address": f"127.0.0.1:{port}"}, f"[::1]:{port}")
+    assert not answers(f"[::1]:{port}")

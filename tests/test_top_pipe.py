@@ -50,3 +50,22 @@ def test_top_into_a_pipe_writes_each_frame_as_it_is_made(runtime_dir, spawn_daem
             proc.kill()
             proc.wait(timeout=10)
         proc.stderr.close()
+
+
+def test_a_frame_into_a_latin_1_pipe_is_drawn_in_ascii(monkeypatch):
+    """A pipe or file in latin-1 (a locale, PYTHONIOENCODING) cannot hold rich's box
+    characters: the frame's write failed before any frame appeared."""
+    import io
+    import sys
+
+    from rich.table import Table
+
+    from cachemw import top
+
+    table = Table(title="t")
+    table.add_column("tier")
+    table.add_row("dram")
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="latin-1"))
+    text = top._plain(table)
+    text.encode("latin-1")
+    assert "dram" in text and "+" in text

@@ -162,6 +162,7 @@ def answers(address: str) -> bool:
     host, _, port = address.rpartition(":")
     if not host or "://" in address or not port.isdigit():
         return True
+    host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:6379
     try:
         with socket.create_connection((host, int(port)), timeout=2):
             return True
@@ -180,12 +181,15 @@ def names(state: dict | None, address: str) -> bool:
     host, _, port = address.rpartition(":")
     if not port.isdigit() or int(port) != int(state["address"].rpartition(":")[2]):
         return False
-    try:
-        with socket.socket(socket.AF_INET) as s:  # binds only to an address of this machine
-            s.bind((host, 0))
-        return True
-    except (OSError, ValueError):  # not of this machine, or no host name at all
-        return False
+    host = host.removeprefix("[").removesuffix("]")
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            with socket.socket(family) as s:  # binds only to an address of this machine
+                s.bind((host, 0))
+            return True
+        except (OSError, ValueError):  # not of this machine (in this family), or no host
+            continue
+    return False
 
 
 def forget_state(runtime_dir: str) -> None:
