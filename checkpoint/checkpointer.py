@@ -14,7 +14,6 @@ retention -> watchers are notified. Any failure, on any rank, fails the handle o
 """
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 import time
@@ -31,10 +30,10 @@ from cachemw import trace
 from . import watch as watch_channel
 from .background import niceness, run_at
 from .config import BUSY_POLICIES, CheckpointerConfig
-from .coordination import Coordinator, check_same_step, message_of, report, same_type, unwrap
+from .coordination import Coordinator, check_same_step, report, unwrap
 from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
-from .choosing import adopt_root, choose, counted_entries
+from .choosing import adopt_root, choose, counted_entries, only_copies
 from .errors import CheckpointBusyError, CheckpointNotFoundError, ChecksumError
 from .handle import SaveHandle
 from .layout import CheckpointDir, Entry, step_dir_name
@@ -45,7 +44,7 @@ from .reader import CachemwStorageReader
 from .stager import BufferStager
 from .state_tree import apply_loaded, prepare_for_load, to_state_dict, unplaced
 from .storage_io import Location
-from .tiers import Drainer, copy_file_whole, daemon_fast_root
+from .tiers import Drainer, daemon_fast_root, drain_committed
 from .writer import MANIFEST_NAME, METADATA_NAME, CachemwStorageWriter
 
 log = logging.getLogger(__name__)
@@ -85,7 +84,7 @@ class Checkpointer:
             self.root.location.makedirs()
             self.root.sweep(self.config.stale_after_s)
         if self.fast is not None:  # the root's id, for its fast tiers (choosing.adopt_root)
-            root_id = self._coordinator_value(self.root.root_id)
+            root_id = self.coord.value_of(self.root.root_id)
             self.fast.location.makedirs()
             self.fast.sweep(self.config.stale_after_s)
             adopt_root(self.fast, root_id, self.root.location.url)
@@ -284,26 +283,11 @@ class Checkpointer:
 
         def only_copy(entry: Entry) -> bool:
             if not found:
-                found.append(self._only_copies())
+                found.append(only_copies(self.root, self.fast, self.config.keep_last,
+                                         self.config.fast_keep_last))
             return entry.name in found[0]
 
         return only_copy
-
-    def _only_copies(self) -> frozenset[str]:
-        """The fast-tier copies kept beyond ``fast_keep_last``: their step's only copy (its
-        drain failed or was cut short), among the steps the root's ``keep_last`` keeps,
-        and the newest ``fast_keep_last`` of those besides the one just committed (whose
-        drain is under way): while the root fails, memory holds at most twice what it
-        holds otherwise, never a copy per save."""
-        at_root, copies = counted_entries(self.root, self.fast)
-        durable = {e.name for e in at_root}
-        steps = sorted({e.step for e in at_root + copies})
-        if self.config.keep_last is not None:
-            steps = steps[-self.config.keep_last:]
-        kept = set(steps)
-        only = [e for e in sorted(copies, key=lambda e: (e.step, e.created))
-                if e.name not in durable and e.step in kept]
-        return frozenset(e.name for e in only[-(self.config.fast_keep_last + 1):])
 
     def _cleanup(self, name: str | None) -> None:
         """Remove what a failed save left uncommitted (best effort; the root by the coordinator only)."""
@@ -321,22 +305,6 @@ class Checkpointer:
         """Committed steps, oldest first (in the fast tier or at the root)."""
         root, fast = counted_entries(self.root, self.fast)
         return sorted({e.step for e in root + fast})
-
-    def _coordinator_value(self, make: Any) -> Any:
-        """``make()`` run by rank 0, its value on every rank; its failure is every rank's,
-        of its type (the others would wait for the value until the collective timeout)."""
-        value, error = None, None
-        if self.coord.is_coordinator:
-            try:
-                value = ("ok", make())
-            except Exception as exc:  # noqa: BLE001 - any: the other ranks wait for it
-                value, error = ("failed", report(exc), message_of(exc)), exc
-        value = self.coord.broadcast(value)
-        if value[0] == "failed":
-            if error is not None:
-                raise error
-            raise same_type(value[1], value[2])
-        return value[1]
 
     def _choose(self, step: int | None, passed: set[str]) -> tuple[int, str, bool]:
         """(step, directory name, committed at root) of the checkpoint to load, chosen by rank 0."""
@@ -359,7 +327,7 @@ class Checkpointer:
         passed: set[str] = set()  # steps whose load failed on a damaged or lost file
         while True:
             try:
-                chosen = self._coordinator_value(lambda: self._choose(step, passed))
+                chosen = self.coord.value_of(lambda: self._choose(step, passed))
             except CheckpointNotFoundError:
                 if first is None:
                     raise
@@ -438,7 +406,7 @@ class Checkpointer:
         def left() -> bool:
             return self.fast.writer_gone(name) and not self.root.is_committed(name)
 
-        if not self._coordinator_value(left):
+        if not self.coord.value_of(left):
             return
         handle = SaveHandle(step)
         handle.path = self.root.location.child(name).url
@@ -454,20 +422,7 @@ class Checkpointer:
         of them is on its node: the copy loaded was complete on every rank's), then commits
         and publishes it at the root; a failure fails the handle on every rank."""
         def drain() -> None:
-            src, dst = self.fast.location.child(name), self.root.location.child(name)
-            manifest = self.fast.manifest(name)
-            if manifest is None:  # removed meanwhile (retention, `cachemw stop`)
-                raise FileNotFoundError(f"checkpoint {name} is no longer in {self.fast.location.url}")
-            self.root.begin(name)
-            for rel in manifest["files"]:
-                copy_file_whole(src, dst, rel)
-            for rel, size in manifest["files"].items():  # another process's sweep of the
-                got = dst.size(rel)  # directory (its first writer dead) may have raced us
-                if got != size:
-                    raise OSError(errno.EIO, f"{dst.url}/{rel}: {got} bytes at the root after the "
-                                  f"drain, {size} in memory; not committed")
-            dst.write_atomic(METADATA_NAME, src.read_bytes(METADATA_NAME))
-            dst.write_atomic(MANIFEST_NAME, src.read_bytes(MANIFEST_NAME))  # the commit, last
+            drain_committed(self.fast, self.root, name)
             self._publish(self.root, name, step, "root", self.config.keep_last)
 
         try:

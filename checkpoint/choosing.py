@@ -88,3 +88,21 @@ def choose(root: CheckpointDir, fast: CheckpointDir | None, step: int | None,
                 raise damage
     raise CheckpointNotFoundError(f"no committed checkpoint{'' if step is None else f' of step {step}'} "
                                   f"under {root.location.url}")
+
+
+def only_copies(root: CheckpointDir, fast: CheckpointDir, keep_last: int | None,
+                fast_keep_last: int) -> frozenset[str]:
+    """The fast-tier copies kept beyond ``fast_keep_last``: their step's only copy (its
+    drain failed or was cut short), among the steps the root's ``keep_last`` keeps,
+    and the newest ``fast_keep_last`` of those besides the one just committed (whose
+    drain is under way): while the root fails, memory holds at most twice what it
+    holds otherwise, never a copy per save."""
+    at_root, copies = counted_entries(root, fast)
+    durable = {e.name for e in at_root}
+    steps = sorted({e.step for e in at_root + copies})
+    if keep_last is not None:
+        steps = steps[-keep_last:]
+    kept = set(steps)
+    only = [e for e in sorted(copies, key=lambda e: (e.step, e.created))
+            if e.name not in durable and e.step in kept]
+    return frozenset(e.name for e in only[-(fast_keep_last + 1):])

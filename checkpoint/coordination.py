@@ -212,6 +212,22 @@ class Coordinator:
         rank, first = failed[0]
         raise failed_on([r for r, _ in failed], rank, first) from error
 
+    def value_of(self, make: Callable[[], Any]) -> Any:
+        """``make()`` run by rank 0, its value on every rank; its failure is every rank's,
+        of its type (the others would wait for the value until the collective timeout)."""
+        value, error = None, None
+        if self.is_coordinator:
+            try:
+                value = ("ok", make())
+            except Exception as exc:  # noqa: BLE001 - any: the other ranks wait for it
+                value, error = ("failed", report(exc), message_of(exc)), exc
+        value = self.broadcast(value)
+        if value[0] == "failed":
+            if error is not None:
+                raise error
+            raise same_type(value[1], value[2])
+        return value[1]
+
     def run_everywhere(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on every rank, then fail every rank if it failed on any."""
         error = None

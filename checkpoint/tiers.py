@@ -7,6 +7,7 @@ copies ``.metadata`` and then the manifest after every rank's files are durable 
 """
 from __future__ import annotations
 
+import errno
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -15,7 +16,9 @@ from cachemw.files import fsync_path, make_private_dirs
 from cachemw.node_daemon import node_daemon
 
 from .background import run_at
+from .layout import CheckpointDir
 from .storage_io import Location
+from .writer import MANIFEST_NAME, METADATA_NAME
 
 COPY_BLOCK = 8 << 20
 
@@ -44,6 +47,28 @@ def copy_file_whole(src: Location, dst: Location, rel: str) -> None:
         return
     with src.open(rel, "rb") as fin, dst.open_atomic(rel) as fout:
         shutil.copyfileobj(fin, fout, COPY_BLOCK)
+
+
+def drain_committed(fast: CheckpointDir, root: CheckpointDir, name: str) -> None:
+    """Copy the step ``name``, committed in ``fast``, to ``root`` and commit it there (a
+    drain taken up again after its writer died: Checkpointer._drain_left): its files,
+    each replaced whole, checked at the root (another process's sweep of the directory,
+    its first writer dead, may have raced the copy), then ``.metadata`` and, last, the
+    manifest."""
+    src, dst = fast.location.child(name), root.location.child(name)
+    manifest = fast.manifest(name)
+    if manifest is None:  # removed meanwhile (retention, `cachemw stop`)
+        raise FileNotFoundError(f"checkpoint {name} is no longer in {fast.location.url}")
+    root.begin(name)
+    for rel in manifest["files"]:
+        copy_file_whole(src, dst, rel)
+    for rel, size in manifest["files"].items():
+        got = dst.size(rel)
+        if got != size:
+            raise OSError(errno.EIO, f"{dst.url}/{rel}: {got} bytes at the root after the drain, "
+                          f"{size} in memory; not committed")
+    dst.write_atomic(METADATA_NAME, src.read_bytes(METADATA_NAME))
+    dst.write_atomic(MANIFEST_NAME, src.read_bytes(MANIFEST_NAME))  # the commit, last
 
 
 class Drainer:
