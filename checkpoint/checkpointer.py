@@ -44,8 +44,8 @@ from .reader import CachemwStorageReader
 from .stager import BufferStager
 from .state_tree import apply_loaded, prepare_for_load, to_state_dict, unplaced
 from .storage_io import Location
-from .tiers import Drainer, daemon_fast_root, drain_committed
-from .writer import MANIFEST_NAME, METADATA_NAME, CachemwStorageWriter
+from .tiers import Drainer, commit_copy, daemon_fast_root, drain_committed
+from .writer import CachemwStorageWriter
 
 log = logging.getLogger(__name__)
 class Checkpointer:
@@ -253,13 +253,9 @@ class Checkpointer:
             with trace.span("drain", trace.CHECKPOINT, step=step):
                 self.coord.run_everywhere(drainer.wait)
 
-            def commit_at_root() -> None:
-                src, dst = self.fast.location.child(name), self.root.location.child(name)
-                dst.write_atomic(METADATA_NAME, src.read_bytes(METADATA_NAME))
-                dst.write_atomic(MANIFEST_NAME, src.read_bytes(MANIFEST_NAME))  # the commit, last
-
             with trace.span("commit", trace.CHECKPOINT, step=step, at="root"):
-                self.coord.run_on_coordinator(commit_at_root)
+                self.coord.run_on_coordinator(lambda: commit_copy(self.fast.location.child(name),
+                                                                  self.root.location.child(name)))
         with trace.span("publish", trace.CHECKPOINT, step=step):
             self.coord.run_on_coordinator(lambda: self._publish(self.root, name, step, "root", self.config.keep_last))
 

@@ -67,8 +67,14 @@ def drain_committed(fast: CheckpointDir, root: CheckpointDir, name: str) -> None
         if got != size:
             raise OSError(errno.EIO, f"{dst.url}/{rel}: {got} bytes at the root after the drain, "
                           f"{size} in memory; not committed")
+    commit_copy(src, dst)
+
+
+def commit_copy(src: Location, dst: Location) -> None:
+    """Commit at ``dst`` the step whose data files were copied there from ``src``: its
+    ``.metadata``, then, last, its manifest (the commit)."""
     dst.write_atomic(METADATA_NAME, src.read_bytes(METADATA_NAME))
-    dst.write_atomic(MANIFEST_NAME, src.read_bytes(MANIFEST_NAME))  # the commit, last
+    dst.write_atomic(MANIFEST_NAME, src.read_bytes(MANIFEST_NAME))
 
 
 class Drainer:
