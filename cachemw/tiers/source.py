@@ -236,17 +236,7 @@ def _pseudo_mount(path: str) -> bool:
 def _read_mounts() -> tuple:
     """(the mount points of pseudo filesystems, as a tuple for ``startswith``; every mount
     point with whether its filesystem is one, longest first), from /proc/self/mountinfo."""
-    points = []
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 4 and "-" in fields:
-                    kind = fields[fields.index("-") + 1]
-                    point = fields[4].replace("\\040", " ")
-                    points.append((point, kind in _PSEUDO_FS))
-    except OSError:
-        return ()
+    points = [(point, kind in _PSEUDO_FS) for _, point, kind in _mountinfo()]
     # each as a prefix ending in "/" ("/proc/", not "/proc": no "/processed" taken for it)
     points = [(p if p.endswith("/") else p + "/", is_pseudo) for p, is_pseudo in points]
     points.sort(key=lambda p: len(p[0]), reverse=True)
@@ -264,15 +254,23 @@ def _waits_for_writes(dev: int) -> bool:
 def _fs_type(dev: int) -> str:
     """The type of the filesystem mounted from device ``dev`` ('' if not found)."""
     wanted = f"{os.major(dev)}:{os.minor(dev)}"
+    return next((kind for device, _, kind in _mountinfo() if device == wanted), "")
+
+
+def _mountinfo() -> list[tuple[str, str, str]]:
+    """(device as "major:minor", mount point, filesystem type) of each mount this process
+    sees, from /proc/self/mountinfo ([] where it cannot be read)."""
+    mounts = []
     try:
         with open("/proc/self/mountinfo") as f:
             for line in f:
                 fields = line.split()
-                if len(fields) > 2 and fields[2] == wanted and "-" in fields:
-                    return fields[fields.index("-") + 1]
+                if len(fields) > 4 and "-" in fields:
+                    mounts.append((fields[2], fields[4].replace("\\040", " "),
+                                   fields[fields.index("-") + 1]))
     except OSError:
-        pass
-    return ""
+        return []
+    return mounts
 
 
 def _read_local(fs, path: str, start: int, end: int | None, version: str) -> bytes:
