@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 
 _DROPPED = "cachemw-dropped"  # a tombstone record (see _drop_shared); loads ignore it
 
-# (kind, URL) -> (value, fetched) of records queued for the node (written behind the
-# reads, see _store_shared) until they are written there, by any filesystem of the
-# process; its own lock, taken inside the records lock, never the other way, so that a
+# (node's metadata directory, kind, URL) -> (value, fetched) of records queued for that
+# node's tables (written behind the reads, see _store_shared) until they are written
+# there, by any filesystem of the process that shares the directory (filesystems of
+# other runtime directories are other nodes' caches: not theirs to find); its own lock, taken inside the records lock, never the other way, so that a
 # reader queueing a record does not wait for the writer threads' record writes
 _unwritten: dict[tuple[str, str], tuple] = {}
 _unwritten_lock = threading.Lock()
@@ -123,7 +124,7 @@ class SharedRecords:
             except Exception:  # none, torn or foreign: ignore it, it will be rewritten
                 pass
         if found is None or not self._fresh(found[1]):
-            queued = _unwritten.get((kind, url)) if _unwritten else None
+            queued = _unwritten.get((self._meta_dir(), kind, url)) if _unwritten else None
             if queued is not None and queued[1] > floor and (
                     found is None or queued[1] > found[1]):
                 found = queued
@@ -132,12 +133,13 @@ class SharedRecords:
         return found
 
     def _store_shared(self, kind: str, path: str, value, fetched: float) -> None:
-        if self.validate == "always" or self._meta_dir() is None:
+        meta_dir = self._meta_dir()
+        if self.validate == "always" or meta_dir is None:
             return
         if self._defer is None:
             self._write_shared((kind, path), (value, fetched))
             return
-        key = (kind, self._url(path))
+        key = (meta_dir, kind, self._url(path))
         with _unwritten_lock:
             queued = _unwritten.get(key)
             if queued is not None and queued[1] > fetched:
@@ -150,13 +152,16 @@ class SharedRecords:
         metadata was fetched: here (the lock keeps a drop from being overtaken by a write
         under way) or by any process of the node (its tombstone, see _drop_shared). It
         stays queued, so found by this process's lookups, until it is written."""
-        key = (which[0], self._url(which[1]))
+        key = (self._meta_dir(), which[0], self._url(which[1]))
         with _records_lock:
             queued = _unwritten.get(key)
             if queued is None:
                 return
             try:
-                self._write_shared(which, queued)
+                # (dropped through a filesystem of another runtime directory: not
+                # written to this one's either)
+                if not forgotten_after(key[2], queued[1]):
+                    self._write_shared(which, queued)
             finally:
                 with _unwritten_lock:
                     if _unwritten.get(key) is queued:
@@ -201,11 +206,11 @@ class SharedRecords:
         """A tombstone, not a removal: metadata fetched earlier that some process has yet to
         write (written behind its reads) must not bring it back. ``written``: the file was
         written through the cache (see MetaTable.drop)."""
-        url = self._url(path)
+        url, meta_dir = self._url(path), self._meta_dir()
         with _records_lock:
             with _unwritten_lock:
-                _unwritten.pop((kind, url), None)
-            if self._meta_dir() is None:
+                _unwritten.pop((meta_dir, kind, url), None)
+            if meta_dir is None:
                 return
             now = time.time()
             if kind == "info":
