@@ -96,8 +96,10 @@ def describe(obj: Any, path: tuple = (), out: Described | None = None, *, in_lea
         plain = type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu"
         out.in_place_capable &= plain
         out.signature.append((path, str(obj.dtype), tuple(obj.shape), type(obj).__name__, obj.device.type))
-        if in_leaf:  # pickled from this copy: the data itself (a plain tensor, as a staging buffer is)
+        if in_leaf and plain:  # pickled from this copy: the data itself (a plain tensor, as a staging buffer is)
             staged = torch.empty(obj.shape, dtype=obj.dtype).copy_(obj.detach())
+        elif in_leaf:  # (a DTensor, a GPU tensor: the state goes through buffers, never this copy)
+            staged = torch.empty(obj.shape, dtype=obj.dtype, device="meta")
         else:
             staged = torch.empty(obj.shape, dtype=obj.dtype, device="meta")
     else:

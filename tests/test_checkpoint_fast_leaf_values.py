@@ -93,3 +93,26 @@ def test_values_pickled_whole_are_saved_with_their_tensors(tmp_path, fast):
         out = empty()  # ... and read by plain DCP
         dcp.load(out, storage_reader=FileSystemReader(_step_dir(root, step)), no_dist=True)
         check(out, v)
+
+
+@pytest.mark.timeout(120)
+def test_a_dtensor_inside_a_tuple_goes_through_buffers(tmp_path):
+    """A DTensor DCP pickles whole (inside a tuple) is no plain CPU tensor: the state goes
+    through the buffer stager. Describing the state copied it into a plain tensor first,
+    which a DTensor refuses: every save with a fast tier failed."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        with Checkpointer(str(tmp_path / "root"), fast_root=str(tmp_path / "fast")) as ck:
+            d = distribute_tensor(torch.arange(6.0), mesh, [Replicate()])
+            ck.save(1, {"w": torch.ones(10), "pair": (d, 3)}).wait(60)
+            out = {"w": torch.zeros(10), "pair": None}
+            assert ck.load(out) == 1
+        assert torch.equal(out["w"], torch.ones(10)) and out["pair"][1] == 3
+        assert torch.equal(out["pair"][0].full_tensor(), torch.arange(6.0))
+    finally:
+        dist.destroy_process_group()
