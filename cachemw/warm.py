@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import fsspec
 
 from .client.metadata import FileMeta
+from .client.wire import DaemonUnavailable
 from .config import WarmConfig, format_size
 from .keys import block_count, block_key, block_length
 from .launch import START_WAIT, spawn_detached
@@ -143,7 +144,17 @@ def node_share(client, config: WarmConfig, *, poll: float = 0.5) -> Share:
     host = socket.gethostname()
     deadline = time.monotonic() + config.ring_wait
     while True:
-        d = client.ring()
+        try:
+            d = client.ring(strict=True)
+        except DaemonUnavailable as exc:
+            if config.nodes == 1:  # alone either way: it reads everything (misses fall back)
+                return Share(host, 1)
+            if time.monotonic() >= deadline:  # which blocks are this node's is unknown
+                raise WarmError(f"this node's cache daemon did not answer for "
+                                f"{config.ring_wait:.0f} s ({exc}), so which blocks this node "
+                                f"owns is unknown; see `cachemw status` and its log") from None
+            time.sleep(poll)
+            continue
         if d is None:  # no cluster (autostarted, or site mode's node-local daemon): a ring of one
             if config.nodes > 1 and config.alone_ok:  # --nodes N given: not this cache's size
                 raise WarmError(_other_size(config, 1, "a daemon of this node alone, "
@@ -313,7 +324,10 @@ def run(urls: list[str], config: WarmConfig, *, progress=None,
             + " (daemon unreachable, tiers full, or fills failed: `cachemw stats` and the "
             "daemon's log say which)")
     if share.ring is not None:
-        d = fs0.client.ring()
+        try:
+            d = fs0.client.ring(strict=True)
+        except DaemonUnavailable:
+            d = {"members": share.members}  # not asked again: nothing says it changed
         now = tuple(d["members"]) if d else ()
         if now != share.members:
             report.notes.append(

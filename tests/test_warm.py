@@ -78,7 +78,7 @@ def test_a_one_node_step_of_a_bigger_cluster_warms_alone_only_when_asked():
     class Cluster:
         members = ["n1", "n2", "n3"]
 
-        def ring(self):
+        def ring(self, *, strict=False):
             return {"members": self.members, "alive": 3, "self": "n1", "vnodes": 64}
 
     step = {"SLURM_STEP_NUM_NODES": "1", "SLURM_LOCALID": "0"}

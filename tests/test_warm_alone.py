@@ -13,14 +13,45 @@ import sys
 import pytest
 
 from cachemw import warm
+from cachemw.client.wire import DaemonUnavailable
 from cachemw.config import WarmConfig
 
 
 class NoCluster:
     """A daemon's client with no ring: an autostarted or node-local daemon."""
 
-    def ring(self):
+    def ring(self, *, strict=False):
         return None
+
+
+class SlowToAnswer:
+    """A clustered daemon's client (two nodes) whose first ``misses`` ring requests time out."""
+
+    def __init__(self, misses):
+        self.misses = misses
+
+    def ring(self, *, strict=False):
+        if self.misses:
+            self.misses -= 1
+            if strict:
+                raise DaemonUnavailable("timed out")
+            return None
+        return {"self": "a", "members": ["a", "b"], "alive": 2, "vnodes": 64}
+
+
+def test_a_daemon_slow_to_answer_is_asked_again_not_taken_for_a_node_alone():
+    """It was taken for a daemon of no cluster: --nodes 2 refused (exit 2), and a Slurm
+    step's default warmed every block on each node."""
+    step = {"SLURM_STEP_NUM_NODES": "2", "SLURM_LOCALID": "0"}
+    for config in (WarmConfig.build(nodes=2, ring_wait=30, env={}),
+                   WarmConfig.build(ring_wait=30, env=step)):
+        share = warm.node_share(SlowToAnswer(2), config, poll=0.01)
+        assert share.ring is not None and share.nodes == 2 and share.node == "a"
+    with pytest.raises(warm.WarmError, match="did not answer"):
+        warm.node_share(SlowToAnswer(10**6), WarmConfig.build(nodes=2, ring_wait=0.2, env={}),
+                        poll=0.01)
+    # one node: it reads everything whatever the ring, at once
+    assert warm.node_share(SlowToAnswer(10**6), WarmConfig.build(nodes=1, env={})).ring is None
 
 
 def test_nodes_given_against_a_daemon_of_one_node_is_refused():

@@ -162,10 +162,14 @@ class DaemonClient(reporting.Reporter):
             self._drop_connection()
             return False
 
-    def ring(self) -> dict | None:
-        """Who owns which block and where to fetch it directly (None: no daemon, or one
-        not in a Ray cluster; a cluster of one node has a ring of one)."""
+    def ring(self, *, strict: bool = False) -> dict | None:
+        """Who owns which block and where to fetch it directly (None: a daemon not in a Ray
+        cluster, or none reached; a cluster of one node has a ring of one). ``strict``: no
+        daemon reached is DaemonUnavailable, not None (a warm must not take a daemon slow
+        to answer for a node alone)."""
         reply = self._call(ops.RING)
+        if reply is None and strict:
+            raise DaemonUnavailable(f"the cache daemon of {self.runtime_dir} did not answer")
         return None if reply is None else reply[1]
 
     def _connect(self) -> Connection | None:
