@@ -143,6 +143,22 @@ def test_wait_for_nodes_fails_within_its_timeout_and_says_why():
     assert rc == 1 and "its step ended" in err, err
 
 
+@pytest.mark.timeout(120)
+def test_a_last_look_cut_short_does_not_hide_what_the_wait_saw(tmp_path):
+    """One node of two answered; the last look, bounded by the time left, got no answer:
+    the job said the head did not answer rather than that one node of two came up."""
+    step = subprocess.Popen(["sleep", "300"])
+    looks = tmp_path / "looks"
+    try:  # a look: "1" (Ray answers: one node up) the first time, then no answer
+        rc, _, err, _ = _bash(f'''
+cachemw_ray_nodes_up() {{ if [[ -e {looks} ]]; then sleep "$1"; else touch {looks}; echo 1; fi; }}
+cachemw_wait_nodes 2 3 {step.pid}''', timeout=60, env=dict(ENV, RAY_ADDRESS="127.0.0.1:1"))
+    finally:
+        step.kill()
+        step.wait()
+    assert rc == 1 and "only 1 of 2 Ray nodes came up within 3s" in err, err
+
+
 HEAD_IN_A_NAMESPACE = r'''
 ip link set lo up
 cachemw_node_addr() { echo 127.0.0.1; }  # no scontrol here: the node's address
