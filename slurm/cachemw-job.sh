@@ -155,7 +155,7 @@ EOF
 # when the Ray step ``pid`` has ended, saying why. Each look is bounded (15 s, never past the
 # timeout), so neither the timeout nor a scancel's TERM waits on one longer.
 cachemw_wait_nodes() {
-    local n=$1 timeout=$2 pid=$3 start=$SECONDS left up= seen=
+    local n=$1 timeout=$2 pid=$3 start=$SECONDS left up='' seen=''
     while (( (left = timeout - (SECONDS - start)) > 0 )); do
         if ! kill -0 "$pid" 2>/dev/null; then
             echo "cachemw-job: Ray did not start (its step ended; see the job's output)" >&2
