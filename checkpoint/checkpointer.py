@@ -42,7 +42,8 @@ from .planner import SpreadSavePlanner
 from .quiet import single_process_dcp
 from .reader import CachemwStorageReader
 from .stager import BufferStager
-from .state_tree import apply_loaded, prepare_for_load, to_state_dict, unplaced
+from .state_tree import (OptimizerStateLoadPlanner, apply_loaded, optimizer_paths, prepare_for_load,
+                         to_state_dict, unplaced)
 from .storage_io import Location
 from .tiers import Drainer, commit_copy, daemon_fast_root, drain_committed
 from .writer import CachemwStorageWriter
@@ -364,7 +365,8 @@ class Checkpointer:
                 reader = CachemwStorageReader(tier.location.child(name), thread_count=self.config.thread_count)
                 with single_process_dcp(self.coord.no_dist):
                     dcp.load(loaded, storage_reader=reader, process_group=self.coord.group,
-                             no_dist=self.coord.no_dist)
+                             no_dist=self.coord.no_dist,
+                             planner=OptimizerStateLoadPlanner(optimizer_paths(state)))
                 self._say_unplaced(name, reader.metadata, loaded)
                 break
             except (CheckpointException, OSError, ValueError, AssertionError) as exc:

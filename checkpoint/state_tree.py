@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
 
 
 def is_stateful(obj: Any) -> bool:
@@ -38,6 +39,49 @@ def prepare_for_load(state: Any) -> None:
     elif isinstance(state, dict):
         for v in state.values():
             prepare_for_load(v)
+
+
+def optimizer_paths(state: Any, path: tuple = ()) -> tuple[tuple, ...]:
+    """The keys, from the top, of every optimizer in ``state`` (nested in dicts)."""
+    if isinstance(state, torch.optim.Optimizer):
+        return (path,)
+    if isinstance(state, dict):
+        return tuple(p for k, v in state.items() for p in optimizer_paths(v, path + (k,)))
+    return ()
+
+
+def drop_unsaved_optimizer_state(loaded: dict, paths: tuple[tuple, ...], saved: Any) -> None:
+    """Take out of ``loaded`` the state of an optimizer's parameters that have none in the
+    checkpoint (``saved``: its flattened keys): a parameter that never had a gradient
+    (frozen, unused, an expert no token was routed to) has no state when saved, and
+    ``prepare_for_load`` gave it some, which DCP would find missing from the checkpoint.
+    The optimizer's ``load_state_dict`` then leaves it without, as after ``torch.save``."""
+    for path in paths:
+        node: Any = loaded
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        params = node.get("state") if isinstance(node, dict) else None
+        if not isinstance(params, dict) or not params:
+            continue
+        prefix = ".".join(str(k) for k in path + ("state",)) + "."
+        with_state = {k[len(prefix):].split(".", 1)[0] for k in saved if k.startswith(prefix)}
+        for pid in [p for p in params if str(p) not in with_state]:
+            del params[pid]
+
+
+class OptimizerStateLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, told where ``state`` holds optimizers: what their parameters
+    lack in the checkpoint is not asked of it (drop_unsaved_optimizer_state). Any other
+    key the checkpoint lacks is an error, as ever."""
+
+    def __init__(self, optimizers: tuple[tuple, ...]) -> None:
+        super().__init__()
+        self.optimizers = optimizers
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        if metadata is not None and self.optimizers:
+            drop_unsaved_optimizer_state(state_dict, self.optimizers, metadata.state_dict_metadata)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
 
 
 def apply_loaded(state: dict, loaded: dict) -> None:
