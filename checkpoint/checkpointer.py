@@ -236,7 +236,7 @@ class Checkpointer:
             on_file_durable=drainer.submit if drainer else None, reuse_files=self.fast is not None and pool is None,
             in_place=pool)
         try:
-            with single_process_dcp(self.coord.no_dist):
+            with single_process_dcp(self.coord.no_dist), self.coord.collective():
                 dcp.save(staged, storage_writer=writer, planner=SpreadSavePlanner(chunk_bytes=self.config.chunk_bytes),
                          process_group=self.coord.group, no_dist=self.coord.no_dist)
         except BaseException:  # the copies under way end first, whatever failed; re-raised
@@ -363,7 +363,7 @@ class Checkpointer:
             tier = tiers.pop(0)
             try:
                 reader = CachemwStorageReader(tier.location.child(name), thread_count=self.config.thread_count)
-                with single_process_dcp(self.coord.no_dist):
+                with single_process_dcp(self.coord.no_dist), self.coord.collective():
                     dcp.load(loaded, storage_reader=reader, process_group=self.coord.group,
                              no_dist=self.coord.no_dist,
                              planner=OptimizerStateLoadPlanner(optimizer_paths(state)))

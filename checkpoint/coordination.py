@@ -130,18 +130,21 @@ class Coordinator:
         if self.no_dist:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        with self._collective():
+        with self.collective():
             dist.all_gather_object(out, obj, group=self.group)
         return out
 
     @contextlib.contextmanager
-    def _collective(self):
+    def collective(self):
         """A collective of the checkpointer: the backend's error (gloo's "Timed out waiting
         20000ms for recv", "Connection reset by peer") says what happened on the wire; this
-        says what it means for the checkpoint."""
+        says what it means for the checkpoint. Around DCP's own save and load too: the
+        errors it does not gather are its collectives' (a rank gone mid-save)."""
         try:
             yield
         except RuntimeError as exc:  # torch.distributed's errors are RuntimeErrors
+            if self.no_dist:  # one process: no other rank to blame
+                raise
             text = (f"checkpoint: a collective with the other ranks failed (a rank died, or did "
                     f"not reach this save or load within collective_timeout_s, "
                     f"{self.timeout_s:g} s?): {exc}")
@@ -171,7 +174,7 @@ class Coordinator:
         if self.front is None:
             raise RuntimeError("front collectives need enable_front() first")
         out: list[Any] = [None] * self.world_size
-        with self._collective():
+        with self.collective():
             dist.all_gather_object(out, obj, group=self.front)
         return out
 
@@ -180,7 +183,7 @@ class Coordinator:
         if self.no_dist:
             return obj
         box = [obj]
-        with self._collective():
+        with self.collective():
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 

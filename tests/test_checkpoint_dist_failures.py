@@ -346,3 +346,45 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank_at_once(tmp_path, mod
             assert res["load"] == 2 and res["value"] == 2.0, res
         else:
             assert res["load"] == 1 and res["value"] == 1.0, res  # the step before it
+
+
+def _killed_mid_save_main(rank, world, rdv, root, action, out_dir):
+    """Rank 1 is killed (SIGKILL) as soon as save() returns: its background write is cut
+    off mid-save, and rank 0's wait() must say what that means, not gloo's bare error."""
+    import signal
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    from cachemw.checkpoint import Checkpointer
+
+    ck = Checkpointer(root, collective_timeout_s=10, chunk_bytes=64 << 10,
+                      fast_root=root + "-fast" if action.endswith("True") else None)
+    big = {"w": torch.full((4096, 2048), 1.0)}  # 32 MiB: the kill lands inside DCP's save
+    ck.save(1, big).wait(60)
+    handle = ck.save(2, big)
+    if rank == 1:
+        time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGKILL)
+    res = {"rank": rank}
+    started = time.monotonic()
+    try:
+        handle.wait(60)
+        res["save2"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        res["save2"] = f"{type(exc).__name__}: {exc}"
+    res["after"] = time.monotonic() - started
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    os._exit(0)  # the group lost a rank: no orderly teardown
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fast", [False, True], ids=["root", "fast tier"])
+def test_a_rank_killed_mid_save_fails_the_others_saying_what_it_means(tmp_path, fast):
+    results = run_ranks(tmp_path, 2, tmp_path / "ckpt", f"killed-{fast}", target=_killed_mid_save_main)
+    assert sorted(results) == [0], results  # rank 1 was killed
+    res = results[0]
+    assert res["save2"] != "ok", res
+    assert "a collective with the other ranks failed (a rank died" in res["save2"], res
+    assert res["after"] < 40, res
