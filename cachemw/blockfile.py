@@ -25,7 +25,7 @@ import sys
 
 import xxhash
 
-from .files import atomic_write
+from .files import atomic_write, mappable
 
 MAGIC = b"CMWB"
 FORMAT_VERSION = 4  # 4: the trailer names the block's key
@@ -295,15 +295,20 @@ def map_block(path: str, length: int, key: str | None = None) -> memoryview | No
     verified bytes even if it is evicted meanwhile. The caller joins the view and releases
     it within the same read: a file truncated in place during those microseconds (the daemon
     never does; a user damaging the tier by hand might) would end the process with SIGBUS,
-    which is why open files, which keep their blocks for long, read them (OpenBlock)."""
+    which is why open files, which keep their blocks for long, read them (OpenBlock). A file
+    with holes is not mapped either (a read through the mapping of a hole on a full tmpfs
+    is SIGBUS too): tiers write whole files, so one with holes is damage."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except ABSENT:  # no file, or no directory for it (a tier directory made a file)
         return None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         if size != stored_size(length) or length == 0:
             raise CorruptBlock(f"{path}: {size} bytes, expected a block of {length}")
+        if not mappable(st):  # never written so by a tier; mapped, a full tmpfs kills us
+            raise CorruptBlock(f"{path}: a block file with holes (not one a tier wrote)")
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                        prot=mmap.PROT_READ)
     finally:

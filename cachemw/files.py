@@ -3,6 +3,7 @@ helper each for the whole package (block files, metadata records, the daemon's r
 the checkpointer's files)."""
 from __future__ import annotations
 
+import errno
 import os
 
 
@@ -73,7 +74,6 @@ def exchange(a: str, b: str) -> bool:
     btrfs, tmpfs). False where the kernel, the filesystem or the C library cannot (then
     nothing was moved); other failures raise OSError."""
     import ctypes
-    import errno
 
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
@@ -85,3 +85,56 @@ def exchange(a: str, b: str) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), a)
+
+
+# Filesystems whose pages are allocated when first touched, also by a read through a
+# mapping: a hole read through a MAP_SHARED mapping of a full one ends the process with
+# SIGBUS, which no handler can turn into an error. (On a disk filesystem a read of a hole
+# needs no space: only a full memory filesystem kills a mapping reader.)
+_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "devtmpfs", "ramfs", "hugetlbfs", "shm"})
+_memory_devices: dict[int, bool] = {}  # st_dev -> on a memory filesystem (from mountinfo)
+
+
+def preallocate(fd: int, size: int) -> None:
+    """Give the open file ``fd`` real space for its first ``size`` bytes (extending it to
+    ``size`` if shorter), without changing what it holds: a file that is mapped must have
+    no holes (``mappable``). OSError (ENOSPC) where the filesystem has not the room: here,
+    where it can be handled, not as SIGBUS in a process reading it. A filesystem without
+    fallocate gets the size only: none such is a memory filesystem (tmpfs has it)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+
+
+def mappable(st: os.stat_result) -> bool:
+    """May the file of ``st`` be mapped and read without risking SIGBUS from the kernel?
+    Not if it has holes (fewer blocks than its size) on a memory filesystem (tmpfs), or on
+    a filesystem that cannot be told (a hole on a disk filesystem is harmless, and files
+    there may hold fewer blocks than bytes: compression, ZFS)."""
+    if st.st_blocks * 512 >= st.st_size:
+        return True
+    memory = _memory_devices.get(st.st_dev)
+    if memory is None:
+        memory = _memory_devices[st.st_dev] = _on_memory_filesystem(st.st_dev)
+    return not memory
+
+
+def _on_memory_filesystem(dev: int) -> bool:
+    """Is the device ``dev`` (``st_dev``) a memory filesystem's? True where it cannot be
+    told (no /proc, a device mountinfo does not list): then only a file without holes is
+    mapped, the safe side."""
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == want and " - " in line:
+                    fstype = line.split(" - ", 1)[1].split()[0]
+                    return fstype in _MEMORY_FILESYSTEMS
+    except OSError:
+        pass
+    return True

@@ -41,9 +41,16 @@ not the freed file's entries.
 
 The files are in the daemon's 0700 metadata directory, as the records were: anyone able
 to write them already controls the daemon.
+
+Every file is mapped only with its space allocated (``files.preallocate`` before a shard is
+published, ``files.mappable`` before a reader maps one): the directory is often on tmpfs
+(/dev/shm, shared with other jobs), where a read through a mapping of a hole allocates a
+page, and on a full one the kernel ends the reader with SIGBUS. A shard that cannot get its
+space (ENOSPC) is not made: metadata is then not shared, and reads go on without it.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import mmap
@@ -55,9 +62,11 @@ import time
 
 import xxhash
 
+from ..files import mappable, preallocate
+
 SHARDS = 64
 MAGIC = b"CMWT"
-FORMAT = 1
+FORMAT = 2  # 2: shard files have their space allocated (1 made them sparse: see below)
 _HEADER = struct.Struct("<4sIIIQQI")  # magic, format, capacity, count, data size, used, superseded
 HEADER_SIZE = 64
 _ENTRY = struct.Struct("<QII")  # path hash, record offset in the data area, record length
@@ -135,8 +144,11 @@ class MetaTable:
             except OSError:
                 return 0
             try:
-                if os.fstat(fd).st_size < _COUNT.size:
-                    os.ftruncate(fd, _COUNT.size)
+                st = os.fstat(fd)
+                if st.st_size < _COUNT.size or not mappable(st):
+                    preallocate(fd, _COUNT.size)  # (keeps a count another process wrote)
+                    if not mappable(os.fstat(fd)):
+                        return 0
                 m = self._drops = mmap.mmap(fd, _COUNT.size, mmap.MAP_SHARED, mmap.PROT_READ)
             except (OSError, ValueError):
                 return 0
@@ -173,7 +185,7 @@ class MetaTable:
             return None
         try:
             st = os.fstat(fd)
-            layout = _layout(fd) if st.st_uid == os.getuid() else None
+            layout = _layout(fd) if st.st_uid == os.getuid() and mappable(st) else None
             if layout is None:
                 return None
             mm = mmap.mmap(fd, layout[4], mmap.MAP_SHARED, mmap.PROT_READ)
@@ -307,12 +319,12 @@ class MetaTable:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
-                os.ftruncate(fd, HEADER_SIZE + len(index) + data_size)
-                os.pwrite(fd, _HEADER.pack(MAGIC, FORMAT, capacity, len(entries), data_size,
-                                           len(data), 0), 0)
-                os.pwrite(fd, bytes(index), HEADER_SIZE)
+                preallocate(fd, HEADER_SIZE + len(index) + data_size)  # ENOSPC: no shard
+                _pwrite_whole(fd, _HEADER.pack(MAGIC, FORMAT, capacity, len(entries),
+                                               data_size, len(data), 0), 0)
+                _pwrite_whole(fd, bytes(index), HEADER_SIZE)
                 if data:
-                    os.pwrite(fd, bytes(data), HEADER_SIZE + len(index))
+                    _pwrite_whole(fd, bytes(data), HEADER_SIZE + len(index))
             finally:
                 os.close(fd)
             os.rename(tmp, self._path(shard))
@@ -388,11 +400,18 @@ def _put_in(fd: int, layout, h: int, path: str, payload, when: float,
     record = _SUM.pack(_hash(payload)) + payload
     if slot is None or (new and 2 * (count + 1) > capacity) or used + len(record) > data_size:
         return None
-    os.pwrite(fd, record, base + used)
+    _pwrite_whole(fd, record, base + used)
     os.pwrite(fd, _HEADER.pack(MAGIC, FORMAT, capacity, count + new, data_size,
                                used + len(record), 0), 0)
     os.pwrite(fd, _ENTRY.pack(h, used, len(record)), HEADER_SIZE + slot * _ENTRY.size)
     return True
+
+
+def _pwrite_whole(fd: int, data: bytes, at: int) -> None:
+    """Write all of ``data`` at ``at``, or raise: a short write (a filesystem out of
+    room) must not be followed by the index entry that points at the bytes not written."""
+    if os.pwrite(fd, data, at) != len(data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 class _FileLock:
