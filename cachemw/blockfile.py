@@ -261,14 +261,16 @@ def data_hash(fd: int, key: str, length: int, page_size: int = PAGE_SIZE) -> int
 
 def read_tag(path: str) -> bytes | None:
     """The tag recorded in a block file's trailer; None for a file that is no block of this
-    format (another file, a block an older version wrote, one that cannot be read)."""
+    format (another file, a directory, a block an older version wrote, one gone meanwhile).
+    OSError for one that cannot be read (EIO, EACCES, ELOOP): a fault of the tier, which
+    the caller counts."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < TRAILER_SIZE:
                 return None
             trailer = os.pread(f.fileno(), TRAILER_SIZE, size - TRAILER_SIZE)
-    except OSError:
+    except (*ABSENT, IsADirectoryError):
         return None
     magic, fmt, *_, tag, _ = _TRAILER.unpack(trailer)
     return tag if magic == MAGIC and fmt == FORMAT_VERSION else None

@@ -15,6 +15,7 @@ lease is never taken for another lease's fill.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import stat
@@ -22,6 +23,8 @@ from typing import Iterator
 
 from .. import blockfile
 from .base import BlockEntry, TierInfo
+
+log = logging.getLogger(__name__)
 
 _FANOUT = [f"{i:02x}" for i in range(256)]
 _STAGED = ".staged"
@@ -31,6 +34,7 @@ class DirectoryTier:
     def __init__(self, name: str, path: str, *, create: bool = False) -> None:
         self.name = name
         self.path = os.path.abspath(path)
+        self.unreadable = 0  # block files (and sub-directories) scan could not read: forgotten
         if create:
             self._prepare()
 
@@ -149,32 +153,60 @@ class DirectoryTier:
         """Blocks on disk; leftover temp and staged files of fills whose writer or lease
         died (the daemon is starting: no lease is held), and files under a block's name
         that are no block of this format (an older version's, after an upgrade), are
-        removed on the way."""
+        removed on the way. A file or sub-directory that cannot be read (EIO, EACCES, a
+        symlink loop) is a fault of this tier, not of the daemon: it is forgotten (removed
+        where it can be), counted in ``unreadable`` and logged once per scan, and the scan
+        goes on (one bad sector must not keep every daemon of the node from starting)."""
+        faults: list[str] = []
         for sub in _FANOUT:
             d = os.path.join(self.path, sub)
             try:
-                it = os.scandir(d)
+                with os.scandir(d) as it:
+                    for entry in it:
+                        found = self._scanned(sub, entry, faults)
+                        if found is not None:
+                            yield found
             except (FileNotFoundError, NotADirectoryError):  # gone, or a file in its place
                 continue
-            with it:
-                for entry in it:
-                    if entry.name.endswith((".tmp", _STAGED)):
-                        try:
-                            os.unlink(entry.path)
-                        except OSError:
-                            pass
-                        continue
-                    if len(entry.name) != 32 or not entry.name.startswith(sub):
-                        continue
-                    try:
-                        st = entry.stat()
-                    except FileNotFoundError:
-                        continue
-                    tag = blockfile.read_tag(entry.path)
-                    if tag is None:  # under a block's name, no block of this format (one
-                        self.delete(entry.name)  # an older version wrote): not served,
-                        continue  # nor counted as corrupt; its room is freed
-                    yield BlockEntry(entry.name, st.st_size, max(st.st_atime, st.st_mtime), tag)
+            except OSError as exc:  # the sub-directory cannot be listed (or listed whole)
+                faults.append(f"{d}: {exc.strerror or exc}")
+        if faults:
+            self.unreadable += len(faults)
+            log.warning("%s tier: forgot %d block file(s) that could not be read (first: %s)",
+                        self.name, len(faults), faults[0])
+
+    def _scanned(self, sub: str, entry: os.DirEntry, faults: list[str]) -> BlockEntry | None:
+        """The block of one entry of the sub-directory ``sub``, or None (not a block: a
+        leftover removed, a foreign name left alone, a file that cannot be read forgotten
+        and noted in ``faults``)."""
+        if entry.name.endswith((".tmp", _STAGED)):
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                pass
+            return None
+        if len(entry.name) != 32 or not entry.name.startswith(sub):
+            return None
+        try:
+            st = entry.stat()
+            tag = blockfile.read_tag(entry.path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # ELOOP (a link to itself), EIO (a bad sector), EACCES
+            faults.append(f"{entry.path}: {exc.strerror or exc}")
+            self._forget(entry.name)
+            return None
+        if tag is None:  # under a block's name, no block of this format (one an older
+            self._forget(entry.name)  # version wrote): not served, nor counted as
+            return None  # corrupt; its room is freed
+        return BlockEntry(entry.name, st.st_size, max(st.st_atime, st.st_mtime), tag)
+
+    def _forget(self, key: str) -> None:
+        """Remove the file of ``key`` if it can be (what cannot is left, unindexed)."""
+        try:
+            self.delete(key)
+        except OSError:
+            pass
 
     def clear(self) -> int:
         """Delete every block file (and leftover temp file) of this tier; nothing else.
