@@ -24,14 +24,26 @@ only while it still names that client (its lease request said who it is), so nei
 another process has taken since. Reading a claim and removing it are two steps: two
 removers at the same instant can still remove a claim taken between them, at worst a
 block fetched twice, never wrong bytes.
+
+Claims are an optimisation over leases, so a claims directory that cannot be used (a file
+in its place, unwritable, a full tmpfs) never fails a lease nor a read: taking a claim
+raises for the caller to lease without one (the daemon) or to ask its lease first (a
+client); releasing and looking at claims never raise (what cannot be removed is counted
+in ``faults``, and a claim that cannot be read is not held); the daemon makes the
+directory again where it can (``make``: a file in its place is debris in the private
+runtime dir, replaced), and its start does not fail for it.
 """
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import stat
 import time
 
 from .processes import process_alive, process_start
+
+log = logging.getLogger(__name__)
 
 CLAIMS_DIR = "claims"
 # a claim file is written right after it is created: an empty one this young is being written
@@ -60,6 +72,8 @@ class Claims:
 
     def __init__(self, directory: str) -> None:
         self.dir = directory
+        self.faults = 0  # claims that could not be removed, and failed makes of the directory
+        self._warned = False
 
     def _path(self, key: str) -> str:
         return os.path.join(self.dir, key)
@@ -87,7 +101,9 @@ class Claims:
         """Remove ``key``'s claim; with ``holder`` (a ``holder_name()``), only while the
         claim names it (see the module docstring). A claim read empty is being written by
         whoever just took it, and one that cannot be read is not known to be ``holder``'s:
-        both stay."""
+        both stay. Never raises: no claims directory (gone, a file in its place) holds no
+        claim, and one that cannot be removed (EACCES, EIO) is counted in ``faults`` and
+        logged once (it is found stale once its holder has died)."""
         path = self._path(key)
         try:
             if holder is not None:
@@ -95,11 +111,11 @@ class Claims:
                     if f.read() != holder.encode():
                         return
             os.unlink(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             pass
-        except OSError:
+        except OSError as exc:
             if holder is None:
-                raise
+                self._fault(f"cannot remove the claim {path}", exc)
 
     def held(self, key: str) -> bool:
         """True while a live process holds ``key``'s claim; a stale claim (its holder died) is
@@ -109,8 +125,8 @@ class Claims:
             with open(path, "rb") as f:
                 text = f.read()
             age = time.time() - os.stat(path).st_mtime
-        except FileNotFoundError:
-            return False
+        except OSError:  # none (or no directory), or one that cannot be read: not known held
+            return False  # (at worst a block fetched twice)
         if not text:
             if age < _EMPTY_GRACE:
                 return True
@@ -125,20 +141,50 @@ class Claims:
         return False
 
     def clear(self) -> int:
-        """Remove every claim (the daemon, at its start: no lease survives a daemon)."""
+        """Remove every claim (the daemon, at its start: no lease survives a daemon). What
+        cannot be listed or removed is counted in ``faults`` and left: such claims are
+        found stale once their holders are gone."""
         removed = 0
         try:
             names = os.listdir(self.dir)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        except OSError as exc:
+            self._fault(f"cannot list the claims in {self.dir}", exc)
             return 0
         for name in names:
             try:
                 os.unlink(os.path.join(self.dir, name))
                 removed += 1
+            except FileNotFoundError:
+                pass
             except OSError as exc:
-                if exc.errno != errno.ENOENT:
-                    raise
+                self._fault(f"cannot remove the claim {name} in {self.dir}", exc)
         return removed
 
-    def make(self) -> None:
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+    def make(self) -> bool:
+        """Make the claims directory (0700) if it is not there; a file or link in its place
+        (debris: the runtime dir is ours alone) is replaced. False, counted and logged
+        once, if it cannot be made: then leases go without claims."""
+        try:
+            try:
+                os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            except FileExistsError:  # something that is no directory under its name
+                if stat.S_ISDIR(os.lstat(self.dir).st_mode):
+                    return True
+                os.unlink(self.dir)
+                os.mkdir(self.dir, 0o700)
+                log.warning("%s was no directory: made it again", self.dir)
+        except OSError as exc:
+            if exc.errno == errno.EEXIST and os.path.isdir(self.dir):
+                return True  # made by another at the same instant
+            self._fault(f"cannot make the claims directory {self.dir}", exc)
+            return False
+        return True
+
+    def _fault(self, what: str, exc: OSError) -> None:
+        self.faults += 1
+        if not self._warned:
+            self._warned = True
+            log.warning("%s (%s): leases go on without claims (at worst a block fetched "
+                        "twice; counted, logged once)", what, exc.strerror or exc)

@@ -14,18 +14,41 @@ from .records import Inflight
 log = logging.getLogger(__name__)
 
 
+CLAIM_FAULT_LOG_EVERY = 60.0  # seconds between two logs of leases given without a claim
+
+
 class LeaseWaits:
+    _claimless = 0  # leases given without a claim since that was last logged
+    _claimless_logged_at = float("-inf")
+
     def _claim(self, key: str) -> bool:
         """Take ``key``'s claim for a lease given here; False if another process holds it.
-        Without a usable claims directory, leases alone decide (as before claims)."""
+        Without a usable claims directory, leases alone decide (as before claims): the
+        directory is made again if it is gone or a file is in its place, and where no
+        claim can be made the lease goes without one, counted (``claim_errors``) and
+        logged at most once a minute (a lease request never fails for it)."""
         try:
             return self.claims.take(key) or (not self.claims.held(key) and self.claims.take(key))
-        except FileNotFoundError:  # removed under the running daemon: made again
-            self.claims.make()
-            return self.claims.take(key)
+        except (FileNotFoundError, NotADirectoryError) as exc:  # removed, or a file in its place
+            if self.claims.make():
+                try:
+                    return self.claims.take(key)
+                except OSError as again:
+                    exc = again
+            self._lease_without_claim(key, exc)
         except OSError as exc:
-            log.warning("cannot claim block %s (%s): leasing it without a claim", key, exc)
-            return True
+            self._lease_without_claim(key, exc)
+        return True
+
+    def _lease_without_claim(self, key: str, exc: OSError) -> None:
+        self.counters["claim_errors"] = self.counters.get("claim_errors", 0) + 1
+        self._claimless += 1
+        now = time.monotonic()
+        if now - self._claimless_logged_at >= CLAIM_FAULT_LOG_EVERY:
+            log.warning("cannot claim blocks in %s (%s, block %s): leasing %d block(s) without "
+                        "a claim (counted as claim_errors; logged at most once a minute)",
+                        self.claims.dir, exc.strerror or exc, key, self._claimless)
+            self._claimless, self._claimless_logged_at = 0, now
 
     def _wait_for_claim(self, key: str, deadline: float) -> bool:
         """Wait while another process holds ``key``'s claim (it is fetching the block and
