@@ -20,6 +20,9 @@ from .prefetch import run_prefetch
 log = logging.getLogger(__name__)
 
 DESTINATION_FAILED = "destination failed"  # _move_tier: the tier moved to could not take it
+# _move_tier: the block's own file failed its checksum, or could not be read (ELOOP, EIO):
+# dropped under that reason, counted and logged as readers' finds are (NodeCache.drop)
+SOURCE_CORRUPT, SOURCE_UNREADABLE = "corrupt", "unreadable"
 MOVE_DEFER = 30.0  # seconds a move of a block whose fill is in flight is tried again
 KEEP_ON_STOP = 10.0  # seconds a clean stop may spend copying DRAM's blocks down to NVMe
 
@@ -135,7 +138,8 @@ class MoveRunner:
                 # in the faster one meanwhile: cache kept over exact accounting)
             if moved is not True:  # a demotion must make room all the same: the block goes
                 self.placer.drop(move.key)
-                self.drop(move.key, "move failed")
+                self.drop(move.key, moved if moved in (SOURCE_CORRUPT, SOURCE_UNREADABLE)
+                          else "move failed")
         elif isinstance(move, Admit):  # re-admitted by a late hit report: not cached here
             with self._lock:
                 present = move.key in self._index or move.key in self._inflight
@@ -148,8 +152,11 @@ class MoveRunner:
 
     def _move_tier(self, key: str, dst: str) -> bool | str | None:
         """Move ``key``'s block to tier ``dst``: True once it is there, False if it cannot
-        be (gone, or its copy fails), DESTINATION_FAILED if ``dst`` could not take it (the
-        copy stays where it is, sound), None if its fill is still in flight (planned while
+        be (gone, or its copy fails), SOURCE_CORRUPT or SOURCE_UNREADABLE if its file failed
+        its checksum or could not be read (counted here as readers' finds are:
+        ``corrupt_repaired``, ``tier_read_errors``; the caller drops it under that reason,
+        logged with the others at most once a minute), DESTINATION_FAILED if ``dst`` could
+        not take it (the copy stays where it is, sound), None if its fill is still in flight (planned while
         a fill written behind the read had not landed): the move waits for no fill, as it runs under the moves'
         lock, which the lease of that very fill may need to make its room (a wait here
         held every reader of the node for its length); it is tried again later."""
@@ -172,8 +179,7 @@ class MoveRunner:
         try:
             data = _read_whole(src.tier.block_path(key))
         except OSError as exc:  # the copy itself fails (corrupt, unreadable): it goes
-            log.warning("moving %s from %s to %s failed: %s", key, entry.tier, dst, exc)
-            return False
+            return self._bad_source(key, entry.tier, dst, exc)
         if data is None:
             return False
         try:
@@ -203,6 +209,22 @@ class MoveRunner:
         src.tier.delete(key)
         return True
 
+    def _bad_source(self, key: str, tier: str, dst: str, exc: OSError) -> str | bool:
+        """What a move does with a block whose own file failed (see _move_tier)."""
+        if isinstance(exc, blockfile.CorruptBlock):
+            reason, counter = SOURCE_CORRUPT, "corrupt_repaired"
+        elif exc.errno in blockfile.TIER_FAULTS:
+            reason, counter = SOURCE_UNREADABLE, "tier_read_errors"
+        else:  # not the block's fault (EMFILE, ENOMEM): it goes all the same, said rarely
+            if time.monotonic() >= self._move_warned.get(f"{tier}:read", -60.0) + 60:
+                self._move_warned[f"{tier}:read"] = time.monotonic()
+                log.warning("moving %s from %s to %s failed: %s (reads for moves out of %s "
+                            "logged at most once a minute)", key, tier, dst, exc, tier)
+            return False
+        with self._lock:
+            self.counters[counter] += 1
+        return reason
+
     def keep_on_stop(self, budget: float = KEEP_ON_STOP) -> int:
         """On a clean stop: copy the blocks the faster tiers hold into the last one (NVMe
         outlives the daemon and the job; DRAM, a job's /dev/shm, does not), most recently
@@ -217,7 +239,7 @@ class MoveRunner:
         with self._lock:
             upper = [(k, e) for k, e in self._index.items() if e.tier != self._order[-1]]
             room = lower.config.high_bytes - lower.used - lower.reserved
-        copied = 0
+        copied, failed, first_failure = 0, 0, ""
         for key, entry in reversed(upper):  # the index keeps insertion order: newest last
             if time.monotonic() > deadline:
                 log.info("clean stop: %d blocks not copied to %s (out of time)",
@@ -231,10 +253,13 @@ class MoveRunner:
                     continue
                 room -= lower.tier.put(key, data, tag=entry.tag or b"")
             except OSError as exc:  # a corrupt block, a full disk: not kept, never fatal
-                log.warning("clean stop: block %s not copied to %s: %s", key,
-                            lower.config.name, exc)
+                failed += 1
+                first_failure = first_failure or f"{key}: {exc}"
                 continue
             copied += 1
+        if failed:  # one line, not one per block (a failing disk fails them all)
+            log.warning("clean stop: %d block(s) not copied to %s (the first: %s)", failed,
+                        lower.config.name, first_failure)
         if copied:
             log.info("clean stop: copied %d blocks to %s for the next daemon", copied,
                      lower.config.name)
@@ -248,6 +273,6 @@ def _read_whole(path: str) -> bytes | None:
     """A block file's data (verified), its length derived from the file's size."""
     try:
         size = os.stat(path).st_size
-    except FileNotFoundError:
+    except blockfile.ABSENT:  # gone, or its directory is no directory (as a reader takes it)
         return None
     return blockfile.read_block(path, blockfile.data_length(size, path))
