@@ -13,6 +13,11 @@ Format: JSON ``{"counters": {name: int, "tier_hit_bytes": {tier: int}}, "hits": 
 "<key><key>..."}}``, the hit keys (32 hex characters each) joined per tier, so a report of
 thousands of hits costs one string, not a tuple per hit. The directory is private (in the
 0700 runtime dir, itself 0700); anything in it that does not parse is dropped.
+
+Hits at other nodes (blocks sent straight from their owners' block servers, which the
+daemon never sees otherwise) are reported as hits of the "tier" ``remote:<length>:<url
+tag, hex>`` (``remote_hit_tier``), what the daemon needs to copy a block read again and
+again here (cluster/owner.py), in either way of reporting.
 """
 from __future__ import annotations
 
@@ -30,6 +35,27 @@ _TAKEN = ".taken"
 KEY_LENGTH = 32  # hex characters of a block key (keys.block_key)
 MAX_BYTES = 16 << 20  # a report larger than this is no report of ours
 _seq = itertools.count()
+
+
+REMOTE = "remote:"
+
+
+def remote_hit_tier(length: int, tag: bytes) -> str:
+    """The "tier" a hit at an owner node is reported under: its block's data length and
+    the tag of its file's URL (keys.url_tag)."""
+    return f"{REMOTE}{length}:{tag.hex()}"
+
+
+def remote_hit(tier: str) -> tuple[int, bytes] | None:
+    """(length, url tag) of a tier named by ``remote_hit_tier``; None for any other."""
+    if not tier.startswith(REMOTE):
+        return None
+    length, _, tag = tier[len(REMOTE):].partition(":")
+    try:
+        length, tag = int(length), bytes.fromhex(tag)
+    except ValueError:
+        return None
+    return (length, tag) if length >= 0 and tag else None
 
 
 def spool_dir(runtime_dir: str) -> str:

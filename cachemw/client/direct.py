@@ -30,6 +30,7 @@ from ..ring import HashRing
 log = logging.getLogger(__name__)
 
 REFRESH = 2.0
+_damage_said = 0  # the pid of the process that logged a damaged block from an owner
 
 
 class _Reply:
@@ -214,8 +215,14 @@ class DirectReads:
         return i >= n
 
     def _damaged(self, owner: str, key: str) -> None:
+        """Counted each; logged for the first in this process (as a corrupt block in a tier
+        here is): a damaged tier at an owner would log every block of it."""
+        global _damage_said
         self.client.count("corrupt_repaired")
-        log.warning("block %s from node %s failed verification; fetching it again", key, owner)
+        if _damage_said != os.getpid():
+            _damage_said = os.getpid()
+            log.warning("block %s from node %s failed verification; fetching it again "
+                        "(further ones counted as corrupt_repaired; logged once)", key, owner)
 
     def _conn(self, owner: str, d) -> BlockClient | None:
         conns = getattr(self._local, "conns", None)

@@ -24,6 +24,7 @@ from ..blockfile import CorruptBlock
 from .fills import Fill
 from ..keys import url_tag
 from .metadata import FileMeta
+from ..reports import remote_hit_tier
 from .. import trace
 from ..tiers.source import MOVED_ON
 
@@ -67,6 +68,9 @@ class Misses:
                 if block is not None:
                     self.client.count("remote_hits")
                     self.client.count("remote_bytes", len(block))
+                    # told the daemon (which never sees it): hot blocks are copied here
+                    self.client.accessed(p.key,
+                                         remote_hit_tier(p.length, url_tag(p.meta.url)))
                     self._missed(started, now)
                     out[first[p.key]] = block if (p.lo, p.hi) == (0, len(block)) else block[p.lo:p.hi]
             unique = [p for p in unique if p.key not in direct]

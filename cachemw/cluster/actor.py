@@ -116,6 +116,8 @@ class DaemonActor:
         if self.blocks is not None:
             self.blocks.close()
         if self.service is not None:
+            if self.service.node.remote is not None:
+                self.service.node.remote.close()
             self.service.close()
 
 

@@ -319,10 +319,12 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
                 planned.append((move, known, fill))
         return room, planned
 
-    def admit_replica(self, key: str, data: bytes, url: str | None) -> bool:
-        """Keep a local copy of a remote block, if the placement engine wants it here."""
+    def admit_replica(self, key: str, data: bytes, url: str | None,
+                      tag: bytes | None = None) -> bool:
+        """Keep a local copy of a remote block, if the placement engine wants it here
+        (tagged by its file's ``url``, or by the ``tag`` of it a reader reported)."""
         nbytes = blockfile.stored_size(len(data))
-        tag = url_tag(url) if url else None
+        tag = url_tag(url) if url else tag
         with self._lock:
             if key in self._index or key in self._inflight or not self._claim(key):
                 return False
@@ -445,6 +447,8 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
             for tier, nbytes in counters.get("tier_hit_bytes", {}).items():
                 if tier in self._tiers:
                     self._tiers[tier].hit_bytes += nbytes
+        if self.remote is not None:  # hits at owner nodes: one read again and again is copied
+            self.remote.note_hits(accesses)
         moves = []
         with self._lock:  # a hit reported late, after an eviction, is no hit for the engine
             hit = [key for key, _ in accesses if key in self._index]

@@ -2,6 +2,13 @@
 (clairvoyant, from an announced order), from the node cache's maintenance thread,
 ``CONCURRENCY`` source reads at a time.
 
+In a cluster, a planned block another node owns is fetched from its owner, as a miss of it
+is (cluster/owner.py RemoteReads: one call per owner for the pass's blocks), and kept here
+too, so that its read here is a hit: the owner serves it from its tiers, or fetches it from
+the source once, cluster-wide, and keeps it. Only a block its owner cannot give (down, hung
+past ``peer_timeout``, another version there) is read from the source here, counted as a
+miss is (``peer_fallbacks``).
+
 The node puts each planned block in flight as a fill before the first is fetched
 (NodeCache.reserve_prefetches), so a reader that gets there first waits for it (single
 flight) instead of reading the source a second time; whatever happens, every planned fill
@@ -52,19 +59,40 @@ def run_prefetch(node, budget: int) -> None:
     room, planned = node.reserve_prefetches(budget)
     ended = [False] * len(planned)
 
-    def fetch(i: int) -> None:
+    def fetch(i: int, block: bytes | None = None) -> None:
         move, (_length, url, source), fill = planned[i]
-        _fetch_one(node, move, url, source, fill)
+        _fetch_one(node, move, url, source, fill, block)
         ended[i] = True
+
+    def from_owners(at: list[int]) -> list[int]:
+        """Fetch the blocks at ``at`` from their owners; those to read from the source."""
+        replies = node.remote.fetch([(planned[i][0].key, *planned[i][1]) for i in at],
+                                    replicate=False)  # (kept here as prefetched)
+        unserved = []
+        for i, reply in zip(at, replies):
+            if reply[0] == "data":
+                fetch(i, reply[1])
+            else:
+                unserved.append(i)
+        return unserved
 
     try:
         node.run_moves(room)  # make room first
-        if len(planned) == 1:
-            fetch(0)
+        remote = node.remote
+        at_owners = [i for i, (move, _, _) in enumerate(planned)
+                     if remote is not None and remote.is_remote(move.key)]
+        asked = set(at_owners)
+        here = [i for i in range(len(planned)) if i not in asked]
+        if len(here) == 1 and not at_owners:
+            fetch(here[0])
         elif planned:
             with ThreadPoolExecutor(min(CONCURRENCY, len(planned)),
                                     thread_name_prefix="cachemw-prefetch") as pool:
-                for future in [pool.submit(fetch, i) for i in range(len(planned))]:
+                owners = pool.submit(from_owners, at_owners) if at_owners else None
+                futures = [pool.submit(fetch, i) for i in here]
+                if owners is not None:
+                    futures += [pool.submit(fetch, i) for i in owners.result()]
+                for future in futures:
                     future.result()
     finally:
         for done, (move, _, fill) in zip(ended, planned):
@@ -72,15 +100,18 @@ def run_prefetch(node, budget: int) -> None:
                 node.end_unfilled(move.key, fill, "error")
 
 
-def _fetch_one(node, move, url, source, fill) -> None:
-    """Fetch one planned block and end its fill as a client's fill ends: published under
-    the node lock unless evicted or invalidated meanwhile (NodeCache.land); if a reader
-    waiting on it has published it already, nothing is left to do."""
+def _fetch_one(node, move, url, source, fill, block: bytes | None = None) -> None:
+    """Fetch one planned block (unless given ``block``, its bytes from its owner) and end
+    its fill as a client's fill ends: published under the node lock unless evicted or
+    invalidated meanwhile (NodeCache.land); if a reader waiting on it has published it
+    already, nothing is left to do."""
     target_json, path, index, block_size, file_size, version = source
     started = time.perf_counter()
+    from_source = block is None
     try:
-        # the announced version or nothing: a block is kept under its version's key
-        block = source_for(target_json).read_block(path, index, block_size, file_size, version)
+        if from_source:  # the announced version or nothing: kept under its version's key
+            block = source_for(target_json).read_block(path, index, block_size, file_size,
+                                                       version)
         stored = node.tier(move.tier).stage(move.key, block, fill.lease,
                                             tag=url_tag(url) if url else b"")
     except ChangedSourceError as exc:  # announced, then changed: its reader will see it too
@@ -95,6 +126,9 @@ def _fetch_one(node, move, url, source, fill) -> None:
             trace.event("prefetch", trace.PLACEMENT, started, None,
                         {"file": path, "block": index, "tier": move.tier, "bytes": len(block)})
         node.count("prefetched")
-        node.count("bytes_from_source", len(block))
+        if from_source:
+            node.count("bytes_from_source", len(block))
+        else:
+            node.count("prefetched_from_owners")
         return
     node.end_unfilled(move.key, fill, "error")
