@@ -140,7 +140,8 @@ def ensure_daemon(fs) -> None:
 def node_share(client, config: WarmConfig, *, poll: float = 0.5) -> Share:
     """This node's share, from its daemon's view of the ring. With several nodes warming
     together, waits (``ring_wait``) until the daemon's ring holds every alive node of its
-    cluster, then checks that they are as many as the nodes warming."""
+    cluster, then checks that they are as many as the nodes warming; a ring already formed
+    of more alive nodes than that is refused at once (nodes that join cannot make it fit)."""
     host = socket.gethostname()
     deadline = time.monotonic() + config.ring_wait
     while True:
@@ -161,11 +162,14 @@ def node_share(client, config: WarmConfig, *, poll: float = 0.5) -> Share:
                                                        "autostarted or node-local"))
             return Share(host, 1)  # alone, or each node of a Slurm step for itself (site mode)
         members = tuple(d["members"])
-        formed = len(members) >= d.get("alive", len(members))
+        alive = d.get("alive", len(members))
+        formed = len(members) >= alive
         if config.nodes == 1 and (config.alone_ok or (formed and len(members) == 1)):  # alone
             return Share(d["self"], config.nodes)
         if formed and len(members) == config.nodes:
             return Share(d["self"], config.nodes, HashRing(members, d["vnodes"]), members)
+        if formed and alive > config.nodes:  # more nodes than warm: no wait can change it
+            raise WarmError(_other_size(config, len(members), f"complete; {alive} alive"))
         if time.monotonic() >= deadline:
             break
         time.sleep(poll)
