@@ -253,17 +253,29 @@ def _missing(target, path: str) -> bool:
     return False
 
 
+def _to_list(info: dict) -> bool:
+    """Is what ``info`` describes listed for the files under it? A directory is, and so is
+    an HTTP URL its server says is HTML (a directory's index, whose links are its files:
+    fsspec's HTTP filesystem calls every URL a file). Any other file is only itself: a
+    listing of it over HTTP GETs its whole body looking for links, on every node warming,
+    on top of its owner's block reads."""
+    return info.get("type") == "directory" or info.get("mimetype") == "text/html"
+
+
 def _listed(url: str, fs, path: str, errors: dict) -> list[FileMeta]:
-    """The files under ``url`` (or the file itself), with their metadata; a file whose
-    metadata cannot be had is recorded in ``errors``. A store that fails the listing (its
+    """The files under ``url`` (or the file itself, not listed: _to_list), with their
+    metadata; a file whose metadata cannot be had is recorded in ``errors``. A store that fails the listing (its
     client's error, say botocore's NoCredentialsError, as the OSError cachemw raises for it:
     tiers/pinning.py store_failed) is a WarmError naming it: nothing has been read yet, and
     its traceback would say less."""
     metas = []
     try:
-        found = sorted(fs.find(path))  # a file's own path, or the files under a directory
-        if not found and not fs.exists(path):
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
             errors[url] = f"FileNotFoundError: {url}: no such file or directory"
+            return metas
+        found = sorted(fs.find(path)) if _to_list(info) else [path]
         for p in found:
             try:
                 metas.append(fs.meta.file(p))
