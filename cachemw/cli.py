@@ -15,6 +15,7 @@ from .cluster import actor as daemon
 from .config import (WarmConfig, check_runtime_dir, format_size, parse_size,
                      resolve_runtime_dir)
 from .job import command as job
+from .placement.registry import ONLINE_POLICIES
 from .protocol import check_private_dir, lock_holder, lookup
 from .report import format_stats
 
@@ -48,7 +49,8 @@ def cmd_start(args) -> int:
         "dram_dir": args.dram_dir, "dram_capacity": args.dram_capacity,
         "nvme_dir": args.nvme_dir, "nvme_capacity": args.nvme_capacity,
         "peer_timeout": args.peer_timeout, "metrics_port": args.metrics_port,
-        "metrics_host": args.metrics_host, "trace_dir": args.trace}.items() if v is not None}
+        "metrics_host": args.metrics_host, "trace_dir": args.trace,
+        "placement": args.placement}.items() if v is not None}
     addresses = daemon.start(args.address, runtime_dir=_runtime_dir(args), **options)
     for a in addresses:
         tiers = ", ".join(f"{t['name']}={t['path']} ({format_size(t['capacity'])})" for t in a["tiers"])
@@ -213,7 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: $CACHEMW_RUNTIME_DIR or /dev/shm/cachemw-$UID)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("start", help="start one daemon per Ray node (a local Ray if no --address)")
+    s = sub.add_parser("start", help="start one daemon per Ray node (a local Ray if no --address)",
+                       description="Start one daemon per Ray node. An option left out is "
+                       "taken from this command's CACHEMW_* variables (CACHEMW_DRAM_CAPACITY, "
+                       "CACHEMW_PLACEMENT, ...), which every daemon gets, else each node's "
+                       "default.")
     s.add_argument("--address", help="Ray cluster address (default: start a private local one)")
     s.add_argument("--dram-dir")
     s.add_argument("--dram-capacity", type=_size)
@@ -229,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the address the metrics endpoint listens on (default 0.0.0.0)")
     s.add_argument("--trace", metavar="DIR",
                    help="the daemons write DFTracer traces (.pfw) into DIR")
+    s.add_argument("--placement", choices=ONLINE_POLICIES,
+                   help="the daemons' placement policy (default: clairvoyant once a sampler "
+                        "announces its order, else history)")
     s.set_defaults(func=cmd_start)
 
     s = sub.add_parser("stop", help="stop the daemons (and the local Ray cachemw started)")

@@ -197,6 +197,28 @@ class TierConfig:
         return int(self.capacity * self.low_watermark)
 
 
+# The CACHEMW_* variable of each daemon setting, by DaemonConfig.build keyword (the runtime
+# dir's, CACHEMW_RUNTIME_DIR, is every component's: resolve_runtime_dir)
+DAEMON_VARIABLES = {
+    "dram_dir": "CACHEMW_DRAM_DIR", "dram_capacity": "CACHEMW_DRAM_CAPACITY",
+    "nvme_dir": "CACHEMW_NVME_DIR", "nvme_capacity": "CACHEMW_NVME_CAPACITY",
+    "placement": "CACHEMW_PLACEMENT", "metrics_port": "CACHEMW_METRICS_PORT",
+    "metrics_host": "CACHEMW_METRICS_HOST", "trace_dir": "CACHEMW_TRACE",
+}
+
+
+def daemon_environment(env: Mapping[str, str] | None = None) -> dict:
+    """The daemon settings the CACHEMW_* variables of ``env`` (default: this process's)
+    give, as DaemonConfig.build keywords (unset and empty ones left out). ``cachemw start``
+    passes them to the daemons it places: a Ray actor's environment is its raylet's, not
+    the one the command ran in, so they were checked there and then not used."""
+    env = os.environ if env is None else env
+    out = {option: env[var] for option, var in DAEMON_VARIABLES.items() if env.get(var)}
+    if "metrics_port" in out:  # a number, as the option is: compared with the running one's
+        out["metrics_port"] = check_port(out["metrics_port"], DAEMON_VARIABLES["metrics_port"])
+    return out
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     """A node daemon: its tiers (fastest first) and where it publishes its socket."""
@@ -253,29 +275,30 @@ class DaemonConfig:
             raise ValueError(f"unknown daemon option(s): {', '.join(sorted(unknown))}")
         env = os.environ if env is None else env
 
-        def pick(value, var: str, option: str):
+        def pick(value, option: str, var: str | None = None):
             """A keyword wins over CACHEMW_*; an empty variable counts as unset. Returns
             (value, what to name in an error about it)."""
             if value is not None:
                 return value, option
+            var = var or DAEMON_VARIABLES[option]
             value = env.get(var) or None
             return value, (f"{var} ({option})" if value is not None else option)
 
-        runtime_dir, rt_name = pick(runtime_dir, "CACHEMW_RUNTIME_DIR", "runtime_dir")
+        runtime_dir, rt_name = pick(runtime_dir, "runtime_dir", "CACHEMW_RUNTIME_DIR")
         runtime_dir = check_runtime_dir(default_runtime_dir(env) if runtime_dir is None
                                         else runtime_dir, rt_name)
-        dram_dir, dram_dir_name = pick(dram_dir, "CACHEMW_DRAM_DIR", "dram_dir")
+        dram_dir, dram_dir_name = pick(dram_dir, "dram_dir")
         dram_dir = _absolute(dram_dir, dram_dir_name) or os.path.join(runtime_dir, "dram")
-        dram_capacity, dram_name = pick(dram_capacity, "CACHEMW_DRAM_CAPACITY", "dram_capacity")
-        nvme_dir, nvme_dir_name = pick(nvme_dir, "CACHEMW_NVME_DIR", "nvme_dir")
+        dram_capacity, dram_name = pick(dram_capacity, "dram_capacity")
+        nvme_dir, nvme_dir_name = pick(nvme_dir, "nvme_dir")
         nvme_dir = _absolute(nvme_dir, nvme_dir_name)
-        nvme_capacity, nvme_name = pick(nvme_capacity, "CACHEMW_NVME_CAPACITY", "nvme_capacity")
-        placement, placement_name = pick(placement, "CACHEMW_PLACEMENT", "placement")
+        nvme_capacity, nvme_name = pick(nvme_capacity, "nvme_capacity")
+        placement, placement_name = pick(placement, "placement")
         check_placement(placement, placement_name)
-        metrics_port, port_name = pick(metrics_port, "CACHEMW_METRICS_PORT", "metrics_port")
+        metrics_port, port_name = pick(metrics_port, "metrics_port")
         metrics_port = check_port(metrics_port, port_name)
-        metrics_host, _ = pick(metrics_host, "CACHEMW_METRICS_HOST", "metrics_host")
-        trace, trace_name = pick(trace_dir, "CACHEMW_TRACE", "trace_dir")
+        metrics_host, _ = pick(metrics_host, "metrics_host")
+        trace, trace_name = pick(trace_dir, "trace_dir")
         trace = check_trace_dir(trace, trace_name)
         tiers = [_tier("dram", dram_dir, _default_dram_capacity() if dram_capacity is None
                        else dram_capacity, dram_name)]

@@ -140,7 +140,8 @@ def ensure_daemon(fs) -> None:
 def node_share(client, config: WarmConfig, *, poll: float = 0.5) -> Share:
     """This node's share, from its daemon's view of the ring. With several nodes warming
     together, waits (``ring_wait``) until the daemon's ring holds every alive node of its
-    cluster, then checks that they are as many as the nodes warming."""
+    cluster, then checks that they are as many as the nodes warming; a ring already formed
+    of more alive nodes than that is refused at once (nodes that join cannot make it fit)."""
     host = socket.gethostname()
     deadline = time.monotonic() + config.ring_wait
     while True:
@@ -161,11 +162,14 @@ def node_share(client, config: WarmConfig, *, poll: float = 0.5) -> Share:
                                                        "autostarted or node-local"))
             return Share(host, 1)  # alone, or each node of a Slurm step for itself (site mode)
         members = tuple(d["members"])
-        formed = len(members) >= d.get("alive", len(members))
+        alive = d.get("alive", len(members))
+        formed = len(members) >= alive
         if config.nodes == 1 and (config.alone_ok or (formed and len(members) == 1)):  # alone
             return Share(d["self"], config.nodes)
         if formed and len(members) == config.nodes:
             return Share(d["self"], config.nodes, HashRing(members, d["vnodes"]), members)
+        if formed and alive > config.nodes:  # more nodes than warm: no wait can change it
+            raise WarmError(_other_size(config, len(members), f"complete; {alive} alive"))
         if time.monotonic() >= deadline:
             break
         time.sleep(poll)
@@ -249,17 +253,29 @@ def _missing(target, path: str) -> bool:
     return False
 
 
+def _to_list(info: dict) -> bool:
+    """Is what ``info`` describes listed for the files under it? A directory is, and so is
+    an HTTP URL its server says is HTML (a directory's index, whose links are its files:
+    fsspec's HTTP filesystem calls every URL a file). Any other file is only itself: a
+    listing of it over HTTP GETs its whole body looking for links, on every node warming,
+    on top of its owner's block reads."""
+    return info.get("type") == "directory" or info.get("mimetype") == "text/html"
+
+
 def _listed(url: str, fs, path: str, errors: dict) -> list[FileMeta]:
-    """The files under ``url`` (or the file itself), with their metadata; a file whose
-    metadata cannot be had is recorded in ``errors``. A store that fails the listing (its
+    """The files under ``url`` (or the file itself, not listed: _to_list), with their
+    metadata; a file whose metadata cannot be had is recorded in ``errors``. A store that fails the listing (its
     client's error, say botocore's NoCredentialsError, as the OSError cachemw raises for it:
     tiers/pinning.py store_failed) is a WarmError naming it: nothing has been read yet, and
     its traceback would say less."""
     metas = []
     try:
-        found = sorted(fs.find(path))  # a file's own path, or the files under a directory
-        if not found and not fs.exists(path):
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
             errors[url] = f"FileNotFoundError: {url}: no such file or directory"
+            return metas
+        found = sorted(fs.find(path)) if _to_list(info) else [path]
         for p in found:
             try:
                 metas.append(fs.meta.file(p))

@@ -205,8 +205,9 @@ def test_cachemw_start_is_private_strict_and_stops_whole(tmp_path):
     env = dict(os.environ, CACHEMW_RUNTIME_DIR=str(rt))
     env.pop("RAY_ADDRESS", None)
 
-    def cli(*args, timeout=240):
-        return subprocess.run([sys.executable, "-m", "cachemw.cli", *args], env=env,
+    def cli(*args, timeout=240, environ=None):
+        return subprocess.run([sys.executable, "-m", "cachemw.cli", *args],
+                              env=env if environ is None else environ,
                               capture_output=True, text=True, timeout=timeout, cwd="/")
 
     r = cli("start", "--dram-capacity", "0")  # not "25% of RAM": an error, before Ray starts
@@ -237,8 +238,12 @@ def test_cachemw_start_is_private_strict_and_stops_whole(tmp_path):
         assert "cachemw stop" in r.stderr and "Traceback" not in r.stderr
         r = cli("start", "--dram-capacity", "64MiB")  # the same options: fine
         assert r.returncode == 0, r.stderr
-        r = cli("start")  # nothing asked: whatever runs
+        # nothing asked (not even the session's CACHEMW_DRAM_CAPACITY, which start passes
+        # on as asked): whatever runs
+        r = cli("start", environ={k: v for k, v in env.items() if k != "CACHEMW_DRAM_CAPACITY"})
         assert r.returncode == 0, r.stderr
+        r = cli("start", environ=dict(env, CACHEMW_DRAM_CAPACITY="128MiB"))  # asked: refused
+        assert r.returncode == 2 and "(asked: 128.0 MiB)" in r.stderr, r.stderr
     finally:
         r = cli("stop")
     assert r.returncode == 0, r.stderr

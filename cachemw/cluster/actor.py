@@ -18,7 +18,8 @@ import sys
 import time
 from dataclasses import asdict
 
-from ..config import DaemonConfig, format_size, parse_size, ray_address, resolve_runtime_dir
+from ..config import (DaemonConfig, daemon_environment, format_size, parse_size, ray_address,
+                      resolve_runtime_dir)
 from ..launch import remove_checkpoint_copies, stop_local
 from ..node.service import NodeService
 from ..protocol import lock_holder, lookup
@@ -206,12 +207,14 @@ def start(address: str | None = None, *, runtime_dir: str | None = None, timeout
     """Place one daemon on every alive Ray node (idempotent: existing ones are kept).
 
     ``options`` are DaemonConfig.build keywords (dram_dir, dram_capacity, nvme_dir,
-    nvme_capacity) and PEER_OPTIONS; each daemon resolves defaults on its own node, and
-    ``{node_id}`` in a string option becomes that node's id.
+    nvme_capacity, placement, ...) and PEER_OPTIONS; what they leave out, this process's
+    CACHEMW_* variables give (config.daemon_environment), else each daemon's defaults on
+    its own node; ``{node_id}`` in a string option becomes that node's id.
     """
     runtime_dir = resolve_runtime_dir(runtime_dir)
-    DaemonConfig.build(runtime_dir=runtime_dir,  # fail early on bad options
+    DaemonConfig.build(runtime_dir=runtime_dir,  # fail early on bad options (and variables)
                        **{k: v for k, v in options.items() if k not in PEER_OPTIONS})
+    options = dict(daemon_environment(), **options)  # not the actors' (their raylet's)
     timeout_option = options.get("peer_timeout")
     if timeout_option is not None and (isinstance(timeout_option, bool) or not isinstance(
             timeout_option, (int, float)) or not 0 < timeout_option < float("inf")):
@@ -287,7 +290,8 @@ def _shared_dirs(nodes: list[dict], runtime_dir: str, options: dict) -> str | No
     return (f"{len(ids)} Ray nodes share host {host}, and their daemons would share "
             + ", ".join(f"{k} {v!r}" for k, v in clash.items())
             + f"; give each node its own with {{node_id}} in the path, e.g. {fixes} "
-            f"(CLI: --runtime-dir/--dram-dir/--nvme-dir, or CACHEMW_RUNTIME_DIR)")
+            f"(CLI: `cachemw --runtime-dir DIR start --dram-dir DIR --nvme-dir DIR`, or "
+            f"CACHEMW_RUNTIME_DIR, CACHEMW_DRAM_DIR, CACHEMW_NVME_DIR)")
 
 
 def _differences(asked: dict, have: dict) -> list[str]:
