@@ -24,6 +24,7 @@ from ..blockfile import CorruptBlock
 from .fills import Fill
 from ..keys import url_tag
 from .metadata import FileMeta
+from .silence import ReadCall
 from .. import trace
 from ..tiers.source import MOVED_ON
 
@@ -47,7 +48,9 @@ class Misses:
     uses."""
 
     def _misses(self, pieces: list[Piece]) -> list[bytes]:
-        with trace.span("miss", trace.READ, blocks=len(pieces)):
+        # its waits on a silent daemon (the ring, leases, a connection) add up to one
+        # daemon_timeout at most, with the rest of the read call's (silence.py)
+        with trace.span("miss", trace.READ, blocks=len(pieces)), ReadCall(self.client.timeout):
             return self._resolve_misses(pieces)
 
     def _resolve_misses(self, pieces: list[Piece]) -> list[bytes]:
