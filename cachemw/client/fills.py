@@ -10,8 +10,15 @@ Nothing is lost or read stale on the way:
 * the block's bytes stay in memory (``pending``) until its file has landed, so this process
   reads them back meanwhile, through any of its filesystems (``pending`` is the process's,
   shared by every writer: a second instance made with other options, by pandas or HF
-  datasets, waits for the block to land rather than fetching it again); other processes
-  wait on the daemon's lease as for any fill in flight, and get "present" once it ends;
+  datasets, reads them too rather than fetching the block again); other processes wait on
+  the daemon's lease as for any fill in flight, and get "present" once it ends;
+* a reader never waits for the writer thread to land a block it re-reads: the writer runs
+  whatever a garbage collection on it finalizes, and a finalizer may need a lock the reader
+  holds (h5py's global lock, held while h5py reads through a file object): both would wait
+  for each other. The pending bytes are served instead (``pending_fill``), unless the file
+  was written through the cache since they were fetched (then the daemon cancels the fill,
+  and the read goes to the source, pinned to the version: a rewrite that kept the version
+  token is not served stale from here either);
 * the block file is staged, and only the daemon publishes it under its key (tiers/
   directory.py): a fill written behind a write through the cache (which cancels its
   lease) is dropped, never seen by a hit;
@@ -36,7 +43,7 @@ import os
 import threading
 import time
 import weakref
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from .. import ops, trace
 
@@ -45,9 +52,12 @@ log = logging.getLogger(__name__)
 _writers: "weakref.WeakSet[FillWriter]" = weakref.WeakSet()
 
 # The fills of every writer of the process not ended yet (written and noted, or aborted):
-# key -> bytes, and the writer holding each (whose landing a reader waits for: wait_landed)
+# key -> bytes, the writer holding each, and the bytes with what tells whether the file was
+# written through the cache since they were fetched (``dropped()``; None: cannot tell, not
+# served: see pending_fill)
 _pending: dict[str, bytes] = {}  # (never rebound: every writer's ``pending``)
 _holders: dict[str, "FillWriter"] = {}
+_servable: dict[str, tuple[bytes, Callable[[], bool] | None]] = {}
 _pending_lock = threading.Lock()  # taken inside a writer's _cv, never the other way
 
 
@@ -62,6 +72,9 @@ class Fill(NamedTuple):
     tag: bytes
     link: object  # the leasing thread's connection (DaemonClient.link())
     lease: int  # the lease's number: names the staged file the daemon will publish
+    # was the file written through the cache since the block was asked for? (None: cannot
+    # tell: a re-read meanwhile goes to the source rather than to the pending bytes)
+    dropped: Callable[[], bool] | None = None
 
 
 class _Adopt(NamedTuple):
@@ -72,6 +85,7 @@ class _Adopt(NamedTuple):
     data: bytes
     entry: object
     runner: object
+    dropped: Callable[[], bool] | None  # as Fill.dropped
 
 
 class FillWriter:
@@ -140,13 +154,16 @@ class FillWriter:
         if not queued:
             self.store(fill)
 
-    def adopt(self, key: str, data: bytes, entry, runner) -> None:
+    def adopt(self, key: str, data: bytes, entry, runner,
+              dropped: Callable[[], bool] | None = None) -> None:
         """Have ``runner([entry])`` (lease block ``key``, fetched before its lease, and fill
         it with ``data``) done on the writer, batched with the other adopted blocks queued
-        with the same ``runner``; ``data`` served from ``pending`` until it has ended. Done
-        now, on this thread, when the queue is full or no writer can start."""
+        with the same ``runner``; ``data`` served from ``pending`` until it has ended
+        (unless ``dropped()``, as Fill.dropped). Done now, on this thread, when the queue
+        is full or no writer can start."""
         with self._cv:
-            queued = self._has_room(len(data)) and self._hold(_Adopt(key, data, entry, runner))
+            queued = self._has_room(len(data)) and self._hold(
+                _Adopt(key, data, entry, runner, dropped))
         if not queued:
             runner([entry])
 
@@ -165,6 +182,7 @@ class FillWriter:
         with _pending_lock:
             _pending[item.key] = item.data
             _holders[item.key] = self
+            _servable[item.key] = (item.data, item.dropped)
         self._queued_bytes += n
         self._waiting += 1
         self._waiting_bytes += n
@@ -251,20 +269,19 @@ class FillWriter:
     def _sync(self, _) -> None:
         self.client.settle()
 
-    def wait_landed(self, key: str, timeout: float = 60.0) -> None:
-        """Wait until the pending fill of ``key`` has ended (written and noted, or aborted),
-        whichever writer of the process holds it."""
-        holder = _holders.get(key)
-        if holder is not None:
-            holder._wait_own(key, timeout)
-
-    def _wait_own(self, key: str, timeout: float) -> None:
-        with self._cv:
-            if _holders.get(key) is not self or threading.current_thread() is self._thread:
-                return
-            self._urgent = True
-            self._cv.notify()
-            self._cv.wait_for(lambda: _holders.get(key) is not self, timeout)
+    @staticmethod
+    def pending_fill(key: str) -> tuple[bytes, bool] | None:
+        """The bytes of the pending fill of ``key`` (by any writer of the process) and
+        whether they may be served (the file was not written through the cache since they
+        were fetched, as far as the node's metadata table tells); None if none is pending.
+        Never waits on a writer (see the module docstring) and takes no lock a writer holds:
+        one read of a dict (atomic under the GIL); a fill that ends meanwhile leaves bytes
+        that are still its version's."""
+        found = _servable.get(key)
+        if found is None:
+            return None
+        data, dropped = found
+        return data, dropped is not None and not dropped()
 
     def _next(self):
         """The next item to run, once it is time (see the class docstring), or None after
@@ -332,6 +349,7 @@ class FillWriter:
             if _holders.get(item.key) is self and _pending.get(item.key) is item.data:
                 del _pending[item.key]
                 del _holders[item.key]
+                _servable.pop(item.key, None)
 
     def _run_batch(self, batch: list) -> None:
         """The adopted blocks first, handed to their runner together (adopt.py: a lease
@@ -454,6 +472,7 @@ def _reset_all_in_child() -> None:
     _pending_lock = threading.Lock()
     _pending.clear()
     _holders.clear()
+    _servable.clear()
     for writer in list(_writers):
         writer._reset()
 

@@ -38,6 +38,7 @@ from .metadata import MetadataCache
 from .openfile import BytesFile, CachedFile, clip
 from .ranges import read_ranges
 from .reader import BlockReader
+from .silence import ReadCall
 from ..tiers.fork_safe import ForkSafe
 from ..tiers.pinning import store_errors, store_failed
 from ..tiers.source import PAGE_SIZE, ChangedSourceError, SourceTier
@@ -196,10 +197,11 @@ class CacheFileSystem(_Base):
         the new version whole rather than the old one's cached blocks around new ones (the
         read that met it dropped what was known of the file: metadata.moved_on)."""
         path = self._strip_protocol(path)
-        try:
-            return self._read_path(path, start, end)
-        except ChangedSourceError:
-            return self._read_path(path, start, end)
+        with ReadCall(self.client.timeout):  # one daemon_timeout of waits in all (silence.py)
+            try:
+                return self._read_path(path, start, end)
+            except ChangedSourceError:
+                return self._read_path(path, start, end)
 
     def _read_path(self, path, start, end) -> bytes:
         """A file the node has never seen is read cold: on a store whose GET names the

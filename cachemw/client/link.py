@@ -6,7 +6,8 @@ only once it needs the daemon (a miss, a report, a write): the tier directories 
 read from come from the daemon's registry, so a worker over a warm cache reads its first
 hit without a handshake.
 Never hangs: every wait on the daemon is bounded (a daemon silent for ``daemon_timeout``
-seconds is taken as hung; one at work on a request says "busy" meanwhile); an unreachable
+seconds is taken as hung; one at work on a request says "busy" meanwhile), and so are a
+read call's waits together (silence.py: one ``daemon_timeout`` in all); an unreachable
 daemon turns misses into direct reads from the source, counted as ``fallbacks`` and logged
 once, not per read, and the link is retried every few seconds.
 
@@ -27,7 +28,7 @@ from multiprocessing.connection import Connection
 from ..config import DaemonConfig
 from .fills import drain_all
 from .. import ops, reports
-from . import finding, reporting, wire
+from . import finding, reporting, silence, wire
 from .wire import DaemonUnavailable
 from ..claims import holder_name
 from ..processes import process_state
@@ -186,6 +187,9 @@ class DaemonClient(reporting.Reporter):
         now = time.monotonic()
         if now < self._next_try and not self._replaced_since_failure():
             return None
+        left = silence.silence_left(self.timeout)
+        if left <= 0:  # this read call waited a daemon_timeout already (silence.py)
+            return None
         for attempt in (1, 2):
             with self._lock:
                 try:
@@ -198,7 +202,9 @@ class DaemonClient(reporting.Reporter):
                     self._unreachable(finding.why_none(self.runtime_dir, may_start=self._may_start()))
                     return None
                 self._set_tiers(address)
-            if not finding.running(address.pid, self.timeout):  # stopped for longer than it may be silent
+            waited = time.monotonic()
+            if not finding.running(address.pid, left):  # stopped for longer than it may be silent
+                silence.waited_silent(time.monotonic() - waited)
                 self._unreachable(f"the daemon (pid {address.pid}) is stopped", pid=address.pid)
                 return None
             try:
@@ -364,16 +370,22 @@ class DaemonClient(reporting.Reporter):
             conn = self._connect()
             if conn is None:
                 return None
+            left = silence.silence_left(self.timeout) if answered else self.timeout
+            if left <= 0:  # this read call waited a daemon_timeout already (silence.py)
+                return None
             sent = False
+            waited = time.monotonic()
             try:
                 with self._local.send_lock:
                     wire.send(conn, msg, self.timeout)
                 sent = True
-                reply = wire.receive(conn, self.timeout) if answered else True
+                reply = wire.receive(conn, left) if answered else True
                 if answered and self._next_try:  # it answers: no thread need back off now
                     self._next_try, self._timeouts = 0.0, 0
                 return reply
             except (OSError, EOFError, DaemonUnavailable) as exc:
+                if isinstance(exc, DaemonUnavailable):
+                    silence.waited_silent(time.monotonic() - waited)
                 if attempt == 1 and (self._replaced() or self._lost(exc, unsent=not sent)):
                     continue
                 if attempt == 2:

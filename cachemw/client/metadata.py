@@ -20,6 +20,7 @@ store: the target filesystem's own caches (s3fs's listings) are bypassed each ti
 """
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import struct
@@ -194,7 +195,7 @@ class MetadataCache(SharedRecords):
             elif len(shared[2]) == 3:  # the node knows it: no unpickling of its info
                 size, version, kind = shared[2]
                 if kind == "directory":
-                    raise IsADirectoryError(f"{path}: is a directory")
+                    raise is_a_directory(path)
                 meta = FileMeta(path, url, size, version, shared[0])
                 self._files[path] = _pack(meta)
                 return meta, True
@@ -223,7 +224,7 @@ class MetadataCache(SharedRecords):
 
     def _keep(self, path: str, info: dict, fetched: float) -> FileMeta:
         if info.get("type", "file") == "directory":
-            raise IsADirectoryError(f"{path}: is a directory")
+            raise is_a_directory(path)
         meta = FileMeta(path, self._url(path), int(info["size"]),
                         version_token(info), fetched)
         self._files[path] = _pack(meta)
@@ -353,6 +354,12 @@ class MetadataCache(SharedRecords):
 _HEAD = struct.Struct("<qdQ")
 _HEAD_CHARS = _HEAD.size
 _new_tuple = tuple.__new__
+
+
+def is_a_directory(path: str) -> IsADirectoryError:
+    """The error a read of a directory raises, as ``open()`` and fsspec's local filesystem
+    raise it: with its errno (EISDIR), so that ``e.errno == errno.EISDIR`` holds."""
+    return IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
 
 
 def _pack(meta: FileMeta) -> str:

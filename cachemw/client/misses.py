@@ -25,6 +25,7 @@ from .fills import Fill
 from ..keys import url_tag
 from .metadata import FileMeta
 from ..reports import remote_hit_tier
+from .silence import ReadCall
 from .. import trace
 from ..tiers.source import MOVED_ON
 
@@ -48,7 +49,9 @@ class Misses:
     uses."""
 
     def _misses(self, pieces: list[Piece]) -> list[bytes]:
-        with trace.span("miss", trace.READ, blocks=len(pieces)):
+        # its waits on a silent daemon (the ring, leases, a connection) add up to one
+        # daemon_timeout at most, with the rest of the read call's (silence.py)
+        with trace.span("miss", trace.READ, blocks=len(pieces)), ReadCall(self.client.timeout):
             return self._resolve_misses(pieces)
 
     def _resolve_misses(self, pieces: list[Piece]) -> list[bytes]:
@@ -82,6 +85,7 @@ class Misses:
                 self._fetch_claimed(claimed, first, out, started)
             unique = [p for p in unique if p.key not in claimed and p.key not in found]
         replies = []
+        asked_at = time.time()  # before the leases' fetches: see _fill
         if unique:
             asked = time.perf_counter()
             replies = self.client.lease_many([self.item(p) for p in unique])
@@ -93,7 +97,7 @@ class Misses:
             fetched = self._prefetch_fills(unique, replies)
             for done, p in enumerate(unique):
                 reply = None if replies is None else replies[done]
-                out[first[p.key]] = self._resolve(p, reply, fetched.get(done))
+                out[first[p.key]] = self._resolve(p, reply, fetched.get(done), asked_at)
                 if reply is None or reply[0] != "present":  # filled meanwhile: a hit
                     self._missed(started, time.perf_counter())
             done = len(unique)
@@ -104,7 +108,10 @@ class Misses:
                         self.client.abort(p.key, "error")
         for i, p in enumerate(pieces):  # the repeats: from the block this call got, the tier,
             if i not in out:            # or the source
-                block = direct.get(p.key) or self.fills.pending.get(p.key)
+                block = direct.get(p.key)
+                if block is None:  # fetched by this call: pending in its fill, most likely
+                    pending = self.fills.pending_fill(p.key)
+                    block = pending[0] if pending is not None and pending[1] else None
                 data = block[p.lo:p.hi] if block is not None else self._hit(p)
                 out[i] = data if data is not None else self._direct(p)
         self.client.maybe_flush()
@@ -172,10 +179,10 @@ class Misses:
                 pending.pop(0)
                 self.client.count("bytes_from_source", len(block))
                 self._missed(started, now)
+                written = partial(dropped, p.meta.path)
                 self.fills.adopt(p.key, block,
-                                 Adopted(p, block, partial(dropped, p.meta.path), True,
-                                         "claimed_duplicates"),
-                                 self.adoptions)
+                                 Adopted(p, block, written, True, "claimed_duplicates"),
+                                 self.adoptions, written if dropped_since is not None else None)
                 out[first[p.key]] = block if (p.lo, p.hi) == (0, len(block)) else block[p.lo:p.hi]
         finally:
             for p in pending:  # not fetched, or not handed on (interrupted): nobody's claim
@@ -208,14 +215,14 @@ class Misses:
                              parallel=self.source.concurrent)
         return dict(zip(places, got))
 
-    def _resolve(self, piece: Piece, reply, fetched=None) -> bytes:
+    def _resolve(self, piece: Piece, reply, fetched=None, asked: float = 0.0) -> bytes:
         client = self.client
         if reply is None:
             client.count("fallbacks")
             return self._direct(piece)
         kind, arg = reply[0], reply[1]
         if kind == "fill":
-            return self._fill(piece, arg, reply[2], fetched)
+            return self._fill(piece, arg, reply[2], fetched, asked)
         if kind == "data":
             client.count("remote_reads")
             client.count("remote_bytes", len(arg))
@@ -238,10 +245,13 @@ class Misses:
         client.count("fallbacks" if kind == "fallback" else "bypassed")
         return self._direct(piece)
 
-    def _fill(self, piece: Piece, tier_name: str, lease: int, fetched=None) -> bytes:
+    def _fill(self, piece: Piece, tier_name: str, lease: int, fetched=None,
+              asked: float = 0.0) -> bytes:
         """Fill a leased block: fetch it (unless ``fetched`` with the batch's others: the
         block and its times, or the fetch's error), hand it to the fill writer, return the
-        piece's bytes. The lease ends whatever failed, even Ctrl-C."""
+        piece's bytes. The lease ends whatever failed, even Ctrl-C. ``asked``: the wall
+        time before the fetch, after which a write through the cache keeps the pending
+        bytes from being served by this process (fills.pending_fill)."""
         client = self.client
         meta = piece.meta
         try:
@@ -260,6 +270,8 @@ class Misses:
         if tier is None:  # a tier this process does not know (the daemon was reconfigured)
             client.abort(piece.key, "error")
         else:
+            dropped_since = self.dropped_since
+            written = None if dropped_since is None else partial(dropped_since, meta.path, asked)
             self.fills.submit(Fill(piece.key, tier, block, url_tag(meta.url), client.link(),
-                                   lease), waited=now - started)
+                                   lease, written), waited=now - started)
         return block if piece.lo == 0 and piece.hi == len(block) else block[piece.lo:piece.hi]

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from . import fanout
 from .openfile import clip
+from .silence import ReadCall
 from ..tiers.source import ChangedSourceError
 
 if TYPE_CHECKING:
@@ -28,7 +29,14 @@ if TYPE_CHECKING:
 
 
 def read_ranges(fs: CacheFileSystem, paths, starts, ends, on_error: str = "return") -> list:
-    """``fs.cat_ranges``: the bytes of each range (or, with on_error="return", its error)."""
+    """``fs.cat_ranges``: the bytes of each range (or, with on_error="return", its error).
+    Its waits on a silent daemon, every path's read again included, add up to one
+    ``daemon_timeout`` at most (silence.py)."""
+    with ReadCall(fs.client.timeout):
+        return _read_all_ranges(fs, paths, starts, ends, on_error)
+
+
+def _read_all_ranges(fs: CacheFileSystem, paths, starts, ends, on_error: str) -> list:
     if not isinstance(starts, list):
         starts = [starts] * len(paths)
     if not isinstance(ends, list):

@@ -141,12 +141,10 @@ class BlockReader(Misses):
         """The piece from a tier (verified), or None. ``view``: a whole block may come as
         a view of its mapped file, for a read that joins blocks (see blockfile.map_block)."""
         client = self.client
-        if piece.key in self.fills.pending:
-            # filled by this process, its file not written yet: not served from memory, as
-            # a write through the cache from elsewhere may have cancelled the fill since;
-            # once it has landed (and been noted), the daemon says which way to read it
-            self.fills.wait_landed(piece.key)
-            return None
+        if piece.key in self.fills.pending:  # filled by this process, its file not landed
+            pending = self.fills.pending_fill(piece.key)
+            if pending is not None:
+                return self._pending_hit(piece, *pending)
         started = time.perf_counter()
         failed = None  # the first tier whose file of the block could not be read, and why
         for tier in client.tiers():
@@ -179,6 +177,26 @@ class BlockReader(Misses):
         if failed is not None:
             self._unreadable(piece, *failed)
         return None
+
+    def _pending_hit(self, piece: Piece, block: bytes, servable: bool) -> bytes:
+        """A block this process fetched and has not landed yet (fills.py): its bytes from
+        memory, counted as a hit (of the first tier, where fills go). Never a wait for the
+        fill to land: that is a wait on the fill writer thread, which runs whatever a
+        garbage collection on it finalizes, and a finalizer may need a lock this reader
+        holds (h5py's, around a read of a file object): each waited for the other. Where
+        the file was written through the cache since the block was fetched (``servable``
+        False), the daemon cancels the fill, and the piece is read from the source,
+        pinned to its version (counted as bypassed): not from the pending bytes, which a
+        rewrite keeping the version token would make stale, nor through a lease, which
+        would wait on this process's own fill."""
+        if not servable:
+            self.client.count("bypassed")
+            return self._direct(piece)
+        started = time.perf_counter()
+        data = block if (piece.lo, piece.hi) == (0, len(block)) else block[piece.lo:piece.hi]
+        tiers = self.client.tiers()
+        self._hit_done(piece, tiers[0].name if tiers else "memory", data, started)
+        return data
 
     def _unreadable(self, piece: Piece, tier, exc: OSError, served: bool = False) -> None:
         """A tier's file of the block that cannot be read (EIO, EACCES, a tier directory
@@ -279,9 +297,10 @@ class BlockReader(Misses):
             # fill in flight and waits for it, rather than fetching the block again
             # its claim first, so that a process learning the version misses into a wait
             claimed = self._take_claim(piece.key)
+            written = lambda: metadata.dropped_since(path, asked)  # noqa: E731
             self.fills.adopt(piece.key, block, Adopted(
-                piece, block, lambda: metadata.dropped_since(path, asked), claimed,
-                "cold_get_duplicates"), self.adoptions)
+                piece, block, written, claimed, "cold_get_duplicates"), self.adoptions,
+                written)
         metadata.share(path, first.info, asked)
         start, end = clip(start, end, meta.size)
         if end <= start:
