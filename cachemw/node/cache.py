@@ -27,6 +27,7 @@ from .. import blockfile
 from ..claims import Claims, claims_dir
 from ..keys import url_tag
 from .checkpoints import CheckpointLog
+from .demand import WaitingReads
 from .mover import MoveRunner
 from .waits import LeaseWaits
 from .lease_ends import LeaseEnds
@@ -40,7 +41,7 @@ from ..tiers.directory import DirectoryTier
 log = logging.getLogger(__name__)
 
 
-class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
+class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner):
     BATCH_SHARE = 4  # a batch of fetched blocks stops being granted at 1/4 of a tier
 
     def __init__(self, config: DaemonConfig, *, lease_wait: float = 30.0) -> None:
@@ -77,6 +78,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._maintainer: threading.Thread | None = None
+        self._init_waiting_reads()
         self._reindex()
         reports.clear_stale(config.runtime_dir)
 
@@ -128,7 +130,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
 
     def lease(self, key: str, length: int, url: str | None, conn: object,
               wait: float | None = None, claimed: bool = False,
-              claimant: str | None = None) -> tuple:
+              claimant: str | None = None, wanted: bool = False) -> tuple:
         """("present", tier) | ("fill", tier, lease number) | ("nofill", reason). Never blocks
         past lease_wait (``wait``: another bound; 0 for a block fetched already).
 
@@ -137,7 +139,8 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         (claims.py): ``claimed``, the caller holds it already (it fetched the block first;
         ``claimant``, the name its claims hold, if known); else it is taken here, and while
         another process holds it this waits as for a fill in flight. The lease's end
-        releases the claim (see _release_claim).
+        releases the claim (see _release_claim). ``wanted``: counted among the reads
+        waiting on the block (demand.py).
         """
         nbytes = blockfile.stored_size(length)
         deadline = time.monotonic() + (self.lease_wait if wait is None else wait)
@@ -154,7 +157,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
                     self.counters["waits"] += not counted
                     counted = True
                 elif inflight is None:
-                    tier, moves = self.placer.miss(key, nbytes)
+                    tier, moves = self._decide_miss(key, nbytes, wanted)
                     refused = None
                     if tier is None:
                         refused = ("nofill", "policy")
@@ -202,38 +205,6 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         # a claim the caller brought stays the caller's to release (as with a refusal above)
         self.end_unfilled(key, inflight, "full", keep_claim=claimed)
         return ("nofill", "full")
-
-    def lease_many(self, items: list[tuple], conn: object) -> list[tuple]:
-        """Leases for many blocks at once: (key, length, url, source) each.
-
-        Blocks owned by another node (and not replicated here) are fetched from their
-        owners, one call per owner, and answered ("data", bytes) or ("fallback", why).
-
-        The batch waits on other processes' fetches (claims, fills in flight) for
-        ``lease_wait`` in all, not per block: a holder that makes no progress (a stopped
-        process holding a file's claims) costs its waiters that once, after which they are
-        answered ("nofill", "busy") and fetch the rest themselves.
-        """
-        deadline = time.monotonic() + self.lease_wait
-        replies: list = [None] * len(items)
-        remote_items, remote_at = [], []
-        for i, item in enumerate(items):
-            key, length, url, source = item
-            if self.remote is not None and source is not None and self.remote.is_remote(key):
-                with self._lock:
-                    entry = self._index.get(key)
-                if entry is not None:
-                    replies[i] = ("present", entry.tier)
-                else:
-                    remote_items.append(item)
-                    remote_at.append(i)
-                continue
-            replies[i] = self.lease(key, length, url, conn,
-                                    wait=max(1e-3, deadline - time.monotonic()))
-        if remote_items:
-            for i, reply in zip(remote_at, self.remote.fetch(remote_items)):
-                replies[i] = reply
-        return replies
 
     def lease_fetched(self, items: list[tuple], conn: object, claimed: bool,
                       claimant: str | None = None) -> list[tuple]:
@@ -448,7 +419,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         moves = []
         with self._lock:  # a hit reported late, after an eviction, is no hit for the engine
             hit = [key for key, _ in accesses if key in self._index]
-        for key in hit:  # the engine learns of every hit (recency, promotion)
+        for key in self._hits_to_tell(hit):  # the engine learns of each hit once (recency,
             moves.extend(self.placer.hit(key))
         if moves:  # promotions copy data: not on the client's connection thread
             with self._lock:
