@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -115,12 +116,34 @@ class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner):
                                                 daemon=True)
             self._maintainer.start()
 
-    def close(self) -> None:
-        self._closed.set()
+    def close(self, wait: float = 60.0) -> None:
+        """Stop admitting (fills, promotions, prefetch, replicas) and the maintenance
+        thread. Its moves left to run go quickly then (a promotion not admitted is skipped),
+        so it is waited for (at most ``wait`` s): a move still running after the DRAM tier
+        is freed published into it (seal() is the backstop for one that outlives this)."""
+        with self._lock:
+            self._closed.set()
+            self._pending.clear()
+            for ts in self._tiers.values():
+                ts.full_until = math.inf
         self._wake.set()
         if self._maintainer is not None:
-            self._maintainer.join(timeout=5)
+            self._maintainer.join(timeout=wait)
+            if self._maintainer.is_alive():
+                log.warning("the maintenance thread did not stop within %.0f s", wait)
         self.say_dropped(now=True)
+
+    def seal(self) -> None:
+        """Nothing lands in a tier from now on (the daemon's stop, before it frees its
+        DRAM tier): the fills in flight are cancelled, so one that lands deletes its staged
+        file (LeaseEnds.land), and the index is emptied, so a move still running publishes
+        nothing (MoveRunner._move_tier publishes only a block still indexed as it was)."""
+        with self._lock:
+            self._closed.set()
+            for fill in self._inflight.values():
+                fill.cancelled = True
+            for key in list(self._index):
+                self._remove_locked(key)
 
     def tier_dirs(self) -> list[dict]:
         return [{"name": n, "path": self._tiers[n].tier.path,
@@ -272,6 +295,8 @@ class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner):
         caller ends every fill (land or end_unfilled), whatever happens."""
         planned, room = [], []
         with self._lock:
+            if self._closed.is_set():  # stopping: nothing new lands (close)
+                return [], []
             for move in self.placer.prefetch(budget):
                 if not isinstance(move, Prefetch):
                     room.append(move)
@@ -295,7 +320,8 @@ class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner):
         nbytes = blockfile.stored_size(len(data))
         tag = url_tag(url) if url else None
         with self._lock:
-            if key in self._index or key in self._inflight or not self._claim(key):
+            if self._closed.is_set() or key in self._index or key in self._inflight \
+                    or not self._claim(key):
                 return False
             tier, moves = self.placer.admit(key, nbytes)
             if tier is None:
