@@ -116,7 +116,7 @@ class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner):
                                                 daemon=True)
             self._maintainer.start()
 
-    def close(self, wait: float = 60.0) -> None:
+    def close(self, wait: float = 30.0) -> None:
         """Stop admitting (fills, promotions, prefetch, replicas) and the maintenance
         thread. Its moves left to run go quickly then (a promotion not admitted is skipped),
         so it is waited for (at most ``wait`` s): a move still running after the DRAM tier
