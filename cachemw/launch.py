@@ -43,6 +43,7 @@ from .tiers.directory import DirectoryTier
 log = logging.getLogger(__name__)
 
 FAILED = "daemon.failed"
+FREED = "dram.freed"  # the DRAM tier the last daemon freed at its clean exit (see note_freed)
 LOG = "daemon.log"
 FAILURE_MEMORY = 30.0  # seconds a failed start is remembered (no respawn meanwhile)
 START_WAIT = 5.0  # how long a reader waits for a new daemon before reading on from the source
@@ -105,6 +106,36 @@ def free_dram(path: str) -> int:
     return freed
 
 
+def note_freed(runtime_dir: str, dram: str | None) -> None:
+    """Note (``dram``: the tier's path), or forget (None), which DRAM tier the last daemon
+    of ``runtime_dir`` freed when it exited; called with the daemon lock held. Why: a clean
+    exit leaves the lock file empty, so a `cachemw stop` after it would not know the
+    tier was an autostarted daemon's, to free what a client wrote into it afterwards.
+    A daemon forgets it when it starts: the tier is its own then, kept for a restart if
+    it is Ray's."""
+    path = os.path.join(runtime_dir, FREED)
+    try:
+        if dram is None:
+            os.unlink(path)
+        else:
+            atomic_write(path, json.dumps({"dram": os.path.abspath(dram)}).encode())
+    except OSError:  # none to forget; or not noted: only a later stop's sweep is lost
+        pass
+
+
+def _freed_dram(runtime_dir: str) -> str | None:
+    """The DRAM tier noted by note_freed, if any."""
+    path = os.path.join(runtime_dir, FREED)
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        with open(path, "rb") as f:
+            return json.loads(f.read(4096)).get("dram")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _unlink_stale(runtime_dir: str) -> None:
     """A dead daemon's socket and registry (called with the daemon lock held)."""
     for name, kind in ((SOCKET, stat.S_ISSOCK), (REGISTRY, stat.S_ISREG)):
@@ -137,7 +168,14 @@ def reclaim(runtime_dir: str, *, free_dram_tier: bool) -> dict | None:
                                          if t["name"] == "dram"), None)
         if free_dram_tier and kind == "autostarted" and dram:
             freed = free_dram(dram)
+        elif free_dram_tier and not dead and address is None:  # exited cleanly, freeing its
+            noted = _freed_dram(runtime_dir)  # DRAM tier: what was written into it since
+            if noted:
+                freed = free_dram(noted)
         if not (dead or left):
+            if freed:
+                log.info("freed %d bytes written into the DRAM tier of %s after its daemon "
+                         "exited", freed, runtime_dir)
             return {}
         return {"pid": dead.get("pid") or (address.pid if address else None), "kind": kind,
                 "freed": freed}

@@ -4,9 +4,19 @@ Its head runs with Ray's token authentication (the token in a 0600 file of the r
 dir), in a 0700 temp dir of its own, and is remembered in ``<runtime_dir>/ray.json`` so
 that later commands reach it and ``stop`` stops its processes, and only those (``ray stop``
 would stop every Ray cluster of the user on the machine).
+
+Starts are serialized per runtime dir (``<runtime_dir>/ray.start.lock``, flock): the process
+that starts the cluster holds the lock until its daemon holds the runtime dir (or it exits,
+or it forgets the cluster after a failed start), and ``read_state`` in another process waits
+for that meanwhile. Why: two `cachemw start` at once each made a cluster of its own; the
+second's ray.json replaced the first's, and the one whose daemon lost the runtime dir's lock,
+cleaning up, deleted the winner's ray.json and token, so that neither `cachemw stop` nor
+``--address`` could reach the daemon and its cluster again. Now the second finds the
+first's cluster, as a start after it would (a no-op with the same settings).
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -14,11 +24,16 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-from ..protocol import ensure_private_dir
+from ..protocol import ensure_private_dir, lock_holder
 
 RAY_STATE = "ray.json"
+START_LOCK = "ray.start.lock"
+START_WAIT = 300.0  # at most this long another process waits for a start (ray start, placing)
+_held: dict[str, int] = {}  # runtime dir -> the start lock's descriptor, while we hold it
+_held_lock = threading.Lock()
 
 
 def state_path(runtime_dir: str) -> str:
@@ -26,6 +41,9 @@ def state_path(runtime_dir: str) -> str:
 
 
 def read_state(runtime_dir: str) -> dict | None:
+    """The local cluster's record; while another process is starting it (see the module
+    docstring), once that start has ended, for at most START_WAIT s."""
+    _await_start(runtime_dir)
     try:
         with open(state_path(runtime_dir)) as f:
             return json.load(f)
@@ -35,8 +53,28 @@ def read_state(runtime_dir: str) -> dict | None:
 
 def start(runtime_dir: str) -> dict:
     """Start a private Ray head with token auth; remember how to reach it (its GCS is
-    reached on 127.0.0.1: it listens on every interface)."""
+    reached on 127.0.0.1: it listens on every interface). Under the runtime dir's start
+    lock, held on return until this process's daemon holds the runtime dir (see
+    _hold_start); a cluster another start made meanwhile (this one asked before that
+    one took the lock) is RuntimeError, nothing touched: it is that start's to undo."""
     ensure_private_dir(runtime_dir)
+    _take_start_lock(runtime_dir)
+    try:
+        state = read_state(runtime_dir)
+        if state is not None and alive(state):
+            raise RuntimeError(
+                f"another `cachemw start` started the Ray cluster of {runtime_dir} meanwhile "
+                f"(at {state['address']}): run `cachemw start` again (with the same settings "
+                f"it is a no-op), or `cachemw stop`")
+        state = _start(runtime_dir)
+    except BaseException:
+        _release_start_lock(runtime_dir)
+        raise
+    _hold_start(runtime_dir)
+    return state
+
+
+def _start(runtime_dir: str) -> dict:
     token_path = os.path.join(runtime_dir, "ray-token")
     if not os.path.exists(token_path):
         fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -193,9 +231,89 @@ def names(state: dict | None, address: str) -> bool:
 
 
 def forget_state(runtime_dir: str) -> None:
-    """The local cluster is gone: its state and its token (the next one makes a fresh one)."""
+    """The local cluster is gone: its state and its token (the next one makes a fresh one).
+    A start of ours that failed ends here: its lock goes too."""
     for path in (state_path(runtime_dir), os.path.join(runtime_dir, "ray-token")):
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
+    _release_start_lock(runtime_dir)
+
+
+def _take_start_lock(runtime_dir: str) -> None:
+    """Hold the runtime dir's start lock, waiting for another process's start (at most
+    START_WAIT s: then TimeoutError, nothing started)."""
+    key = os.path.abspath(runtime_dir)
+    with _held_lock:
+        if key in _held:  # this process starts again (a start of ours is still held)
+            return
+    fd = os.open(os.path.join(runtime_dir, START_LOCK),
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + START_WAIT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise TimeoutError(f"another `cachemw start` of {runtime_dir} has not ended "
+                                   f"within {START_WAIT:.0f} s") from None
+            time.sleep(0.1)
+    with _held_lock:
+        _held[key] = fd
+
+
+def _release_start_lock(runtime_dir: str) -> None:
+    with _held_lock:
+        fd = _held.pop(os.path.abspath(runtime_dir), None)
+    if fd is not None:
+        os.close(fd)  # (closing the only descriptor unlocks)
+
+
+def _hold_start(runtime_dir: str) -> None:
+    """Let the start lock go once this process's start has placed its daemon (a Ray
+    daemon holds the runtime dir's daemon lock), or forgotten the cluster (a failed start:
+    forget_state), or after START_WAIT s, or with the process."""
+    def watch() -> None:
+        deadline = time.monotonic() + START_WAIT
+        key = os.path.abspath(runtime_dir)
+        while time.monotonic() < deadline:
+            with _held_lock:
+                if key not in _held:
+                    return
+            if (lock_holder(runtime_dir) or {}).get("kind") == "ray":
+                break
+            time.sleep(0.2)
+        _release_start_lock(runtime_dir)
+
+    threading.Thread(target=watch, name="cachemw-start-lock", daemon=True).start()
+
+
+def _await_start(runtime_dir: str) -> None:
+    """Wait while another process holds the runtime dir's start lock and no Ray daemon of
+    it holds the runtime dir yet (its start is under way), at most START_WAIT s."""
+    key = os.path.abspath(runtime_dir)
+    with _held_lock:
+        if key in _held:  # our own start
+            return
+    try:
+        fd = os.open(os.path.join(runtime_dir, START_LOCK),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # none was ever started here
+        return
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            return
+        deadline = time.monotonic() + START_WAIT
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return  # no start under way
+            except BlockingIOError:
+                if (lock_holder(runtime_dir) or {}).get("kind") == "ray":
+                    return  # its daemon is up: the start has done what we wait for
+            time.sleep(0.1)
+    finally:
+        os.close(fd)

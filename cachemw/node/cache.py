@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -27,6 +28,7 @@ from .. import blockfile
 from ..claims import Claims, claims_dir
 from ..keys import url_tag
 from .checkpoints import CheckpointLog
+from .demand import WaitingReads
 from .mover import MoveRunner
 from .waits import LeaseWaits
 from .lease_ends import LeaseEnds
@@ -40,7 +42,7 @@ from ..tiers.directory import DirectoryTier
 log = logging.getLogger(__name__)
 
 
-class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
+class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner):
     BATCH_SHARE = 4  # a batch of fetched blocks stops being granted at 1/4 of a tier
 
     def __init__(self, config: DaemonConfig, *, lease_wait: float = 30.0) -> None:
@@ -77,6 +79,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._maintainer: threading.Thread | None = None
+        self._init_waiting_reads()
         self._reindex()
         reports.clear_stale(config.runtime_dir)
 
@@ -113,12 +116,34 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
                                                 daemon=True)
             self._maintainer.start()
 
-    def close(self) -> None:
-        self._closed.set()
+    def close(self, wait: float = 30.0) -> None:
+        """Stop admitting (fills, promotions, prefetch, replicas) and the maintenance
+        thread. Its moves left to run go quickly then (a promotion not admitted is skipped),
+        so it is waited for (at most ``wait`` s): a move still running after the DRAM tier
+        is freed published into it (seal() is the backstop for one that outlives this)."""
+        with self._lock:
+            self._closed.set()
+            self._pending.clear()
+            for ts in self._tiers.values():
+                ts.full_until = math.inf
         self._wake.set()
         if self._maintainer is not None:
-            self._maintainer.join(timeout=5)
+            self._maintainer.join(timeout=wait)
+            if self._maintainer.is_alive():
+                log.warning("the maintenance thread did not stop within %.0f s", wait)
         self.say_dropped(now=True)
+
+    def seal(self) -> None:
+        """Nothing lands in a tier from now on (the daemon's stop, before it frees its
+        DRAM tier): the fills in flight are cancelled, so one that lands deletes its staged
+        file (LeaseEnds.land), and the index is emptied, so a move still running publishes
+        nothing (MoveRunner._move_tier publishes only a block still indexed as it was)."""
+        with self._lock:
+            self._closed.set()
+            for fill in self._inflight.values():
+                fill.cancelled = True
+            for key in list(self._index):
+                self._remove_locked(key)
 
     def tier_dirs(self) -> list[dict]:
         return [{"name": n, "path": self._tiers[n].tier.path,
@@ -128,7 +153,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
 
     def lease(self, key: str, length: int, url: str | None, conn: object,
               wait: float | None = None, claimed: bool = False,
-              claimant: str | None = None) -> tuple:
+              claimant: str | None = None, wanted: bool = False) -> tuple:
         """("present", tier) | ("fill", tier, lease number) | ("nofill", reason). Never blocks
         past lease_wait (``wait``: another bound; 0 for a block fetched already).
 
@@ -137,7 +162,8 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         (claims.py): ``claimed``, the caller holds it already (it fetched the block first;
         ``claimant``, the name its claims hold, if known); else it is taken here, and while
         another process holds it this waits as for a fill in flight. The lease's end
-        releases the claim (see _release_claim).
+        releases the claim (see _release_claim). ``wanted``: counted among the reads
+        waiting on the block (demand.py).
         """
         nbytes = blockfile.stored_size(length)
         deadline = time.monotonic() + (self.lease_wait if wait is None else wait)
@@ -154,7 +180,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
                     self.counters["waits"] += not counted
                     counted = True
                 elif inflight is None:
-                    tier, moves = self.placer.miss(key, nbytes)
+                    tier, moves = self._decide_miss(key, nbytes, wanted)
                     refused = None
                     if tier is None:
                         refused = ("nofill", "policy")
@@ -202,38 +228,6 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         # a claim the caller brought stays the caller's to release (as with a refusal above)
         self.end_unfilled(key, inflight, "full", keep_claim=claimed)
         return ("nofill", "full")
-
-    def lease_many(self, items: list[tuple], conn: object) -> list[tuple]:
-        """Leases for many blocks at once: (key, length, url, source) each.
-
-        Blocks owned by another node (and not replicated here) are fetched from their
-        owners, one call per owner, and answered ("data", bytes) or ("fallback", why).
-
-        The batch waits on other processes' fetches (claims, fills in flight) for
-        ``lease_wait`` in all, not per block: a holder that makes no progress (a stopped
-        process holding a file's claims) costs its waiters that once, after which they are
-        answered ("nofill", "busy") and fetch the rest themselves.
-        """
-        deadline = time.monotonic() + self.lease_wait
-        replies: list = [None] * len(items)
-        remote_items, remote_at = [], []
-        for i, item in enumerate(items):
-            key, length, url, source = item
-            if self.remote is not None and source is not None and self.remote.is_remote(key):
-                with self._lock:
-                    entry = self._index.get(key)
-                if entry is not None:
-                    replies[i] = ("present", entry.tier)
-                else:
-                    remote_items.append(item)
-                    remote_at.append(i)
-                continue
-            replies[i] = self.lease(key, length, url, conn,
-                                    wait=max(1e-3, deadline - time.monotonic()))
-        if remote_items:
-            for i, reply in zip(remote_at, self.remote.fetch(remote_items)):
-                replies[i] = reply
-        return replies
 
     def lease_fetched(self, items: list[tuple], conn: object, claimed: bool,
                       claimant: str | None = None) -> list[tuple]:
@@ -301,6 +295,8 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         caller ends every fill (land or end_unfilled), whatever happens."""
         planned, room = [], []
         with self._lock:
+            if self._closed.is_set():  # stopping: nothing new lands (close)
+                return [], []
             for move in self.placer.prefetch(budget):
                 if not isinstance(move, Prefetch):
                     room.append(move)
@@ -326,7 +322,8 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         nbytes = blockfile.stored_size(len(data))
         tag = url_tag(url) if url else tag
         with self._lock:
-            if key in self._index or key in self._inflight or not self._claim(key):
+            if self._closed.is_set() or key in self._index or key in self._inflight \
+                    or not self._claim(key):
                 return False
             tier, moves = self.placer.admit(key, nbytes)
             if tier is None:
@@ -452,7 +449,7 @@ class NodeCache(LeaseEnds, LeaseWaits, MoveRunner):
         moves = []
         with self._lock:  # a hit reported late, after an eviction, is no hit for the engine
             hit = [key for key, _ in accesses if key in self._index]
-        for key in hit:  # the engine learns of every hit (recency, promotion)
+        for key in self._hits_to_tell(hit):  # the engine learns of each hit once (recency,
             moves.extend(self.placer.hit(key))
         if moves:  # promotions copy data: not on the client's connection thread
             with self._lock:

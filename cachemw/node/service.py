@@ -19,7 +19,7 @@ import time
 
 from .. import trace
 from ..config import DaemonConfig
-from ..launch import clear_failure, free_dram
+from ..launch import clear_failure, free_dram, note_freed
 from ..metrics import MetricsServer
 from ..processes import process_start, process_state
 from ..protocol import (REGISTRY, SOCKET, DaemonAddress, DaemonLock, ensure_private_dir,
@@ -67,6 +67,7 @@ class NodeService:
                 os.unlink(os.path.join(config.runtime_dir, REGISTRY))
             except FileNotFoundError:
                 pass
+            note_freed(config.runtime_dir, None)  # the DRAM tier is ours now
             self.node = NodeCache(config)
             self.stats = self.node.stats
             if config.metrics_port is not None:
@@ -104,8 +105,11 @@ class NodeService:
         """Stop serving; with an NVMe tier, copy what DRAM holds down to it (the next daemon
         on the node, of this job or the next, starts warm); an autostarted daemon then frees
         its DRAM tier, before it lets go of the lock (a successor re-indexes the tiers as
-        soon as it has the lock). ``orphaned``: the tiers may be a successor's by now, so
-        they are left as they are, DRAM too unless no successor holds the runtime dir."""
+        soon as it has the lock). Nothing lands in a tier once it is sealed, before the free
+        (a fill or move landing after it left block files in the freed DRAM tier), and the
+        tier freed is noted for a later `cachemw stop` (launch.note_freed). ``orphaned``:
+        the tiers may be a successor's by now, so they are left as they are, DRAM too
+        unless no successor holds the runtime dir."""
         if self.stopped.is_set():
             return
         self.stopped.set()
@@ -116,6 +120,7 @@ class NodeService:
         self.node.close()
         if not orphaned:
             self.node.keep_on_stop()
+        self.node.seal()  # nothing lands from here on: the DRAM tier freed below stays so
         # /dev/shm is the node's RAM, shared with other jobs; orphaned: freed only if no
         # successor holds the runtime dir (it may serve the same tier by now)
         if self.free_dram_at_exit and (not orphaned or not lock_holder(self.config.runtime_dir)):
@@ -123,6 +128,8 @@ class NodeService:
                 if tier.name == "dram":
                     freed = free_dram(tier.path)
                     log.info("freed %d bytes of the DRAM tier %s", freed, tier.path)
+                    if not orphaned:  # (the lock file is ours to say it in no more)
+                        note_freed(self.config.runtime_dir, tier.path)
         self._lock.release()
         trace.stop()  # closed with "]" here: a Ray-managed daemon is killed after this, no atexit
         log.info("cachemw daemon for node %s stopped", self.config.node_id)
