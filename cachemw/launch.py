@@ -199,6 +199,15 @@ def await_address(runtime_dir: str, wait: float) -> DaemonAddress | None:
         time.sleep(0.02)
 
 
+# The daemon runs this cachemw, not one it would find first on its own path: ``python -m``
+# puts the working directory first, and a reader started where a directory named cachemw
+# lies (a checkout of another version, say) had its daemon import that one. The path's
+# first entry (the working directory for -c as for -m) becomes this package's parent.
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_RUN_SERVICE = ("import runpy, sys; sys.path[0] = sys.argv.pop(1); "
+                "runpy.run_module('cachemw.node.service', run_name='__main__', alter_sys=True)")
+
+
 def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: float = 600,
                    parent_pid: int | None = None, wait: float = START_WAIT):
     """Start a daemon process for ``runtime_dir`` unless one lives; return its address once
@@ -230,7 +239,7 @@ def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: 
             log_start = os.fstat(fd).st_size  # what this start writes comes after
             with os.fdopen(fd, "ab") as log_file:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "cachemw.node.service", "--runtime-dir", runtime_dir,
+                    [sys.executable, "-c", _RUN_SERVICE, _PACKAGE_PARENT, "--runtime-dir", runtime_dir,
                      "--idle-exit", str(idle_exit), "--options", json.dumps(options or {}),
                      "--lock-fd", str(lock.fd), "--ready-fd", str(write_end),
                      *(["--parent-pid", str(parent_pid)] if parent_pid else [])],

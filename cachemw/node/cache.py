@@ -60,7 +60,7 @@ class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner):
         self._lease_numbers = itertools.count(1)
         self.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
         self.counters.update(leases=0, waits=0, busy=0, adopted=0, reindexed=0, served_remote=0,
-                             peer_fallbacks=0, replicas=0)
+                             peer_fallbacks=0, replicas=0, claim_errors=0)
         self.remote = None  # RemoteReads, set by a daemon that has peers
         self.checkpoints = CheckpointLog()  # what trainers here note of their saves
         # who fetches which block (claims.py): a lease comes with its block's claim
@@ -93,15 +93,22 @@ class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner):
             ts = self._tiers[name]
             for entry in ts.tier.scan():
                 if entry.key in found:  # in a faster tier already: drop the copy
-                    ts.tier.delete(entry.key)
+                    try:
+                        ts.tier.delete(entry.key)
+                    except OSError:  # (EIO) a copy the index does not hold: harmless
+                        pass
                     continue
                 found[entry.key] = (name, entry)
+            self.counters["tier_read_errors"] += getattr(ts.tier, "unreadable", 0)
         oldest_first = sorted(found.items(), key=lambda kv: kv[1][1].last_used)
         where = self.placer.load([(k, t, e.stored_bytes) for k, (t, e) in oldest_first])
         for key, (tier, entry) in oldest_first:
             target = where.get(key)
             if target is None:
-                self._tiers[tier].tier.delete(key)
+                try:
+                    self._tiers[tier].tier.delete(key)
+                except OSError:
+                    pass
                 continue
             self._add(key, tier, entry.stored_bytes, entry.tag or None)
             if target != tier:
@@ -415,7 +422,7 @@ class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner):
                 return
             counts, last = self._dropped_bad, self._dropped_last
             self._dropped_bad, self._bad_logged_at = {}, time.monotonic()
-        log.warning("dropped %s block(s) found by readers (the last: %s; logged at most once "
+        log.warning("dropped %s block(s) found by readers or moves (the last: %s; logged at most once "
                     "a minute)", ", ".join(f"{n} {why}" for why, n in sorted(counts.items())),
                     last)
 
