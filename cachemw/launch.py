@@ -26,6 +26,7 @@ import os
 import select
 import shutil
 import signal
+import site
 import stat
 import subprocess
 import sys
@@ -201,11 +202,23 @@ def await_address(runtime_dir: str, wait: float) -> DaemonAddress | None:
 
 # The daemon runs this cachemw, not one it would find first on its own path: ``python -m``
 # puts the working directory first, and a reader started where a directory named cachemw
-# lies (a checkout of another version, say) had its daemon import that one. The path's
-# first entry (the working directory for -c as for -m) becomes this package's parent.
+# lies (a checkout of another version, say) had its daemon import that one. The daemon
+# runs in its runtime dir (private; no modules), with this package's parent on its path
+# where the path would not hold it (a checkout run in place), after the PYTHONPATH given:
+# never a site-packages ahead of the standard library.
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_RUN_SERVICE = ("import runpy, sys; sys.path[0] = sys.argv.pop(1); "
-                "runpy.run_module('cachemw.node.service', run_name='__main__', alter_sys=True)")
+
+
+def _daemon_env() -> dict | None:
+    """The daemon's environment: this one, with this package's parent on PYTHONPATH unless
+    it is a site directory the daemon's path holds anyway (None: this one as it is)."""
+    sites = set(site.getsitepackages()) | {site.getusersitepackages()}
+    if _PACKAGE_PARENT in sites:
+        return None
+    given = os.environ.get("PYTHONPATH", "")
+    if _PACKAGE_PARENT in given.split(os.pathsep):
+        return None
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (given, _PACKAGE_PARENT) if p))
 
 
 def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: float = 600,
@@ -239,12 +252,13 @@ def spawn_detached(runtime_dir: str, options: dict | None = None, *, idle_exit: 
             log_start = os.fstat(fd).st_size  # what this start writes comes after
             with os.fdopen(fd, "ab") as log_file:
                 proc = subprocess.Popen(
-                    [sys.executable, "-c", _RUN_SERVICE, _PACKAGE_PARENT, "--runtime-dir", runtime_dir,
+                    [sys.executable, "-m", "cachemw.node.service", "--runtime-dir", runtime_dir,
                      "--idle-exit", str(idle_exit), "--options", json.dumps(options or {}),
                      "--lock-fd", str(lock.fd), "--ready-fd", str(write_end),
                      *(["--parent-pid", str(parent_pid)] if parent_pid else [])],
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
                     start_new_session=True, pass_fds=(lock.fd, write_end),
+                    cwd=runtime_dir, env=_daemon_env(),
                 )
             # it is our child until we exit: reaped as soon as it ends, not left a zombie
             threading.Thread(target=proc.wait, name="cachemw-daemon-reaper", daemon=True).start()
