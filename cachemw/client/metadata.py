@@ -192,8 +192,8 @@ class MetadataCache(SharedRecords):
                 forgotten and forgotten_after(url, shared[0])):  # a record, not a drop
             if not self._fresh(shared[0]):
                 seen = True
-            elif len(shared[2]) == 3:  # the node knows it: no unpickling of its info
-                size, version, kind = shared[2]
+            elif len(shared[2]) >= 3:  # the node knows it: no unpickling of its info
+                size, version, kind = shared[2][:3]
                 if kind == "directory":
                     raise is_a_directory(path)
                 meta = FileMeta(path, url, size, version, shared[0])
@@ -220,7 +220,7 @@ class MetadataCache(SharedRecords):
         does not count: the blocks fetched before it are still their version's)."""
         table = self._shared_table()
         found = None if table is None else table.get(self._url(path))
-        return found is not None and bool(found[1]) and written_at(found) >= when
+        return found is not None and written_at(found) >= when
 
     def _keep(self, path: str, info: dict, fetched: float) -> FileMeta:
         if info.get("type", "file") == "directory":

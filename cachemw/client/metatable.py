@@ -352,16 +352,33 @@ def _decode(buf, start: int, length: int, end: int, path: str) -> tuple | None:
 
 
 def written_at(found: tuple) -> float:
-    """The time of the last write through the cache a drop entry (``MetaTable.get``) knows
-    of (a drop made before drops told their kind: its own time)."""
+    """The time of the last write through the cache an entry (``MetaTable.get``) knows of:
+    a drop's (one made before drops told their kind: its own time), or the one a record
+    stored since the drop carries on (the 4th of its ``extra``; 0.0 for none)."""
     extra = found[2]
+    if not found[1]:
+        return extra[3] if len(extra) > 3 else 0.0
     return extra[0] if extra else found[0]
+
+
+def _carry_write(payload: bytes, old: tuple | None) -> bytes:
+    """A record's payload that keeps the time of the last write through the cache of the
+    entry it replaces: a read of the file after a write must not make the write forgotten
+    (a block fetched before it, still pending in a process, is not that file's any more)."""
+    write = written_at(old) if old is not None else 0.0
+    if not write:
+        return payload
+    path, when, dropped, extra, blob = pickle.loads(payload)
+    if len(extra) != 3:  # (a record of a file: size, version, kind)
+        return payload
+    return pickle.dumps((path, when, dropped, extra + (write,), blob), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _drop_payload(path: str, when: float, written: bool, old: tuple | None) -> bytes | None:
     """The payload of a drop at ``when`` over the entry ``old`` (None: none), the later
     drop time and write time of the two kept; None if ``old`` says as much already."""
-    last, last_write = (old[0], written_at(old)) if old is not None and old[1] else (0.0, 0.0)
+    last = old[0] if old is not None and old[1] else 0.0
+    last_write = written_at(old) if old is not None else 0.0
     write = max(last_write, when) if written else last_write
     if old is not None and old[1] and last >= when and last_write >= write:
         return None
@@ -397,6 +414,8 @@ def _put_in(fd: int, layout, h: int, path: str, payload, when: float,
         payload = _drop_payload(path, when, payload[2], old)
         if payload is None:
             return True  # dropped already, as late or later (and written as late)
+    else:
+        payload = _carry_write(payload, old)
     record = _SUM.pack(_hash(payload)) + payload
     if slot is None or (new and 2 * (count + 1) > capacity) or used + len(record) > data_size:
         return None
