@@ -124,7 +124,7 @@ def test_a_shard_with_holes_on_tmpfs_is_not_mapped(small_tmpfs, monkeypatch):
     assert MetaTable(table_dir).store("/a", {"size": 1}, 1.0)
     assert MetaTable(table_dir).drops() == 0  # the count's file made sparse too
     monkeypatch.undo()
-    shard = f"{table_dir}/t{metatable.path_hash('/a') >> 58:02d}"
+    shard = f"{table_dir}/t{metatable.path_hash('/a') >> 58:02d}.{metatable.FORMAT}"
     st = os.stat(shard)
     assert st.st_blocks * 512 < st.st_size  # the premise: a file with holes
     _fill(small_tmpfs)

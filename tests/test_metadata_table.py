@@ -15,6 +15,7 @@ import time
 import fsspec
 import pytest
 
+from cachemw.client import metatable
 from cachemw.client.metatable import SHARDS, MetaTable, path_hash
 
 
@@ -81,14 +82,14 @@ def test_damaged_shards_read_as_absent_and_are_rebuilt(tmp_path):
     for p in paths:
         assert table.store(p, {"size": 7}, 1.0)
     shard = path_hash(paths[0]) >> 58
-    with open(os.path.join(d, f"t{shard:02d}"), "r+b") as f:  # scribble over the data
+    with open(os.path.join(d, f"t{shard:02d}.{metatable.FORMAT}"), "r+b") as f:  # scribble over the data
         size = os.fstat(f.fileno()).st_size
         f.seek(size // 2)
         f.write(os.urandom(size - size // 2))
     fresh = MetaTable(d)
     found = [got(fresh, p) for p in paths]
     assert all(g is None or g == ({"size": 7}, 1.0, False) for g in found)
-    with open(os.path.join(d, f"t{shard:02d}"), "wb") as f:  # not a table at all
+    with open(os.path.join(d, f"t{shard:02d}.{metatable.FORMAT}"), "wb") as f:  # not a table at all
         f.write(b"junk")
     assert got(MetaTable(d), paths[0]) is None
     assert table.store(paths[0], {"size": 8}, 2.0)  # the writer starts the shard over
@@ -181,3 +182,21 @@ def test_a_files_metadata_round_trips_through_the_packed_form_a_process_keeps():
         assert back == meta and type(back) is FileMeta
         assert (back.url, back.version, back.size, back.fetched) == (
             meta.url, meta.version, meta.size, meta.fetched)
+
+
+def test_a_shard_of_an_earlier_format_is_left_to_its_processes(tmp_path):
+    """Processes of an earlier release on the node keep their own shard files: a write by
+    this release emptied a shard of the other format (entries and drops gone) and left its
+    readers on the replaced file."""
+    d = str(tmp_path / "info")
+    table = MetaTable(d)
+    table.store("/a", {"size": 1}, 10.0, (1, "v", "file"))
+    shard = path_hash("/a") >> 58
+    old = os.path.join(d, f"t{shard:02d}")  # an earlier release's file of that shard
+    with open(old, "wb") as f:
+        f.write(b"an earlier format's shard")
+    table.store("/b", {"size": 2}, 11.0, (2, "v", "file"))
+    table.drop("/a", 12.0)
+    with open(old, "rb") as f:
+        assert f.read() == b"an earlier format's shard"
+    assert MetaTable(d).get("/a")[1]  # the drop, in this release's file

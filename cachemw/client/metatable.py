@@ -171,7 +171,10 @@ class MetaTable:
             os.close(fd)
 
     def _path(self, shard: int) -> str:
-        return f"{self.dir}/t{shard:02d}"
+        """A shard's file, named by its format: processes of an earlier release still
+        running on the node keep theirs (rebuilding a file of another format would empty
+        it under them and leave them reading the replaced one)."""
+        return f"{self.dir}/t{shard:02d}.{FORMAT}"
 
     # -- reading -----------------------------------------------------------------------
 
