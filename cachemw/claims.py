@@ -119,14 +119,17 @@ class Claims:
 
     def held(self, key: str) -> bool:
         """True while a live process holds ``key``'s claim; a stale claim (its holder died) is
-        removed on the way. A holder that dies just after this has looked is seen next time."""
+        removed on the way. A holder that dies just after this has looked is seen next time.
+        A claim path that cannot be read (a directory, a symlink loop, EIO) raises its
+        OSError: no claim can be taken there, and the caller leases without one (counted),
+        where "not held" would have it wait for a claim no one can take or end."""
         path = self._path(key)
         try:
             with open(path, "rb") as f:
                 text = f.read()
             age = time.time() - os.stat(path).st_mtime
-        except OSError:  # none (or no directory), or one that cannot be read: not known held
-            return False  # (at worst a block fetched twice)
+        except (FileNotFoundError, NotADirectoryError):  # none, or no claims directory
+            return False
         if not text:
             if age < _EMPTY_GRACE:
                 return True

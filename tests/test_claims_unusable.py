@@ -128,3 +128,18 @@ def test_reads_through_a_daemon_whose_claims_dir_is_a_file(make_cache_fs, runtim
     assert fs.stats()["hits"] - before["hits"] == 12
     log = "".join(p.read_text() for p in tmp_path.glob("daemon-*.log"))
     assert "failed" not in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_claim_path_that_cannot_be_read_leases_at_once_without_a_claim(tmp_path):
+    """A directory (or a symlink loop, EIO) under a claim's name: no claim can be taken
+    there, so the lease goes without one at once, counted. It waited lease_wait (30 s by
+    default) for a claim no one held, then answered busy (the read went to the source)."""
+    nc = _node(tmp_path)
+    key = block_key("file:///x", "v", 0, L)
+    os.mkdir(os.path.join(nc.claims.dir, key))
+    reply = nc.lease(key, L, "file:///x", "conn", wait=20)
+    assert reply[0] == "fill", reply
+    assert nc.stats()["counters"]["claim_errors"] == 1
+    _fill(nc, key, reply, "conn")
+    assert nc.stats()["inflight"] == 0
