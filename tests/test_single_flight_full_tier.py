@@ -83,6 +83,37 @@ def test_reads_waiting_on_a_claimed_block_count_when_a_full_tier_decides(tmp_pat
     assert key not in nc._told_ahead
 
 
+@pytest.mark.timeout(90)
+def test_waiters_told_ahead_are_not_refused_when_the_admitted_fill_fails(tmp_path):
+    """The engine admitted the block on the waiters' reads told ahead; the holder's fill
+    then failed (aborted). The waiters told ahead were refused ("policy") without the
+    engine being asked, each then reading the source, although the engine had admitted
+    it: the first to take the claim now gets the fill."""
+    nc = _full_node(tmp_path)
+    nc.lease_wait = 3.0
+    key = block_key(URL, "v", 3, L)
+    holder = Claims(claims_dir(str(tmp_path / "rt")))
+    assert holder.take(key)
+    got: dict[int, list] = {}
+    waiters = [threading.Thread(target=lambda n=n: got.update({n: nc.lease_many(
+        [(key, L, URL, None)], f"conn-{n}")})) for n in range(7)]
+    for t in waiters:
+        t.start()
+    try:
+        wait_for(lambda: nc.stats()["counters"]["waits"] >= 7, 10, what="the 7 waiters")
+        (reply,) = nc.lease_fetched([(key, L, URL, None)], "holder", True)
+        assert reply[0] == "fill", reply
+        assert nc._told_ahead[key][2]  # admitted on reads told ahead
+        nc.abort(key, "error", "holder")  # its fill failed
+    finally:
+        holder.release(key)
+        for t in waiters:
+            t.join(30)
+    replies = [r for n in range(7) for r in got[n]]
+    assert ("nofill", "policy") not in replies, replies
+    assert any(r[0] == "fill" for r in replies), replies
+
+
 def _read(runtime_dir, target, path, barrier, out):
     fs = fsspec.filesystem("cachemw", fs=target, runtime_dir=runtime_dir, autostart=False,
                            block_size=1 << 16, skip_instance_cache=True)

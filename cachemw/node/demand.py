@@ -73,7 +73,7 @@ class WaitingReads:
     def _init_waiting_reads(self) -> None:
         self._waiting: dict[str, int] = {}  # key -> leases of this daemon waiting for it
         # key -> (reads told the engine ahead of their own lease or hit report, until when)
-        self._told_ahead: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._told_ahead: OrderedDict[str, tuple[int, float, bool]] = OrderedDict()
 
     def _want(self, keys: list[str]) -> None:
         """A batch's leases are asked: each is a read waiting on its block until answered
@@ -98,8 +98,9 @@ class WaitingReads:
         this lease is one of those (counted by ``_want``). A read told ahead of its own
         lease is not told again: refused then, it is refused now."""
         told = self._take_told(key)
-        if told:
+        if told == "refused":
             return None, []
+        # (told and admitted: the fill it was decided for did not land; asked again)
         tier, moves = self.placer.miss(key, nbytes)
         others = min(MOST_TOLD, self._waiting.get(key, 0) - int(waiting))
         ahead = 0
@@ -109,27 +110,27 @@ class WaitingReads:
             ahead += 1
         if ahead:
             until = time.monotonic() + 2 * self.lease_wait  # the waiters' reads come by then
-            self._told_ahead[key] = (ahead, until)
+            self._told_ahead[key] = (ahead, until, tier is not None)
             self._told_ahead.move_to_end(key)
             while len(self._told_ahead) > KEPT:
                 self._told_ahead.popitem(last=False)
         return tier, moves
 
-    def _take_told(self, key: str) -> bool:
-        """One read of ``key`` told the engine ahead (under the node's lock): True once
-        per such read, and it is used up."""
+    def _take_told(self, key: str) -> str | None:
+        """One read of ``key`` told the engine ahead (under the node's lock), used up:
+        "admitted" or "refused", what the engine decided then; None if none was."""
         told = self._told_ahead.get(key)
         if told is None:
-            return False
-        n, until = told
+            return None
+        n, until, admitted = told
         if until < time.monotonic():
             del self._told_ahead[key]
-            return False
+            return None
         if n > 1:
-            self._told_ahead[key] = (n - 1, until)
+            self._told_ahead[key] = (n - 1, until, admitted)
         else:
             del self._told_ahead[key]
-        return True
+        return "admitted" if admitted else "refused"
 
     def _hits_to_tell(self, keys: list[str]) -> list[str]:
         """The reported hits the engine has not heard of yet (a waiting read told ahead
