@@ -27,6 +27,10 @@ from .names import NAMESPACE, actor_name
 
 log = logging.getLogger(__name__)
 
+# Bytes per second a call to a peer is given, on top of ``timeout``, for the blocks it asks
+# for (the rate client/direct.py gives a reader's direct fetch).
+TRANSFER_RATE = 50e6
+
 
 class PeerSet:
     def __init__(self, self_id: str, *, spawn=None, refresh_interval: float = 2.0,
@@ -202,7 +206,12 @@ class PeerSet:
         """Fetch blocks from their owners: one call per owner, all in flight at once.
 
         Returns, per owner, the blocks' bytes (None for a block the owner could not
-        serve), or None for an owner that failed or timed out.
+        serve), or None for an owner that failed or timed out (suspected: out of the ring
+        for a while). Each call has ``timeout`` plus its bytes' time at TRANSFER_RATE, as a
+        reader's direct fetch has (client/direct.py). Callers keep calls bounded (owner.py
+        batches: an owner serves one in about one source latency), so a call past that is
+        an owner that does not answer, not one that is busy with a large batch: a call of
+        a whole prefetch pass went past it on a healthy owner and took it out of the ring.
         """
         refs = {}
         out: dict[str, list | None] = {}
@@ -219,8 +228,10 @@ class PeerSet:
                 continue
             refs[owner] = handle.serve_blocks.remote(requests)
             self.counters["remote_requests"] += 1
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
         for owner, ref in refs.items():
+            deadline = started + self.timeout + sum(
+                max(0, int(r[1])) for r in by_owner[owner]) / TRANSFER_RATE
             try:
                 packed, lengths = self._ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
             except Exception as exc:  # anything: else owner.RemoteReads.fetch strands its flights

@@ -37,6 +37,7 @@ from .placer import Placer
 from .records import Entry, Inflight, TierState
 from ..protocol import CLIENT_COUNTERS
 from .. import reports
+from . import replicas
 from ..tiers.directory import DirectoryTier
 
 log = logging.getLogger(__name__)
@@ -324,35 +325,33 @@ class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner):
 
     def admit_replica(self, key: str, data: bytes, url: str | None,
                       tag: bytes | None = None) -> bool:
-        """Keep a local copy of a remote block, if the placement engine wants it here
-        (tagged by its file's ``url``, or by the ``tag`` of it a reader reported)."""
-        nbytes = blockfile.stored_size(len(data))
-        tag = url_tag(url) if url else tag
+        """Keep a local copy of a remote block fetched already, if the engine wants it."""
+        fill = self.reserve_replica(key, len(data), url_tag(url) if url else tag)
+        return fill is not None and replicas.land(self, key, fill, data)
+
+    def reserve_replica(self, key: str, length: int, tag: bytes | None):
+        """The fill (ended by replicas.land) of a replica of a remote block, tagged ``tag``,
+        if the placement engine wants it here (else None): asked before the block is
+        fetched, so a copy the engine refuses is never sent (cluster/owner.py copy)."""
+        nbytes = blockfile.stored_size(length)
         with self._lock:
             if self._closed.is_set() or key in self._index or key in self._inflight \
                     or not self._claim(key):
-                return False
+                return None
             tier, moves = self.placer.admit(key, nbytes)
             if tier is None:
                 self.claims.release(key)
-                return False
+                return None
             # in flight like any fill: a write through the cache meanwhile cancels it
-            inflight = self._inflight[key] = Inflight(self, tier, nbytes, tag,
-                                                       next(self._lease_numbers))
+            fill = self._inflight[key] = Inflight(self, tier, nbytes, tag,
+                                                  next(self._lease_numbers))
             self._tiers[tier].reserved += nbytes
         try:
             self.run_moves(moves)
-            stored = self._tiers[tier].tier.stage(key, data, inflight.lease, tag=tag or b"")
-        except OSError:  # a full or failing tier: no replica, the read goes on
-            self.end_unfilled(key, inflight, "error")
-            return False
-        except BaseException:  # the fill ends whatever failed, even Ctrl-C; re-raised
-            self.end_unfilled(key, inflight, "error")
+        except BaseException:  # the fill ends whatever failed; re-raised
+            self.end_unfilled(key, fill, "error")
             raise
-        if not self.land(key, inflight, stored):
-            return False
-        self.count("replicas")
-        return True
+        return fill
 
     # -- index ---------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 ``CONCURRENCY`` source reads at a time.
 
 In a cluster, a planned block another node owns is fetched from its owner, as a miss of it
-is (cluster/owner.py RemoteReads: one call per owner for the pass's blocks), and kept here
+is (cluster/owner.py RemoteReads), in calls of at most 16 blocks (RemoteReads.batches), and kept here
 too, so that its read here is a hit: the owner serves it from its tiers, or fetches it from
 the source once, cluster-wide, and keeps it. Only a block its owner cannot give (down, hung
 past ``peer_timeout``, another version there) is read from the source here, counted as a
@@ -83,15 +83,20 @@ def run_prefetch(node, budget: int) -> None:
                      if remote is not None and remote.is_remote(move.key)]
         asked = set(at_owners)
         here = [i for i in range(len(planned)) if i not in asked]
+        # calls to owners of bounded size (cluster/owner.py batches), a few at once: each
+        # call's blocks are here (and their readers' waits end) as it ends
+        calls = remote.batches([(i, planned[i][0].size) for i in at_owners]) if at_owners else []
+        in_flight = min(remote.CALLS_IN_FLIGHT, len(calls)) if calls else 1
         if len(here) == 1 and not at_owners:
             fetch(here[0])
         elif planned:
             with ThreadPoolExecutor(min(CONCURRENCY, len(planned)),
-                                    thread_name_prefix="cachemw-prefetch") as pool:
-                owners = pool.submit(from_owners, at_owners) if at_owners else None
+                                    thread_name_prefix="cachemw-prefetch") as pool, \
+                    ThreadPoolExecutor(in_flight, thread_name_prefix="cachemw-prefetch-owners") as owners:
+                asks = [owners.submit(from_owners, [i for i, _ in call]) for call in calls]
                 futures = [pool.submit(fetch, i) for i in here]
-                if owners is not None:
-                    futures += [pool.submit(fetch, i) for i in owners.result()]
+                for ask in asks:
+                    futures += [pool.submit(fetch, i) for i in ask.result()]
                 for future in futures:
                     future.result()
     finally:

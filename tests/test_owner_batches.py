@@ -1,0 +1,158 @@
+"""Calls to owners stay bounded, and replicas are asked of the placement engine before
+they are fetched (found by a diff review of 8a09e19):
+
+- a prefetch pass asked an owner for all its planned blocks in one call, which the owner
+  served one after another (reading the source serially for those it lacked) under one flat
+  ``peer_timeout``: on a cold owner over a store with latency the call timed out, the
+  healthy owner was taken out of the ring and every block read from the source again (800
+  blocks: 13.3 s and 1,400 source reads);
+- the replica copier fetched every block that reached ``replicate_after`` before the engine
+  decided, and reset its count: on a full tier every remote block was sent again every
+  other epoch and thrown away (400 transfers, 0 replicas kept).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from cachemw.cluster import owner
+from cachemw.cluster.owner import BATCH_BLOCKS, RemoteReads
+from cachemw.cluster.peers import PeerSet, pack
+from cachemw.config import DaemonConfig, TierConfig
+from cachemw.keys import url_tag
+from cachemw.node import prefetch
+from cachemw.node.cache import NodeCache
+from cachemw.reports import remote_hit_tier
+from test_multinode_prefetch import BS, URL, _Router, _counting_source, _node, _source
+
+
+def _remote_keys(n: int) -> list[str]:
+    return [f"a{i:031x}" for i in range(n)]
+
+
+@pytest.mark.timeout(60)
+def test_a_prefetch_pass_asks_an_owner_in_bounded_calls(tmp_path, monkeypatch):
+    keys = _remote_keys(5 * BATCH_BLOCKS + 3)
+    blocks = {i: os.urandom(BS) for i in range(len(keys))}
+    router = _Router({k: blocks[i] for i, k in enumerate(keys)})
+    node = _node(tmp_path)
+    node.remote = RemoteReads(node, router)
+    read = _counting_source(monkeypatch, blocks)
+    node.announce([(k, BS, URL, _source(i % 16)) for i, k in enumerate(keys)])
+    prefetch.run_prefetch(node, 1 << 30)
+    sizes = [len(call["a"]) for call in router.calls]
+    assert max(sizes) <= BATCH_BLOCKS and sum(sizes) == len(keys)  # was one call of 83
+    assert sorted(item[0] for call in router.calls for item in call["a"]) == sorted(keys)
+    assert read == [] and node.counters["prefetched_from_owners"] == len(keys)
+    assert all(node.read_local(k, BS) == blocks[i] for i, k in enumerate(keys))
+    assert not node._inflight and node._tiers["dram"].reserved == 0
+
+
+@pytest.mark.timeout(60)
+def test_an_owner_reads_the_blocks_it_lacks_side_by_side(tmp_path, monkeypatch):
+    """Each read waits at a barrier until all of the call's reads have started: served one
+    after another, the first read waits out the barrier and every block fails."""
+    n = 8
+    barrier = threading.Barrier(n, timeout=10)
+    read = []
+
+    class Source:
+        concurrent = True
+
+        @staticmethod
+        def read_block(path, index, block_size, file_size, version):
+            barrier.wait()
+            read.append(index)
+            return bytes([index]) * BS
+
+    monkeypatch.setattr(owner, "source_for", lambda _target: Source)
+    node = _node(tmp_path)
+    requests = [(f"a{i:031x}", BS, URL, _source(i)) for i in range(n)]
+    out = owner.serve_blocks(node, requests)
+    assert out == [bytes([i]) * BS for i in range(n)]
+    assert sorted(read) == list(range(n))  # each once, and kept: asked again, no read
+    assert owner.serve_blocks(node, requests) == out and len(read) == n
+
+
+def test_a_call_to_an_owner_is_given_time_for_its_bytes():
+    """A call's deadline is peer_timeout plus its bytes at TRANSFER_RATE (a bounded batch
+    of big blocks is not taken for a dead owner)."""
+    asked = []
+
+    class Ray:
+        def get(self, ref, timeout):
+            asked.append(timeout)
+            return pack([b"x"])
+
+    peers = PeerSet("me", timeout=1.0, vnodes=64)
+    peers._ray = Ray()
+    peers._handles["x"] = SimpleNamespace(serve_blocks=SimpleNamespace(remote=lambda r: object()))
+    big = 100_000_000  # 2 s at 50 MB/s
+    assert peers.fetch_many({"x": [("k" * 32, big, None, None)]}) == {"x": [b"x"]}
+    assert 2.5 < asked[0] <= 3.0
+    assert peers.fetch_many({"x": [("k" * 32, 10, None, None)]}) == {"x": [b"x"]}
+    assert asked[1] <= 1.0
+
+
+def _full_node(tmp_path) -> NodeCache:
+    """A 2 MiB DRAM tier full of the node's own blocks, each read a few times (the history
+    policy keeps them over a remote block read twice)."""
+    node = NodeCache(DaemonConfig(tiers=(TierConfig("dram", str(tmp_path / "dram"), 2 << 20),),
+                                  runtime_dir=str(tmp_path / "rt")))
+    conn = object()
+    mine = [f"b{i:031x}" for i in range(40)]
+    for k in mine:
+        reply = node.lease(k, BS, "file:///d/own", conn)
+        if reply[0] == "fill":
+            stored = node.tier(reply[1]).stage(k, os.urandom(BS), reply[2])
+            node.filled(k, reply[1], stored, conn, reply[2])
+    for _ in range(4):
+        node.report({}, [(k, "dram") for k in mine])
+    return node
+
+
+@pytest.mark.timeout(60)
+def test_the_copier_fetches_nothing_the_engine_refuses_and_backs_off(tmp_path):
+    node = _full_node(tmp_path)
+    keys = _remote_keys(50)
+    router = _Router({k: os.urandom(BS) for k in keys})
+    remote = node.remote = RemoteReads(node, router, replicate_after=2)
+    remote.close()  # no copier thread: copy is called here
+    tag = url_tag(URL)
+    try:
+        assert remote.copy({k: (BS, tag) for k in keys}) == 0
+        assert router.calls == []  # was one call of 50 blocks, all thrown away
+        assert node.counters["replicas"] == 0 and not node._inflight
+        assert node._tiers["dram"].reserved == 0
+        hit = remote_hit_tier(BS, tag)
+        for _ in range(3):  # refused once: 4 reads before it is asked for again
+            node.report({"remote_hits": 1}, [(keys[0], hit)])
+            assert keys[0] not in remote._wanted
+        node.report({"remote_hits": 1}, [(keys[0], hit)])
+        assert keys[0] in remote._wanted
+    finally:
+        node.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_copier_fetches_what_the_engine_admits_in_bounded_calls(tmp_path):
+    node = _node(tmp_path)
+    keys = _remote_keys(3 * BATCH_BLOCKS + 1)
+    blocks = {k: os.urandom(BS) for k in keys}
+    router = _Router(blocks)
+    remote = node.remote = RemoteReads(node, router, replicate_after=2)
+    remote.close()
+    try:
+        assert remote.copy({k: (BS, url_tag(URL)) for k in keys}) == len(keys)
+        sizes = [len(call["a"]) for call in router.calls]
+        assert max(sizes) <= BATCH_BLOCKS and sum(sizes) == len(keys)
+        assert all(node.read_local(k, BS) == blocks[k] for k in keys)
+        assert node.invalidate(URL) == len(keys)  # tagged with its URL
+        router.down = True  # reserved, then not given: the room is given back
+        assert remote.copy({k: (BS, url_tag(URL)) for k in keys}) == 0
+        assert not node._inflight and node._tiers["dram"].reserved == 0
+    finally:
+        node.close()
