@@ -155,20 +155,23 @@ EOF
 # when the Ray step ``pid`` has ended, saying why. Each look is bounded (15 s, never past the
 # timeout), so neither the timeout nor a scancel's TERM waits on one longer.
 cachemw_wait_nodes() {
-    local n=$1 timeout=$2 pid=$3 start=$SECONDS left up='' seen=''
+    local n=$1 timeout=$2 pid=$3 start=$SECONDS left bound up='' seen=''
     while (( (left = timeout - (SECONDS - start)) > 0 )); do
         if ! kill -0 "$pid" 2>/dev/null; then
             echo "cachemw-job: Ray did not start (its step ended; see the job's output)" >&2
             return 1
         fi
-        up=$(cachemw_ray_nodes_up $(( left < 15 ? left : 15 ))) || up=
+        bound=$(( left < 15 ? left : 15 ))
+        up=$(cachemw_ray_nodes_up "$bound") || up=
         up=${up##*$'\n'}  # its last line (Ray may have printed before it)
         if [[ $up =~ ^[0-9]+$ ]] && (( up >= n )); then return 0; fi
-        seen=${up:-$seen}  # a last look cut short by the timeout does not hide what one saw
+        # what a look saw; no answer within a look the time left cut to a few seconds says
+        # nothing (ray.init takes some), and does not hide what an earlier look saw
+        if [[ -n $up ]] || (( bound >= 5 )) || [[ -z $seen ]]; then seen=$up; fi
         left=$(( timeout - (SECONDS - start) ))
         if (( left > 0 )); then sleep $(( left < 2 ? left : 2 )); fi
     done
-    up=${up:-$seen}
+    up=$seen
     case $up in
         closed) echo "cachemw-job: Ray's head did not come up within ${timeout}s: nothing" \
                      "listens at $RAY_ADDRESS (see the Ray step's output above)" >&2 ;;

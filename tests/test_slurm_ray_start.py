@@ -153,10 +153,16 @@ def test_a_last_look_cut_short_does_not_hide_what_the_wait_saw(tmp_path):
         rc, _, err, _ = _bash(f'''
 cachemw_ray_nodes_up() {{ if [[ -e {looks} ]]; then sleep "$1"; else touch {looks}; echo 1; fi; }}
 cachemw_wait_nodes 2 3 {step.pid}''', timeout=60, env=dict(ENV, RAY_ADDRESS="127.0.0.1:1"))
+        # nothing listened, then a head that does not answer: a whole look says so
+        looks.unlink()
+        rc2, _, err2, _ = _bash(f'''
+cachemw_ray_nodes_up() {{ if [[ -e {looks} ]]; then sleep "$1"; else touch {looks}; echo closed; fi; }}
+cachemw_wait_nodes 2 9 {step.pid}''', timeout=60, env=dict(ENV, RAY_ADDRESS="127.0.0.1:1"))
     finally:
         step.kill()
         step.wait()
     assert rc == 1 and "only 1 of 2 Ray nodes came up within 3s" in err, err
+    assert rc2 == 1 and "did not answer within 9s" in err2, err2
 
 
 HEAD_IN_A_NAMESPACE = r'''
