@@ -296,6 +296,21 @@ def run(urls: list[str], config: WarmConfig, *, progress=None,
     warm together, into the cache of ``runtime_dir`` (None: the filesystem's default).
     ``progress(done_bytes, total_bytes)`` is called as batches complete."""
     opened = [(url, *open_url(url, runtime_dir)) for url in urls]
+    # a warm's reads of blocks other nodes own are no reads of this node's: reported, they
+    # had the daemon copy every block the second warm read (replication, cluster/owner.py)
+    clients = list({id(fs.client): fs.client for _, fs, _ in opened}.values())
+    reported = [(client, client.report_remote_hits) for client in clients]
+    for client in clients:
+        client.report_remote_hits = False
+    try:
+        return _warm(opened, config, progress)
+    finally:
+        for client, was in reported:
+            client.report_remote_hits = was
+
+
+def _warm(opened: list, config: WarmConfig, progress) -> Report:
+    """``run`` of the opened URLs."""
     fs0 = opened[0][1]
     if config.local_task > 0:  # one task per node does the node's work
         return Report(socket.gethostname(), config.nodes, skipped=(

@@ -72,8 +72,9 @@ class Misses:
                     self.client.count("remote_hits")
                     self.client.count("remote_bytes", len(block))
                     # told the daemon (which never sees it): hot blocks are copied here
-                    self.client.accessed(p.key,
-                                         remote_hit_tier(p.length, url_tag(p.meta.url)))
+                    if self.client.report_remote_hits:
+                        self.client.accessed(p.key,
+                                             remote_hit_tier(p.length, url_tag(p.meta.url)))
                     self._missed(started, now)
                     out[first[p.key]] = block if (p.lo, p.hi) == (0, len(block)) else block[p.lo:p.hi]
             unique = [p for p in unique if p.key not in direct]

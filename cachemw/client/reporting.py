@@ -108,6 +108,10 @@ class HitTally:
 class Reporter:
     """Counters and recency gathered between reports (see the module's docstring)."""
 
+    # hits at other nodes told the daemon (which copies a block read again and again here);
+    # off for a warm, whose reads of other nodes' blocks are not this node's
+    report_remote_hits = True
+
     def _reset_reports(self) -> None:
         """Fresh at start and in a forked child (the parent reports its own)."""
         self._hook_pid = 0
