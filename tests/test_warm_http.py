@@ -97,6 +97,9 @@ def store(request, tmp_path, make_tree):
 
 @pytest.fixture
 def warm_dir(runtime_dir, monkeypatch):
+    """The runtime dir passed to each warm: by the environment alone, a later test got the
+    instance fsspec cached for an earlier one (its runtime dir), whose daemon then outlived
+    both tests."""
     monkeypatch.setenv("CACHEMW_BLOCK_SIZE", str(BS))
     monkeypatch.setenv("CACHEMW_DRAM_CAPACITY", "64MiB")
     yield runtime_dir
@@ -107,7 +110,7 @@ def warm_dir(runtime_dir, monkeypatch):
 def test_warm_of_http_files_reads_each_block_once_and_lists_no_file(store, warm_dir):
     base, files, counts = store
     urls = [f"cachemw::{base}/data/{os.path.basename(p)}" for p in sorted(files)]
-    report = warm.run(urls, WarmConfig.build(nodes=1, env={}))
+    report = warm.run(urls, WarmConfig.build(nodes=1, env={}), runtime_dir=warm_dir)
     assert report.ok and report.files == len(files), report.as_dict()
     blocks = sum(-(-len(data) // BS) for data in files.values())
     assert report.blocks == blocks
@@ -119,7 +122,8 @@ def test_warm_of_http_files_reads_each_block_once_and_lists_no_file(store, warm_
 @pytest.mark.timeout(180)
 def test_warm_of_an_http_directory_lists_it(store, warm_dir):
     base, files, counts = store
-    report = warm.run([f"cachemw::{base}/data/"], WarmConfig.build(nodes=1, env={}))
+    report = warm.run([f"cachemw::{base}/data/"], WarmConfig.build(nodes=1, env={}),
+                      runtime_dir=warm_dir)
     assert report.ok and report.files == len(files) + 1, report.as_dict()  # sub/ too
     assert counts["GET file"] == 0, counts
     assert counts["GET file range"] == report.blocks == sum(
