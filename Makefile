@@ -25,7 +25,7 @@ run: bytecode
 	$(BIN)/cachemw job
 
 test: bytecode
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=30
 
 test-fast: bytecode
 	$(BIN)/pytest -m "not slow and not multinode and not slurm"

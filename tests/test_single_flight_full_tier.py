@@ -16,6 +16,7 @@ import threading
 import time
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 import pytest
 
 from cachemw.claims import Claims, claims_dir
@@ -180,3 +181,59 @@ def test_processes_missing_one_cold_file_through_a_full_tier_fetch_it_once(
     assert len(reads) == 4, reads  # before: up to 4 reads a block, the extra `bypassed`
     after = daemon_stats(runtime_dir)
     assert after["counters"]["bypassed"] == before["counters"]["bypassed"]
+
+
+class Gated(LocalFileSystem):
+    """Local reads that wait for the test to open a gate (a store slow to answer)."""
+
+    cachable = False
+
+    def __init__(self, gate: threading.Event, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = gate
+        self.reads = 0
+
+    def cat_file(self, path, *args, **kwargs):
+        self.reads += 1
+        if not self.gate.wait(60):
+            raise TimeoutError("the test never opened the gate")
+        return super().cat_file(path, *args, **kwargs)
+
+
+@pytest.mark.timeout(90)
+def test_a_read_holding_some_claims_waits_on_the_others_beside_its_own_fetches(
+        runtime_dir, spawn_daemon, tmp_path):
+    """A read of blocks 0 and 1 finds block 0's claim held by another reader and takes
+    block 1's: the daemon hears it waits on block 0 while its fetch of block 1 is still
+    out, so that block 0's holder is decided on both reads (before, it asked for block 0
+    only once its own fetch had ended: a full tier refused the block on fewer reads than
+    were made of it, and those read it again; CI: 5 reads of a 4-block file by 6
+    processes)."""
+    spawn_daemon(runtime_dir)
+    gate = threading.Event()
+    target = Gated(gate)
+    fs = fsspec.filesystem("cachemw", fs=target, runtime_dir=runtime_dir, autostart=False,
+                           block_size=1 << 16, skip_instance_cache=True)
+    path = str(tmp_path / "two.bin")
+    data = os.urandom(2 << 16)
+    with open(path, "wb") as f:
+        f.write(data)
+    fs.info(path)
+    waits = daemon_stats(runtime_dir, drain=False)["counters"]["waits"]
+    got: dict[str, bytes] = {}
+    first = threading.Thread(target=lambda: got.update(a=fs.cat_file(path, 0, 1 << 16)))
+    both = threading.Thread(target=lambda: got.update(b=fs.cat_file(path)))
+    first.start()
+    try:
+        wait_for(lambda: target.reads >= 1, 10, what="block 0's fetch")
+        both.start()
+        wait_for(lambda: target.reads >= 2, 10, what="block 1's fetch")
+        wait_for(lambda: daemon_stats(runtime_dir, drain=False)["counters"]["waits"] > waits,
+                 10, what="the wait on block 0 told the daemon while block 1 is fetched")
+        assert not gate.is_set()
+    finally:
+        gate.set()
+        first.join(30)
+        both.join(30)
+    assert got == {"a": data[:1 << 16], "b": data}
+    assert target.reads == 2

@@ -92,6 +92,31 @@ def run_all(calls: list[Callable[[], T]], kind: str = FETCH,
         raise
 
 
+def beside(side: Callable[[], T], main: Callable[[], T],
+           kind: str = READ) -> tuple[T | Exception, T]:
+    """(``side``'s result or the exception it raised, ``main``'s result): ``side`` runs in
+    the ``kind`` pool while ``main`` runs here, in the calling thread (whose connection to
+    the daemon a lease must be taken on). Where a pool cannot be used (see run_all),
+    ``side`` runs first, then ``main``. ``main`` raising: ``side`` runs on to its end
+    unwaited if it has started (it releases what it holds itself), or never starts."""
+    inside = getattr(_inside, "pool", None)
+    if inside in (kind, FETCH):
+        return _outcome(side), main()
+    try:
+        future = _executor(kind).submit(side)
+    except RuntimeError:  # the interpreter is shutting down: no new threads
+        return _outcome(side), main()
+    try:
+        got = main()
+    except BaseException:
+        future.cancel()
+        raise
+    try:
+        return future.result(), got
+    except Exception as exc:  # noqa: BLE001 - handed to the caller, as the call's
+        return exc, got
+
+
 def _outcome(call: Callable[[], T]) -> T | Exception:
     try:
         return call()

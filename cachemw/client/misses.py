@@ -7,7 +7,9 @@ the fill writer (``adopt``): no round trip to the daemon before the source reque
 whose claim another process holds, and misses in a cluster of several nodes, go to the
 daemon in one request; for each block it answers: fill it (fetch the whole block from the
 source and write the tier file), it is present now (the claim's holder filled it), here
-are its bytes (fetched from the node that owns it), or read the source yourself. The
+are its bytes (fetched from the node that owns it), or read the source yourself; that
+request goes out beside the call's own claimed fetches, so the daemon counts the call
+among those blocks' waiting readers while they are fetched (node/demand.py). The
 blocks one call fetches (its claimed ones, or the ones leased to it) are fetched side by
 side (fanout.py).
 """
@@ -78,21 +80,31 @@ class Misses:
                     self._missed(started, now)
                     out[first[p.key]] = block if (p.lo, p.hi) == (0, len(block)) else block[p.lo:p.hi]
             unique = [p for p in unique if p.key not in direct]
+        claimed: dict[str, Piece] = {}
         if unique and self.direct.alone():  # claimed: fetched now, leased behind the read
             claimed, found = self._claim(unique)
             for key, data in found.items():
                 out[first[key]] = data
-            if claimed:
-                self._fetch_claimed(claimed, first, out, started)
             unique = [p for p in unique if p.key not in claimed and p.key not in found]
         replies = []
         asked_at = time.time()  # before the leases' fetches: see _fill
-        if unique:
-            asked = time.perf_counter()
-            replies = self.client.lease_many([self.item(p) for p in unique])
-            self.client.count("lease_requests")
-            self.client.count("lease_waits", len(unique))
-            self.took("lease_seconds", "lease_wait", asked, len(unique))
+        fetch = partial(self._fetch_claimed, claimed, first, out, started)
+        if unique and claimed:
+            # the blocks other processes hold the claims of are asked for beside this call's
+            # own fetches, not after them: from now on the daemon counts them among the
+            # reads waiting on those blocks when it decides whether to keep them (on a
+            # full tier, a block decided before this read was heard of was refused, and
+            # this read fetched it again: node/demand.py)
+            error, replies = fanout.beside(fetch, partial(self._lease_many, unique))
+            if isinstance(error, BaseException):
+                for p, reply in zip(unique, replies or ()):
+                    if reply[0] == "fill":
+                        self.client.abort(p.key, "error")
+                raise error
+        elif claimed:
+            fetch()
+        elif unique:
+            replies = self._lease_many(unique)
         done = -1  # the leases after it are aborted if this ends early
         try:
             fetched = self._prefetch_fills(unique, replies)
@@ -117,6 +129,15 @@ class Misses:
                 out[i] = data if data is not None else self._direct(p)
         self.client.maybe_flush()
         return [out[i] for i in range(len(pieces))]
+
+    def _lease_many(self, pieces: list[Piece]) -> list[tuple] | None:
+        """The daemon's replies for blocks this call holds no claim of (None: unreachable)."""
+        asked = time.perf_counter()
+        replies = self.client.lease_many([self.item(p) for p in pieces])
+        self.client.count("lease_requests")
+        self.client.count("lease_waits", len(pieces))
+        self.took("lease_seconds", "lease_wait", asked, len(pieces))
+        return replies
 
     def _claim(self, pieces: list[Piece]) -> tuple[dict[str, Piece], dict[str, bytes]]:
         """The pieces whose claims this process took, and the ones found cached once their
