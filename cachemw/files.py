@@ -1,10 +1,13 @@
 """Writing files so that no reader ever sees half of one, and making them durable: one
 helper each for the whole package (block files, metadata records, the daemon's registry,
-the checkpointer's files)."""
+the checkpointer's files); and waiting, for a bounded time, for a file's lock."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import time
+from typing import Callable
 
 
 def atomic_write(path: str, *chunks, mode: int = 0o600, durable: bool = False) -> int:
@@ -63,6 +66,39 @@ def make_private_dirs(path: str) -> None:
             os.mkdir(d, 0o700)
         except FileExistsError:
             pass
+
+
+def flock_within(fd: int, *, wait: float, poll: float, exclusive: bool = True,
+                 give_up: Callable[[], bool] | None = None) -> bool:
+    """Lock the open file ``fd`` (``flock``: exclusive, or shared), trying every ``poll``
+    seconds for up to ``wait`` seconds, at least once (``wait`` 0: one try). True once
+    held; False when ``wait`` has passed with the lock held elsewhere, or sooner when
+    ``give_up()``, asked after each failed try, says there is no more to wait for.
+
+    Tries, not a blocking flock: a blocking one cannot be bounded without a signal
+    (``alarm``), which is not a library's to take, and its holder may be a stopped process.
+    ``poll`` is each caller's, to fit how long its lock is held: a metadata table write
+    holds its lock for microseconds (1 ms), the daemon's lock is held by a probe for
+    microseconds and by a daemon shutting down for a moment (20 ms), a local Ray start for
+    seconds (100 ms). ``give_up``: a wait for another process's Ray start ends once its
+    daemon is up, though the starter still holds the lock then.
+
+    The descriptor stays the caller's, open in every outcome: closing it (its last copy)
+    releases the lock, and the caller says what a timeout means (False, TimeoutError,
+    BlockingIOError). No state is kept here, so nothing to undo in a forked child; a
+    lock belongs to the open file, which a child shares with its parent until it closes
+    its copy (callers that hold one across a fork see to it). An interrupted flock or
+    sleep (EINTR) is retried by Python; an error other than EWOULDBLOCK raises."""
+    deadline = time.monotonic() + wait
+    op = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+    while True:
+        try:
+            fcntl.flock(fd, op)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline or (give_up is not None and give_up()):
+                return False
+        time.sleep(poll)
 
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2

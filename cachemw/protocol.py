@@ -21,11 +21,10 @@ import fcntl
 import json
 import os
 import stat
-import time
 import weakref
 from dataclasses import asdict, dataclass
 
-from .files import atomic_write
+from .files import atomic_write, flock_within
 from .readtime import MISS_COUNTERS, READ_TIME_COUNTERS
 
 # Counters clients add to through access reports; the daemon adds the rest.
@@ -195,16 +194,9 @@ class DaemonLock:
         if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise UnsafeDirectory(f"{self.path}: not a lock file of ours, refusing it")
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    return False
-                time.sleep(0.02)
+        if not flock_within(fd, wait=wait, poll=0.02):
+            os.close(fd)
+            return False
         self._fd = fd
         _held_locks.add(self)
         return True

@@ -51,18 +51,16 @@ space (ENOSPC) is not made: metadata is then not shared, and reads go on without
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import mmap
 import os
 import pickle
 import struct
 import threading
-import time
 
 import xxhash
 
-from ..files import mappable, preallocate
+from ..files import flock_within, mappable, preallocate
 
 SHARDS = 64
 MAGIC = b"CMWT"
@@ -454,16 +452,10 @@ class _FileLock:
             os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                               0o600)
-        deadline = time.monotonic() + self.wait
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(self.fd)
-                    raise
-                time.sleep(0.001)
+        if not flock_within(self.fd, wait=self.wait, poll=0.001):
+            os.close(self.fd)
+            raise BlockingIOError(errno.EWOULDBLOCK, os.strerror(errno.EWOULDBLOCK))
+        return self
 
     def __exit__(self, *exc) -> None:
         os.close(self.fd)  # closing drops the lock

@@ -16,7 +16,6 @@ first's cluster, as a start after it would (a no-op with the same settings).
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import secrets
@@ -27,6 +26,7 @@ import tempfile
 import threading
 import time
 
+from ..files import flock_within
 from ..protocol import ensure_private_dir, lock_holder
 
 RAY_STATE = "ray.json"
@@ -250,17 +250,10 @@ def _take_start_lock(runtime_dir: str) -> None:
             return
     fd = os.open(os.path.join(runtime_dir, START_LOCK),
                  os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    deadline = time.monotonic() + START_WAIT
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                os.close(fd)
-                raise TimeoutError(f"another `cachemw start` of {runtime_dir} has not ended "
-                                   f"within {START_WAIT:.0f} s") from None
-            time.sleep(0.1)
+    if not flock_within(fd, wait=START_WAIT, poll=0.1):
+        os.close(fd)
+        raise TimeoutError(f"another `cachemw start` of {runtime_dir} has not ended "
+                           f"within {START_WAIT:.0f} s")
     with _held_lock:
         _held[key] = fd
 
@@ -306,14 +299,9 @@ def _await_start(runtime_dir: str) -> None:
     try:
         if os.fstat(fd).st_uid != os.getuid():
             return
-        deadline = time.monotonic() + START_WAIT
-        while time.monotonic() < deadline:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                return  # no start under way
-            except BlockingIOError:
-                if (lock_holder(runtime_dir) or {}).get("kind") == "ray":
-                    return  # its daemon is up: the start has done what we wait for
-            time.sleep(0.1)
+        # returns once no start is under way (the lock is free), or its daemon is up (the
+        # start has done what we wait for), or after START_WAIT s
+        flock_within(fd, wait=START_WAIT, poll=0.1, exclusive=False,
+                     give_up=lambda: (lock_holder(runtime_dir) or {}).get("kind") == "ray")
     finally:
         os.close(fd)
