@@ -17,6 +17,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import datetime
+import os
 import sys
 from typing import Any, Callable
 
@@ -78,6 +79,20 @@ def failed_on(ranks: list[int], rank: int, reported: tuple) -> Exception:
     """The one error every rank raises for a failure on ``ranks``, the first of which,
     ``rank``, ``report``-ed ``reported``: its type (``same_type``), naming them all."""
     return same_type(reported, f"checkpoint failed on rank(s) {ranks}; rank {rank}: {reported[3]}")
+
+
+def _raised_by_a_collective(exc: RuntimeError) -> bool:
+    """Whether ``exc`` came from torch.distributed's collectives and stores: a ``DistError``,
+    or raised in ``distributed_c10d.py`` itself (gloo's errors, "Connection reset by peer",
+    "Timed out waiting ... for recv", are plain RuntimeErrors raised there). Not one raised
+    elsewhere inside a collective's block: DCP's own code, staging a tensor (CUDA out of
+    memory), the caller's state_dict hooks; those say what happened themselves."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.basename(tb.tb_frame.f_code.co_filename) == "distributed_c10d.py"
 
 
 def _private_groups(ranks: list[int], process_group: Any, timeout_s: float) -> tuple[Any, Any]:
@@ -143,8 +158,8 @@ class Coordinator:
         try:
             yield
         except RuntimeError as exc:  # torch.distributed's errors are RuntimeErrors
-            if self.no_dist:  # one process: no other rank to blame
-                raise
+            if self.no_dist or not _raised_by_a_collective(exc):  # one process: no other
+                raise  # rank to blame; or not the wire's (CUDA out of memory staging a save)
             text = (f"checkpoint: a collective with the other ranks failed (a rank died, or did "
                     f"not reach this save or load within collective_timeout_s, "
                     f"{self.timeout_s:g} s?): {exc}")

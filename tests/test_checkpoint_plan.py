@@ -128,3 +128,38 @@ def test_a_failure_reported_by_one_rank_is_rebuilt_with_its_type_on_every_rank()
     decode = UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad")
     assert type(same_type(report(decode), "m")) is RuntimeError  # a constructor that wants more
     assert report(None) is None
+
+
+def test_only_the_wire_s_errors_are_told_as_a_failed_collective():
+    """Inside a collective's block (DCP's save and load run in one), an error raised by
+    torch.distributed's collectives is told as a collective with the other ranks that
+    failed; an error raised elsewhere there (CUDA out of memory while DCP stages a tensor,
+    a state_dict hook's bug) is raised as it was, not labelled as the other ranks' doing."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from cachemw.checkpoint.coordination import Coordinator
+
+    coord = Coordinator.__new__(Coordinator)  # as on a rank of a world of several
+    coord.no_dist, coord.timeout_s = False, 30.0
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with pytest.raises(torch.OutOfMemoryError) as got:
+        with coord.collective():
+            raise oom
+    assert got.value is oom  # before: RuntimeError "a collective with the other ranks failed"
+    with pytest.raises(RuntimeError) as got:
+        with coord.collective():
+            raise RuntimeError("stage: tensor on meta device")
+    assert str(got.value) == "stage: tensor on meta device"
+
+    # raised in distributed_c10d.py itself, as gloo's "Connection reset by peer" is
+    code = compile("def reset():\n    raise RuntimeError('Connection reset by peer')\n",
+                   c10d.__file__, "exec")
+    scope: dict = {}
+    exec(code, scope)
+    with pytest.raises(RuntimeError, match="a collective with the other ranks failed.*reset by peer"):
+        with coord.collective():
+            scope["reset"]()
+    with pytest.raises(torch.distributed.DistBackendError, match="a collective with the other ranks"):
+        with coord.collective():
+            raise torch.distributed.DistBackendError("NCCL communicator was aborted")
