@@ -40,7 +40,7 @@ import psutil
 
 from cachemw.bench import SlowLocalFileSystem
 from cachemw.client.fills import drain_all
-from cachemw.config import parse_size
+from cachemw.config_values import parse_size
 from cachemw.launch import stop_local
 
 KiB, MiB = 1 << 10, 1 << 20

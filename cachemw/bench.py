@@ -21,7 +21,7 @@ import time
 from fsspec.implementations.local import LocalFileSystem
 
 from .client.fs import CacheFileSystem
-from .config import parse_size
+from .config_values import parse_size
 from .launch import stop_local
 from .report import format_stats
 

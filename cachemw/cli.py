@@ -12,8 +12,8 @@ import sys
 from . import bench, top, warm
 from .client.link import DaemonClient
 from .cluster import actor as daemon
-from .config import (WarmConfig, check_runtime_dir, format_size, parse_size,
-                     resolve_runtime_dir)
+from .config import WarmConfig, resolve_runtime_dir
+from .config_values import check_runtime_dir, format_size, parse_size
 from .job import command as job
 from .placement.registry import ONLINE_POLICIES
 from .protocol import check_private_dir, lock_holder, lookup

@@ -3,80 +3,23 @@
 
 Components take their config as keyword arguments; the environment is a fallback mapped
 here, in one function per component, so the rest of the code never looks at os.environ.
+How each value is parsed and checked (sizes, seconds, ports, directories) is
+config_values.py's.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from .config_values import (absolute_or_none, bool_or_none, check_port, check_runtime_dir,
+                            check_seconds, check_trace_dir, float_or_none, int_or_none,
+                            parse_size)
+
 VALIDATE_MODES = ("immutable", "ttl", "always")
 DEFAULT_BLOCK_SIZE = 8 * 1024 * 1024
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-
-
-def parse_size(value: int | str, *, name: str = "size") -> int:
-    """Parse ``4096``, ``"512MiB"``, ``"2G"``, ``"1.5GB"`` into bytes (binary units).
-
-    Raises ValueError naming ``name`` on anything else.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{name}: expected a size, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{name}: must be >= 0, got {value}")
-        return value
-    m = _SIZE_RE.match(str(value))
-    if not m:
-        raise ValueError(f"{name}: cannot parse size {value!r} (use e.g. 512MiB, 4G, 1048576)")
-    number, unit, _ = m.groups()
-    return int(float(number) * (1024 ** _SIZE_UNITS[unit.lower()]))
-
-
-# sun_path of a Unix socket address holds 108 bytes, the terminating NUL included
-SOCKET_PATH_MAX = 108
-SOCKET_NAME = "daemon.sock"  # the daemon's socket in its runtime dir (protocol.SOCKET)
-
-
-def check_runtime_dir(path, name: str = "runtime_dir") -> str:
-    """A runtime dir must be an absolute path short enough for the daemon's socket in it.
-
-    Relative paths are refused: every process of a node (DataLoader workers started in
-    another working directory, the CLI) must find the same daemon.
-    """
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"{name}: an absolute directory path is required, got {path!r}")
-    _check_absolute(path, name)
-    sock = os.path.join(path, SOCKET_NAME)
-    if len(os.fsencode(sock)) >= SOCKET_PATH_MAX:
-        raise ValueError(f"{name}: the daemon's socket {sock} would be "
-                         f"{len(os.fsencode(sock))} bytes, over the {SOCKET_PATH_MAX}-byte "
-                         f"limit of a Unix socket path (NUL included); choose a shorter "
-                         f"runtime dir")
-    return path
-
-
-def _check_absolute(path: str, name: str) -> None:
-    """Relative paths are refused: every process of a node (DataLoader workers started in
-    another working directory, the CLI, the daemon) must name the same directory."""
-    if "\0" in path or not os.path.isabs(path):
-        raise ValueError(f"{name}: must be an absolute path, got {path!r} (it would "
-                         f"depend on each process's working directory)")
-
-
-def check_seconds(value, name: str, *, zero_ok: bool = False) -> float:
-    """A finite number of seconds, > 0 (or >= 0 with ``zero_ok``)."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or value < 0 or (value == 0 and not zero_ok)):
-        raise ValueError(f"{name}: must be a finite number of seconds "
-                         f"{'>= 0' if zero_ok else '> 0'}, got {value!r}")
-    return float(value)
 
 
 def check_placement(placement: str | None, name: str) -> None:
@@ -91,46 +34,11 @@ def check_placement(placement: str | None, name: str) -> None:
         raise ValueError(f"{name}: must be one of {ONLINE_POLICIES}, got {placement!r}")
 
 
-def check_port(value, name: str) -> int | None:
-    """A TCP port to listen on: 0..65535 (0: any free port, the one taken is advertised);
-    None: none. Strings (from the environment) are parsed."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            raise ValueError(f"{name}: expected a port number, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
-        raise ValueError(f"{name}: must be a port number 0-65535 (0: any free port), "
-                         f"got {value!r}")
-    return value
-
-
-def check_trace_dir(value, name: str) -> str | None:
-    """Where trace files go: an absolute directory (every process of a job, whatever its
-    working directory, must write to the same place); None or "": no tracing."""
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str) or "\0" in value or not os.path.isabs(value):
-        raise ValueError(f"{name}: must be an absolute directory path, got {value!r}")
-    return value
-
-
 def trace_dir(env: Mapping[str, str] | None = None) -> str | None:
     """``CACHEMW_TRACE``: the directory every process of a job writes its trace file to
     (cachemw.trace reads it when imported); empty or unset: no tracing."""
     env = os.environ if env is None else env
     return check_trace_dir(env.get("CACHEMW_TRACE") or None, "CACHEMW_TRACE")
-
-
-def format_size(n: float) -> str:
-    """``67108864`` -> ``"64.0 MiB"`` (binary units, as parse_size reads them)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def ray_address(env: Mapping[str, str] | None = None) -> str | None:
@@ -288,10 +196,10 @@ class DaemonConfig:
         runtime_dir = check_runtime_dir(default_runtime_dir(env) if runtime_dir is None
                                         else runtime_dir, rt_name)
         dram_dir, dram_dir_name = pick(dram_dir, "dram_dir")
-        dram_dir = _absolute(dram_dir, dram_dir_name) or os.path.join(runtime_dir, "dram")
+        dram_dir = absolute_or_none(dram_dir, dram_dir_name) or os.path.join(runtime_dir, "dram")
         dram_capacity, dram_name = pick(dram_capacity, "dram_capacity")
         nvme_dir, nvme_dir_name = pick(nvme_dir, "nvme_dir")
-        nvme_dir = _absolute(nvme_dir, nvme_dir_name)
+        nvme_dir = absolute_or_none(nvme_dir, nvme_dir_name)
         nvme_capacity, nvme_name = pick(nvme_capacity, "nvme_capacity")
         placement, placement_name = pick(placement, "placement")
         check_placement(placement, placement_name)
@@ -339,16 +247,6 @@ def _check_resolved(path: str, name: str) -> None:
             f"{name}: {path!r} holds the {{node_id}} template, which only the daemons "
             f"`cachemw start` places fill in; a reader gives its node's own directory, "
             f"e.g. {name}={path!r}.format(node_id=ray.get_runtime_context().get_node_id())")
-
-
-def _absolute(path, name: str) -> str | None:
-    """A tier directory, absolute (see _check_absolute); None if unset."""
-    if path is None or path == "":
-        return None
-    if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"{name}: must be an absolute path, got {path!r}")
-    _check_absolute(os.fspath(path), name)
-    return os.fspath(path)
 
 
 def _tier(name: str, path: str, capacity, what: str) -> TierConfig:
@@ -419,12 +317,12 @@ class CacheOptions:
             raise ValueError(f"unknown cachemw option(s): {', '.join(sorted(unknown))}")
         from_env = {
             "validate": env.get("CACHEMW_VALIDATE") or None,
-            "ttl": _float_or_none(env.get("CACHEMW_TTL"), "CACHEMW_TTL"),
+            "ttl": float_or_none(env.get("CACHEMW_TTL"), "CACHEMW_TTL"),
             "block_size": env.get("CACHEMW_BLOCK_SIZE") or None,
             "runtime_dir": env.get("CACHEMW_RUNTIME_DIR") or None,
-            "autostart": _bool_or_none(env.get("CACHEMW_AUTOSTART"), "CACHEMW_AUTOSTART"),
+            "autostart": bool_or_none(env.get("CACHEMW_AUTOSTART"), "CACHEMW_AUTOSTART"),
             "write_behind": env.get("CACHEMW_WRITE_BEHIND") or None,
-            "daemon_timeout": _float_or_none(env.get("CACHEMW_DAEMON_TIMEOUT"),
+            "daemon_timeout": float_or_none(env.get("CACHEMW_DAEMON_TIMEOUT"),
                                              "CACHEMW_DAEMON_TIMEOUT"),
             "trace": env.get("CACHEMW_TRACE") or None,
         }
@@ -445,7 +343,7 @@ def freeze_gc_in_workers(env: Mapping[str, str] | None = None) -> bool:
     child) that imports the cachemw client first moves the objects it inherited into the
     garbage collector's permanent generation (``gc.freeze()``; see cachemw/client/__init__)."""
     env = os.environ if env is None else env
-    value = _bool_or_none(env.get("CACHEMW_GC_FREEZE"), "CACHEMW_GC_FREEZE")
+    value = bool_or_none(env.get("CACHEMW_GC_FREEZE"), "CACHEMW_GC_FREEZE")
     return True if value is None else value
 
 
@@ -454,7 +352,7 @@ def keep_heap_in_workers(env: Mapping[str, str] | None = None) -> bool:
     through cachemw keeps its heap's freed top for the next batch instead of faulting fresh
     pages for every sample (glibc's mallopt; see cachemw/client/heap.py)."""
     env = os.environ if env is None else env
-    value = _bool_or_none(env.get("CACHEMW_WORKER_HEAP"), "CACHEMW_WORKER_HEAP")
+    value = bool_or_none(env.get("CACHEMW_WORKER_HEAP"), "CACHEMW_WORKER_HEAP")
     return True if value is None else value
 
 
@@ -487,41 +385,10 @@ class WarmConfig:
         (``SLURM_STEP_NUM_NODES``) is the default of ``nodes`` and ``SLURM_LOCALID`` says
         which task of its node this is; elsewhere one node warms alone."""
         env = os.environ if env is None else env
-        step_nodes = _int_or_none(env.get("SLURM_STEP_NUM_NODES"), "SLURM_STEP_NUM_NODES")
-        local = _int_or_none(env.get("SLURM_LOCALID"), "SLURM_LOCALID")
+        step_nodes = int_or_none(env.get("SLURM_STEP_NUM_NODES"), "SLURM_STEP_NUM_NODES")
+        local = int_or_none(env.get("SLURM_LOCALID"), "SLURM_LOCALID")
         options = {"nodes": nodes if nodes is not None else step_nodes,
                    "local_task": local, "ring_wait": ring_wait, "threads": threads,
                    "alone_ok": nodes is not None or step_nodes is None}
         return cls(**{k: v for k, v in options.items() if v is not None})
 
-
-def _int_or_none(value: str | None, name: str) -> int | None:
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}: expected a whole number, got {value!r}") from None
-
-
-def _float_or_none(value: str | None, name: str) -> float | None:
-    if value is None or value == "":
-        return None
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError(f"{name}: expected a number, got {value!r}") from None
-    if not math.isfinite(number):
-        raise ValueError(f"{name}: expected a finite number, got {value!r}")
-    return number
-
-
-def _bool_or_none(value: str | None, name: str) -> bool | None:
-    if value is None or value == "":
-        return None
-    low = value.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}: expected true/false, got {value!r}")

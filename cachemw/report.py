@@ -1,7 +1,7 @@
 """How a node's statistics read to a person: the table `cachemw stats` and the main job print."""
 from __future__ import annotations
 
-from .config import format_size
+from .config_values import format_size
 
 
 def _why_not(tier: dict) -> str:

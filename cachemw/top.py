@@ -18,7 +18,8 @@ import time
 
 from .client.link import DaemonClient
 from .cluster import actor as daemon
-from .config import format_size, resolve_runtime_dir
+from .config import resolve_runtime_dir
+from .config_values import format_size
 from .metrics import MISSES, READ_BYTES
 
 

@@ -53,7 +53,8 @@ import socket
 import threading
 import time
 
-from .config import check_trace_dir, trace_dir
+from .config import trace_dir
+from .config_values import check_trace_dir
 
 try:  # the hit path's events formatted in C (_blocktrace.c), built at install when a compiler
     _native = importlib.import_module(f"{__package__}._blocktrace")  # is there (by name: a C

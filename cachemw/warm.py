@@ -36,7 +36,8 @@ import fsspec
 
 from .client.metadata import FileMeta
 from .client.wire import DaemonUnavailable
-from .config import WarmConfig, format_size
+from .config import WarmConfig
+from .config_values import format_size
 from .keys import block_count, block_key, block_length
 from .launch import START_WAIT, spawn_detached
 from .protocol import lock_holder, lookup

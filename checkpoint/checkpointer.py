@@ -11,6 +11,7 @@ only its own share (``fast_save``), so host memory holds one copy of the state, 
 Order of a commit: every rank's files fsynced -> DCP gathers the results (the barrier) -> the
 coordinator writes ``.metadata`` then the manifest (temp, fsync, rename) -> ``latest`` moves ->
 retention -> watchers are notified. Any failure, on any rank, fails the handle on every rank.
+Loading (which step, from which tier, and what a failed copy falls back to) is loading.py's.
 """
 from __future__ import annotations
 
@@ -33,22 +34,23 @@ from .config import BUSY_POLICIES, CheckpointerConfig
 from .coordination import Coordinator, check_same_step, report, unwrap
 from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
-from .choosing import adopt_root, choose, counted_entries, only_copies
-from .errors import CheckpointBusyError, CheckpointNotFoundError, ChecksumError
+from .choosing import adopt_root, counted_entries, only_copies
+from .errors import CheckpointBusyError, CheckpointNotFoundError
 from .handle import SaveHandle
 from .layout import CheckpointDir, Entry, step_dir_name
+from .loading import StepLoader
 from .notes import note_begin, note_end
 from .planner import SpreadSavePlanner
 from .quiet import single_process_dcp
-from .reader import CachemwStorageReader
 from .stager import BufferStager
-from .state_tree import (OptimizerStateLoadPlanner, apply_loaded, optimizer_paths, prepare_for_load,
-                         to_state_dict, unplaced)
+from .state_tree import to_state_dict
 from .storage_io import Location
 from .tiers import Drainer, commit_copy, daemon_fast_root, drain_committed
 from .writer import CachemwStorageWriter
 
 log = logging.getLogger(__name__)
+
+
 class Checkpointer:
     """Asynchronous, distributed, tiered checkpoints of a training state under ``root``."""
 
@@ -77,8 +79,8 @@ class Checkpointer:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachemw-ckpt",
                                           initializer=run_at, initargs=(self._background,))
         self._handles: list[SaveHandle] = []
-        self._damaged_metadata: set[str] = set()  # steps passed over for it, said once
-        self._said_unplaced: set[tuple] = set()  # (step, entries the state had no place for), said
+        self._loader = StepLoader(self.root, self.fast, self.coord, self.config.thread_count,
+                                  self._drain_left)
         self._lock = threading.Lock()
         self._channel = watch_channel.channel_dir(self.root.location.url, fast_root)
         if self.coord.is_coordinator:
@@ -303,10 +305,6 @@ class Checkpointer:
         root, fast = counted_entries(self.root, self.fast)
         return sorted({e.step for e in root + fast})
 
-    def _choose(self, step: int | None, passed: set[str]) -> tuple[int, str, bool]:
-        """(step, directory name, committed at root) of the checkpoint to load, chosen by rank 0."""
-        return choose(self.root, self.fast, step, self._damaged_metadata, passed)
-
     def load(self, state: dict, step: int | None = None) -> int:
         """Load in place into ``state`` (newest committed step by default); return the step.
 
@@ -320,80 +318,7 @@ class Checkpointer:
         ``state``); asked for by its step, the error is raised.
         """
         self.wait_quietly()
-        first = None  # the first step passed over's error: raised if no step before it loads
-        passed: set[str] = set()  # steps whose load failed on a damaged or lost file
-        while True:
-            try:
-                chosen = self.coord.value_of(lambda: self._choose(step, passed))
-            except CheckpointNotFoundError:
-                if first is None:
-                    raise
-                raise first from None
-            try:
-                return self._load_chosen(state, *chosen)
-            except (ChecksumError, FileNotFoundError) as exc:  # a file of it damaged, or lost
-                if step is not None:
-                    raise
-                first = first or exc
-                passed.add(chosen[1])  # every rank is here: the error is every rank's
-                log.warning("checkpoint %s could not be loaded (%s): loading the step before it",
-                            chosen[1], exc)
-            except Exception as exc:  # noqa: BLE001 - the step before a damaged one failed otherwise
-                if first is None:  # (a key the state has that it lacks): the damage is the news
-                    raise
-                log.warning("checkpoint %s, the step before a damaged one, could not be loaded either "
-                            "(%s)", chosen[1], exc)
-                raise first from exc
-
-    def _load_chosen(self, state: dict, step: int, name: str, at_root: bool) -> int:
-        """``load`` of the checkpoint ``_choose`` picked."""
-        fast_ok = self.fast is not None and self.fast.complete(name)
-        fast_ok = all(self.coord.all_gather(fast_ok))
-        tiers = ([self.fast] if fast_ok else []) + ([self.root] if at_root else [])
-        if not tiers:
-            raise CheckpointNotFoundError(f"checkpoint {name} is not complete in any tier reachable by every rank")
-        loaded, error = None, None
-        try:  # a state that fails here on one rank (its state_dict() raises) fails every rank
-            prepare_for_load(state)
-            loaded = to_state_dict(state)
-        except Exception as exc:  # noqa: BLE001 - any: the others would wait in dcp.load
-            error = exc
-        self.coord.agree(error)
-        while tiers:
-            tier = tiers.pop(0)
-            try:
-                reader = CachemwStorageReader(tier.location.child(name), thread_count=self.config.thread_count)
-                with single_process_dcp(self.coord.no_dist), self.coord.collective():
-                    dcp.load(loaded, storage_reader=reader, process_group=self.coord.group,
-                             no_dist=self.coord.no_dist,
-                             planner=OptimizerStateLoadPlanner(optimizer_paths(state)))
-                self._say_unplaced(name, reader.metadata, loaded)
-                break
-            except (CheckpointException, OSError, ValueError, AssertionError) as exc:
-                # A fast-tier copy may vanish under a reader (the next save recycles it): DCP
-                # reports that as an AssertionError in one process; the root copy is intact.
-                # DCP fails every rank alike, so every rank is here and takes part in the broadcast.
-                error = unwrap(exc, self.coord.world_size) if isinstance(exc, CheckpointException) else exc
-                if tier is self.fast and not self._fast_copy_failed(name, error):
-                    raise error from None  # the state's fault (a shape that differs): the root's copy is no better
-                if tier is self.fast and not at_root:
-                    at_root = bool(self.coord.broadcast(self.root.is_committed(name)
-                                                        if self.coord.is_coordinator else None))
-                    if at_root:
-                        tiers.append(self.root)
-                if not tiers:
-                    raise error from None
-                log.warning("loading %s from %s failed (%s); loading it again from %s", name, tier.location.url,
-                            error, tiers[0].location.url, exc_info=True)
-        error = None
-        try:
-            apply_loaded(state, loaded)
-        except Exception as exc:  # noqa: BLE001 - any: no rank returns a step the others did not load
-            error = exc
-        self.coord.agree(error)
-        if tier is self.fast and not at_root:
-            self._drain_left(step, name)
-        return step
+        return self._loader.load(state, step)
 
     def _drain_left(self, step: int, name: str) -> None:
         """A step loaded from the fast tier that its save never drained to the root (the
@@ -430,27 +355,6 @@ class Checkpointer:
         except Exception as exc:  # reported through the handle; training goes on
             self._cleanup(name)
             handle._fail(_without_frames(exc))
-
-    def _say_unplaced(self, name: str, metadata: Any, loaded: dict) -> None:
-        """Warn (once per step and set of entries) of saved entries the state has no place
-        for: a load is in place, so a dict saved full and loaded into an empty one stays
-        empty; that should not pass in silence."""
-        ranks = getattr(self.coord, "ranks", [0])  # global ranks, as users name them
-        missing = unplaced(metadata, loaded, frozenset(ranks) - {ranks[self.coord.rank]})
-        if missing and (name, missing) not in self._said_unplaced:
-            self._said_unplaced.add((name, missing))
-            log.warning("checkpoint %s holds %d entries the state given to load has no place for, "
-                        "not loaded: %s%s (a load is in place: give the state the keys it was "
-                        "saved with)", name, len(missing), ", ".join(missing[:5]),
-                        ", ..." if len(missing) > 5 else "")
-
-    def _fast_copy_failed(self, name: str, error: BaseException) -> bool:
-        """True on every rank if the fast tier's copy of ``name`` failed the load on some rank:
-        a read error there (a damaged or vanished file: DCP's AssertionError in one process),
-        or the copy is no longer complete (recycled by the next save). Not a ValueError of a
-        copy still whole, e.g. a tensor whose shape differs from the saved one."""
-        failed = isinstance(error, (OSError, AssertionError)) or not self.fast.complete(name)
-        return any(self.coord.all_gather(failed))
 
     def watch(self, state: dict, *, poll_interval: float | None = None, after: int | None = -1,
               timeout: float | None = None) -> Iterator[int]:

@@ -12,7 +12,7 @@ import pytest
 
 from cachemw.bench import SlowLocalFileSystem
 from cachemw.claims import Claims, claims_dir
-from cachemw.client import link
+from cachemw.client import connection
 from cachemw.keys import block_key
 from cachemw.processes import process_state
 from conftest import published, wait_for
@@ -31,7 +31,7 @@ def test_a_read_call_waits_one_daemon_timeout_for_a_stopped_daemon(
     source, for the lease of the block another process has claimed. The back-off after
     the first silence is over by then, so the second request (a new connection, whose
     check waits for the stopped daemon) waited another daemon_timeout: 2 x in one call."""
-    monkeypatch.setattr(link, "RETRY_SECONDS", 0.2)  # over before the source answers
+    monkeypatch.setattr(connection, "RETRY_SECONDS", 0.2)  # over before the source answers
     daemon = spawn_daemon(runtime_dir)
     import fsspec
 

@@ -1,5 +1,5 @@
 """Where a process finds its node's daemon, starts one if none lives, and what it says
-when it has none: the daemon link's (link.py) questions to the runtime dir, which hold no
+when it has none: the daemon connection's (connection.py) questions to the runtime dir, which hold no
 state of the link's own."""
 from __future__ import annotations
 

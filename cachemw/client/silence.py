@@ -1,6 +1,6 @@
 """How long one read call may wait on a silent node daemon, in all: one ``daemon_timeout``.
 
-Each wait on the daemon is bounded by ``daemon_timeout`` (link.py, wire.py), but one call
+Each wait on the daemon is bounded by ``daemon_timeout`` (connection.py, wire.py), but one call
 (a ``cat`` of many files, a ``cat_file``, a read of an open file) may wait on it more than
 once: the ring, then a lease, a new connection's check that the daemon is not stopped, a
 lease on the fill writer's behalf when its queue is full. With the daemon stopped, a call

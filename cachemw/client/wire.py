@@ -1,7 +1,7 @@
 """The client's side of one connection to the node daemon (cachemw.ops: the messages;
 cachemw.protocol: where the socket is and its key): entering it, and waiting for a reply
 without ever waiting on a hung daemon. The policy around connections (one per thread,
-back-off, replacing a dead daemon) is link.py's."""
+back-off, replacing a dead daemon) is connection.py's."""
 from __future__ import annotations
 
 import os

@@ -18,8 +18,8 @@ import sys
 import time
 from dataclasses import asdict
 
-from ..config import (DaemonConfig, daemon_environment, format_size, parse_size, ray_address,
-                      resolve_runtime_dir)
+from ..config import DaemonConfig, daemon_environment, ray_address, resolve_runtime_dir
+from ..config_values import format_size, parse_size
 from ..launch import remove_checkpoint_copies, stop_local
 from ..node.service import NodeService
 from ..protocol import lock_holder, lookup

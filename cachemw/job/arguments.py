@@ -6,7 +6,7 @@ import json
 import sys
 import warnings
 
-from ..config import parse_size
+from ..config_values import parse_size
 from .settings import METHODS, JobSettings, StoreProfile
 from .workload import load
 

@@ -160,7 +160,7 @@ class SocketServer:
                 self._links.pop(conn, None)
                 self._last_activity = time.monotonic()
             # leases end before the connection closes: a client that finds it closed asks
-            # again on a new one (client/link.py), and must find its old leases over
+            # again on a new one (client/connection.py), and must find its old leases over
             self.node.release(conn)
             try:
                 conn.close()

@@ -38,7 +38,7 @@ from typing import Iterator
 import xxhash
 
 from ..blockfile import CorruptBlock
-from ..config import parse_size
+from ..config_values import parse_size
 from ..keys import url_tag
 from ..placement import NOMINAL_BANDWIDTH, Admit, Engine, Evict, Plan, TierSpec
 from .base import BlockEntry, TierInfo
