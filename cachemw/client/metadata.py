@@ -247,13 +247,13 @@ class MetadataCache(SharedRecords):
                 found[path] = meta
             else:
                 missing.append(path)
-        ask = self.file
-        if missing_ok:
-            def ask(path: str) -> FileMeta | None:
-                try:
-                    return self.file(path)
-                except FileNotFoundError:
+        def ask(path: str) -> FileMeta | None:
+            try:
+                return self.file(path)
+            except FileNotFoundError:
+                if missing_ok:
                     return None
+                raise
         if len(missing) > 1 and concurrency > 1:
             with ThreadPoolExecutor(min(concurrency, len(missing)),
                                     thread_name_prefix="cachemw-meta") as pool:
