@@ -107,9 +107,37 @@ class MetadataCache(SharedRecords):
     def _lookup(self, path: str) -> tuple[dict, float]:
         """(info, fetched) from the node's shared metadata, else from the source (shared)."""
         shared = self._load_shared("info", path) if self.validate != "always" else None
-        if shared is not None:
-            return shared
-        return self._ask(path)
+        if shared is None:
+            shared = self._listed(path)
+        return shared if shared is not None else self._ask(path)
+
+    def _listed(self, path: str) -> tuple[dict, float] | None:
+        """``path``'s entry in its directory's listing as this process or the node holds it
+        (an ``ls`` record), if fresh and the file not dropped since: (info, fetched). Why:
+        ``cachemw warm``, ``find`` and ``glob`` list a dataset, and its listings give every
+        file's size and version; a process that had not listed it asked the source for
+        each file again, and under immutable a warmed file was unreadable once its source
+        had gone, against the README (review readme4)."""
+        if self.validate == "always":
+            return None
+        parent = self.target._parent(path)
+        if not parent or parent == path:
+            return None
+        listing = self._listings.get(parent)
+        if listing is None or not self._fresh(listing[1]):
+            listing = self._load_shared("ls", parent)
+            if listing is None:
+                return None
+            self._listings[parent] = listing
+            self._prime(path=parent, listing=listing[0], fetched=listing[1])
+        found = self._infos.get(path)
+        if found is None or not self._fresh(found[1]):
+            return None
+        table = self._shared_table()
+        rec = None if table is None else table.get(self._url(path))
+        if rec is not None and rec[1] and rec[0] >= found[1]:  # dropped since it was listed
+            return None
+        return found
 
     def _ask(self, path: str) -> tuple[dict, float]:
         """(info, fetched) from the source; shared with the node."""
@@ -200,6 +228,8 @@ class MetadataCache(SharedRecords):
                 self._files[path] = _pack(meta)
                 return meta, True
         found = self._load_shared("info", path)  # its info, or one queued here unwritten
+        if found is None:
+            found = self._listed(path)
         if found is not None:
             return self._keep(path, *found), True
         return None, seen
@@ -295,9 +325,14 @@ class MetadataCache(SharedRecords):
             listing = self._ask_source(self.target.ls, path, detail=True)
             shared = (listing, asked)
             self._store_shared("ls", path, listing, shared[1])
-        listing, fetched = shared
         self._listings[path] = shared
-        for entry in listing:  # prime per-file info: listing a dataset costs one call
+        self._prime(path, *shared)
+        return shared[0]
+
+    def _prime(self, path: str, listing: list[dict], fetched: float) -> None:
+        """Per-file info from a listing of ``path``: listing a dataset costs one call."""
+        infos = self._infos  # (what this process asked of a file itself comes first)
+        for entry in listing:
             name = entry.get("name")
             # not from a symlink's entry: fsspec's local listing gives the link's own
             # mtime and inode there, not its target's (the version a read would see); nor
@@ -305,8 +340,7 @@ class MetadataCache(SharedRecords):
             if name and entry.get("type") == "file" and name != path and not entry.get("islink") \
                     and isinstance(entry.get("size"), int) \
                     and not (forgotten and forgotten_after(self._url(name), fetched)):
-                self._infos.setdefault(name, (entry, fetched))
-        return listing
+                infos.setdefault(name, (entry, fetched))
 
     # -- invalidation ------------------------------------------------------------------
 
