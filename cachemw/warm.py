@@ -42,7 +42,7 @@ from .keys import block_count, block_key, block_length
 from .launch import START_WAIT, spawn_detached
 from .protocol import lock_holder, lookup
 from .ring import HashRing
-from .tiers.pinning import store_failed
+from .tiers.pinning import source_info, store_failed
 
 BATCH_BLOCKS = 64  # block reads handed to the cache at once (one lease request per batch),
 BATCH_BYTES = 32 << 20  # at most; fewer when that gives each thread several batches (the
@@ -244,9 +244,10 @@ def _read_batch(fs, batch, errors: dict) -> int:
 def _missing(target, path: str) -> bool:
     """Is ``path`` known missing, asked of the store itself (not through the cache, which
     would start a daemon that ends with this process, before ensure_daemon starts one that
-    outlives it)? Another error is the listing's to say."""
+    outlives it)? Another error is the listing's to say. Asked as a read asks it
+    (source_info): fsspec's HTTP ``info`` calls a server that does not answer "not found"."""
     try:
-        target.info(path)
+        source_info(target, path)
     except FileNotFoundError:
         return True
     except Exception:  # noqa: BLE001 - e.g. no credentials: _listed names it

@@ -129,3 +129,23 @@ def test_warm_of_an_http_directory_lists_it(store, warm_dir):
     assert counts["GET file range"] == report.blocks == sum(
         -(-len(data) // BS) for data in files.values()) + 1, counts
     assert 1 <= counts["GET directory"] <= 2, counts  # data/, sub/: each index once
+
+
+@pytest.mark.timeout(120)
+def test_warm_of_a_server_that_does_not_answer_names_the_connection_not_a_missing_file(
+        store, warm_dir):
+    """fsspec's HTTP ``info`` calls every failure "not found": the warm said a server
+    nothing listened on had no such file (review readme4, defect 4). A 404 is still one."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(warm.WarmError) as got:
+        warm.run([f"cachemw::http://127.0.0.1:{port}/data/"],
+                 WarmConfig.build(nodes=1, env={}), runtime_dir=warm_dir)
+    assert "not found" not in str(got.value) and "cannot list" in str(got.value), got.value
+    base, _, _ = store
+    with pytest.raises(warm.WarmError, match="not found at the store"):
+        warm.run([f"cachemw::{base}/data/nothing.bin"], WarmConfig.build(nodes=1, env={}),
+                 runtime_dir=warm_dir)
