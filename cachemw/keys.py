@@ -101,6 +101,14 @@ def url_tag(url: str) -> bytes:
     return hashlib.blake2b(url.encode(), digest_size=16, person=b"cachemw-url").digest()
 
 
+def stated_size(info: Mapping) -> int:
+    """The file's size as its source states it, or -1 where it states none: an HTTP server
+    that answers without a Content-Length (a chunked response) gives fsspec no size. Such
+    a file is read whole from the source and not cached (client/fs.py _reads_to_end)."""
+    size = info.get("size")
+    return -1 if size is None else int(size)
+
+
 def block_count(size: int, block_size: int) -> int:
     """Blocks of a file of ``size`` bytes; an empty file still has one (empty) block."""
     return max(1, -(-size // block_size))

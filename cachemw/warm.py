@@ -192,7 +192,7 @@ def plan(metas: list[FileMeta], share: Share, block_size: int) -> list[tuple[Fil
     """The block ranges of ``metas`` this node warms: (file, start, end) per block."""
     out = []
     for meta in metas:
-        for i in range(block_count(meta.size, block_size) if meta.size else 0):
+        for i in range(block_count(meta.size, block_size) if meta.size > 0 else 0):
             if share.mine(block_key(meta.url, meta.version, i, block_size)):
                 start = i * block_size
                 out.append((meta, start, start + block_length(meta.size, i, block_size)))

@@ -72,6 +72,44 @@ class _Plain(SimpleHTTPRequestHandler):
         return io.BytesIO(data[start:end])
 
 
+class _Chunked(BaseHTTPRequestHandler):
+    """Files of ``root`` with an ETag and Range, sent chunked: no Content-Length, so
+    fsspec's HTTP ``info`` gives no size (review stores4)."""
+
+    protocol_version = "HTTP/1.1"
+    root = ""
+
+    def log_message(self, *args):
+        pass
+
+    def _serve(self):
+        path = os.path.join(self.root, self.path.lstrip("/"))
+        if not os.path.isfile(path):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = open(path, "rb").read()
+        st = os.stat(path)
+        rng = self.headers.get("Range")
+        status = 200
+        if rng and self.command == "GET":
+            first, _, last = rng[len("bytes="):].partition("-")
+            start, end = int(first), min(int(last) + 1 if last else len(data), len(data))
+            data, status = data[start:end], 206
+        self.send_response(status)
+        self.send_header("ETag", f'"{st.st_ino}-{st.st_mtime_ns}"')
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        if self.command == "GET":
+            for i in range(0, len(data), 10_000):
+                piece = data[i:i + 10_000]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.write(b"0\r\n\r\n")
+
+    do_GET = do_HEAD = _serve
+
+
 def _serve(handler):
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -225,3 +263,39 @@ def test_a_file_changed_between_reads_without_etags_is_still_seen(make_cache_fs,
     assert fs.cat_file(url) == new
     with fs.open(url, "rb") as f:
         assert f.read() == new
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("validate", ["ttl", "always", "immutable"])
+def test_a_server_that_sends_no_content_length_is_read_whole_uncached(make_cache_fs, tmp_path,
+                                                                      validate):
+    """Such a file has no stated size (fsspec's info: None): it is read whole from the
+    server, uncached, counted as bypassed, through every read call; a change is seen.
+    Before, every read but a cold cat_file failed with TypeError (review stores4)."""
+    root = tmp_path / "chunked"
+    root.mkdir()
+    data = os.urandom(3 * BS + 1234)
+    (root / "f.bin").write_bytes(data)
+    handler = type("Handler", (_Chunked,), {"root": str(root)})
+    server, thread, base = _serve(handler)
+    try:
+        url = f"{base}/f.bin"
+        fs = make_cache_fs(target_protocol="http", block_size=BS, validate=validate)
+        for _ in range(2):
+            assert fs.cat_file(url) == data
+            assert fs.cat_file(url, BS - 5, 2 * BS + 5) == data[BS - 5:2 * BS + 5]
+            with fs.open(url, "rb") as f:
+                f.seek(BS + 1)
+                assert f.read(100) == data[BS + 1:BS + 101]
+            assert fs.cat_ranges([url, url], [0, 10], [5, 20]) == [data[:5], data[10:20]]
+        assert fs.info(url)["size"] is None
+        assert fs.stats()["bypassed"] >= 8
+        new = os.urandom(len(data) - 7)
+        (root / "f.bin").write_bytes(new)
+        assert fs.cat_file(url) == new  # (immutable: its read at the version known failed)
+        other = make_cache_fs(target_protocol="http", block_size=BS, validate=validate)
+        assert other.cat_file(url) == new
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)

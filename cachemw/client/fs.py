@@ -217,9 +217,10 @@ class CacheFileSystem(_Base):
 
     def _reads_to_end(self, meta) -> bool:
         """Whether the file is read to its end, uncached, whatever its stated size: a size
-        the source cannot state (0: ``/proc``, or an empty file), or a file of sysfs and
-        the like, which states a page whatever it holds (tiers/source.py on_pseudo_fs)."""
-        return meta.size == 0 or (meta.size == PAGE_SIZE
+        the source cannot state (0: ``/proc``, or an empty file; none: keys.stated_size),
+        or a file of sysfs and the like, which states a page whatever it holds
+        (tiers/source.py on_pseudo_fs)."""
+        return meta.size <= 0 or (meta.size == PAGE_SIZE
                                   and self.reader.source.on_pseudo_fs(meta.path))
 
     def _read(self, meta, start, end) -> bytes:

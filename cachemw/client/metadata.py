@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Callable, NamedTuple
 
-from ..keys import version_token
+from ..keys import stated_size, version_token
 from ..tiers.fork_safe import ForkSafe
 from ..tiers.source import source_info
 from .metatable import written_at
@@ -255,7 +255,7 @@ class MetadataCache(SharedRecords):
     def _keep(self, path: str, info: dict, fetched: float) -> FileMeta:
         if info.get("type", "file") == "directory":
             raise is_a_directory(path)
-        meta = FileMeta(path, self._url(path), int(info["size"]),
+        meta = FileMeta(path, self._url(path), stated_size(info),
                         version_token(info), fetched)
         self._files[path] = _pack(meta)
         return meta
@@ -309,7 +309,7 @@ class MetadataCache(SharedRecords):
         if found is None or found[0].get("type", "file") != "file":
             return None
         info = found[0]
-        return FileMeta(path, self._url(path), int(info["size"]),
+        return FileMeta(path, self._url(path), stated_size(info),
                         version_token(info), found[1])
 
     # -- ls --------------------------------------------------------------------------

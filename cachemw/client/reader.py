@@ -360,9 +360,10 @@ class BlockReader(Misses):
         self.client.count(MISS_SUM, now - started)
 
     def read_unsized(self, meta: FileMeta) -> bytes:
-        """The whole of a file whose size the source states as 0, read to its end from the
-        source (still version-checked) and not cached: a ``/proc`` file's stat says 0 and
-        its content is whatever the kernel has now. Counted as ``bypassed`` when it held
+        """The whole of a file whose size the source states as 0 or not at all, read to its
+        end from the source (still version-checked) and not cached: a ``/proc`` file's stat
+        says 0 and its content is whatever the kernel has now; an HTTP server that sends no
+        Content-Length states none. Counted as ``bypassed`` when it held
         bytes; a really empty file reads as ``b""`` and is no bypass of anything. A file
         gone meanwhile is not dropped here: under immutable, one known as empty stays so
         (fs._read)."""
@@ -376,9 +377,10 @@ class BlockReader(Misses):
             self.client.count("bytes_from_source", len(data))
         if data and not self._warned_unsized:
             self._warned_unsized = True
-            log.info("%s: its size is stated as 0 but it holds %d bytes (a special file): "
-                     "files like it are read from the source, uncached (counted as bypassed)",
-                     meta.url, len(data))
+            log.info("%s: its size is stated as %s but it holds %d bytes (a special file, or "
+                     "a server that sends no Content-Length): files like it are read from the "
+                     "source, uncached (counted as bypassed)",
+                     meta.url, "none" if meta.size < 0 else 0, len(data))
         return data
 
     def _moved_on(self, meta: FileMeta) -> None:

@@ -23,7 +23,7 @@ import threading
 import time
 
 from ..files import atomic_write, make_private_dirs
-from ..keys import path_key, version_token
+from ..keys import path_key, stated_size, version_token
 from .metatable import MetaTable
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class SharedRecords:
             table = self._shared_table()
             if table is not None:  # refused if dropped since
                 table.store(self._url(path), value, fetched,
-                            (int(value.get("size") or 0), version_token(value),
+                            (stated_size(value), version_token(value),
                              value.get("type", "file")))
             return
         rec = self._record_path(kind, path)
