@@ -45,6 +45,26 @@ def _full_node(tmp_path) -> NodeCache:
     pytest.fail("the tier never filled")
 
 
+def _seven_waiting(nc: NodeCache, key: str, tmp_path) -> tuple[Claims, list, dict]:
+    """Another process holds ``key``'s claim, and 7 readers wait on it (threads, each
+    with its own connection): (the claims holding it, the threads, their replies by n)."""
+    holder = Claims(claims_dir(str(tmp_path / "rt")))
+    assert holder.take(key)
+    got: dict[int, list] = {}
+    waiters = [threading.Thread(target=lambda n=n: got.update({n: nc.lease_many(
+        [(key, L, URL, None)], f"conn-{n}")})) for n in range(7)]
+    for t in waiters:
+        t.start()
+    try:
+        wait_for(lambda: nc.stats()["counters"]["waits"] >= 7, 10, what="the 7 waiters")
+    except BaseException:
+        holder.release(key)
+        for t in waiters:
+            t.join(30)
+        raise
+    return holder, waiters, got
+
+
 def test_a_full_tier_refuses_a_block_read_once(tmp_path):
     """The policy holds: one read of a new block displaces nothing read as often."""
     nc = _full_node(tmp_path)
@@ -59,15 +79,8 @@ def test_reads_waiting_on_a_claimed_block_count_when_a_full_tier_decides(tmp_pat
     reads the source). Their hits, told ahead, are not told the engine again."""
     nc = _full_node(tmp_path)
     key = block_key(URL, "v", 2, L)
-    holder = Claims(claims_dir(str(tmp_path / "rt")))
-    assert holder.take(key)
-    got: dict[int, list] = {}
-    waiters = [threading.Thread(target=lambda n=n: got.update({n: nc.lease_many(
-        [(key, L, URL, None)], f"conn-{n}")})) for n in range(7)]
-    for t in waiters:
-        t.start()
+    holder, waiters, got = _seven_waiting(nc, key, tmp_path)
     try:
-        wait_for(lambda: nc.stats()["counters"]["waits"] >= 7, 10, what="the 7 waiters")
         (reply,) = nc.lease_fetched([(key, L, URL, None)], "holder", True)
         assert reply[0] == "fill", reply  # before: ("nofill", "policy")
         stored = nc.tier(reply[1]).stage(key, b"k" * L, reply[2])
@@ -93,15 +106,8 @@ def test_waiters_told_ahead_are_not_refused_when_the_admitted_fill_fails(tmp_pat
     nc = _full_node(tmp_path)
     nc.lease_wait = 3.0
     key = block_key(URL, "v", 3, L)
-    holder = Claims(claims_dir(str(tmp_path / "rt")))
-    assert holder.take(key)
-    got: dict[int, list] = {}
-    waiters = [threading.Thread(target=lambda n=n: got.update({n: nc.lease_many(
-        [(key, L, URL, None)], f"conn-{n}")})) for n in range(7)]
-    for t in waiters:
-        t.start()
+    holder, waiters, got = _seven_waiting(nc, key, tmp_path)
     try:
-        wait_for(lambda: nc.stats()["counters"]["waits"] >= 7, 10, what="the 7 waiters")
         (reply,) = nc.lease_fetched([(key, L, URL, None)], "holder", True)
         assert reply[0] == "fill", reply
         assert nc._told_ahead[key][2]  # admitted on reads told ahead
