@@ -12,7 +12,11 @@ for that meanwhile. Why: two `cachemw start` at once each made a cluster of its 
 second's ray.json replaced the first's, and the one whose daemon lost the runtime dir's lock,
 cleaning up, deleted the winner's ray.json and token, so that neither `cachemw stop` nor
 ``--address`` could reach the daemon and its cluster again. Now the second finds the
-first's cluster, as a start after it would (a no-op with the same settings).
+first's cluster, as a start after it would (a no-op with the same settings). Within one
+process, the flock is the process's (taken once, see _take_start_lock), so threads are
+serialized by a lock of their own per runtime dir (``_thread_guard``): two threads
+starting at once made two clusters, and a thread reading the state while another started
+found none.
 """
 from __future__ import annotations
 
@@ -34,6 +38,12 @@ START_LOCK = "ray.start.lock"
 START_WAIT = 300.0  # at most this long another process waits for a start (ray start, placing)
 _held: dict[str, int] = {}  # runtime dir -> the start lock's descriptor, while we hold it
 _held_lock = threading.Lock()
+_guards: dict[str, threading.RLock] = {}  # runtime dir -> held by the thread of ours starting there
+
+
+def _thread_guard(runtime_dir: str) -> threading.RLock:
+    with _held_lock:
+        return _guards.setdefault(os.path.abspath(runtime_dir), threading.RLock())
 
 
 def state_path(runtime_dir: str) -> str:
@@ -58,20 +68,27 @@ def start(runtime_dir: str) -> dict:
     _hold_start); a cluster another start made meanwhile (this one asked before that
     one took the lock) is RuntimeError, nothing touched: it is that start's to undo."""
     ensure_private_dir(runtime_dir)
-    _take_start_lock(runtime_dir)
+    guard = _thread_guard(runtime_dir)
+    if not guard.acquire(timeout=START_WAIT):
+        raise TimeoutError(f"another `cachemw start` of {runtime_dir} in this process has "
+                           f"not ended within {START_WAIT:.0f} s")
     try:
-        state = read_state(runtime_dir)
-        if state is not None and alive(state):
-            raise RuntimeError(
-                f"another `cachemw start` started the Ray cluster of {runtime_dir} meanwhile "
-                f"(at {state['address']}): run `cachemw start` again (with the same settings "
-                f"it is a no-op), or `cachemw stop`")
-        state = _start(runtime_dir)
-    except BaseException:
-        _release_start_lock(runtime_dir)
-        raise
-    _hold_start(runtime_dir)
-    return state
+        _take_start_lock(runtime_dir)
+        try:
+            state = read_state(runtime_dir)
+            if state is not None and alive(state):
+                raise RuntimeError(
+                    f"another `cachemw start` started the Ray cluster of {runtime_dir} "
+                    f"meanwhile (at {state['address']}): run `cachemw start` again (with the "
+                    f"same settings it is a no-op), or `cachemw stop`")
+            state = _start(runtime_dir)
+        except BaseException:
+            _release_start_lock(runtime_dir)
+            raise
+        _hold_start(runtime_dir)
+        return state
+    finally:
+        guard.release()
 
 
 def _start(runtime_dir: str) -> dict:
@@ -289,8 +306,11 @@ def _await_start(runtime_dir: str) -> None:
     it holds the runtime dir yet (its start is under way), at most START_WAIT s."""
     key = os.path.abspath(runtime_dir)
     with _held_lock:
-        if key in _held:  # our own start
-            return
+        guard = _guards.get(key) if key in _held else None
+    if guard is not None:  # our own process's start: done once its thread's start() returns
+        if guard.acquire(timeout=START_WAIT):  # (at once in that thread: reentrant)
+            guard.release()
+        return
     try:
         fd = os.open(os.path.join(runtime_dir, START_LOCK),
                      os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
