@@ -23,7 +23,8 @@ class _Directory:
 
     def __init__(self, servers: dict, timeout: float | None = None) -> None:
         self.servers = servers
-        self.timeout = timeout  # the daemon's peer_timeout, if it says
+        self.peer_timeout = timeout  # the daemon's peer_timeout, if it says
+        self.timeout = 5.0  # the client's daemon_timeout
         self.counted: dict[str, int] = {}
         self.silent: list[str] = []  # owners named to the daemon as silent (peer_silent)
 
@@ -32,8 +33,8 @@ class _Directory:
         d = {"self": "reader", "members": members, "vnodes": 64,
              "blocks": {n: list(s.address) for n, s in self.servers.items()},
              "secret": SECRET.hex()}
-        if self.timeout is not None:
-            d["timeout"] = self.timeout
+        if self.peer_timeout is not None:
+            d["timeout"] = self.peer_timeout
         return d
 
     def count(self, name: str, n: int = 1) -> None:
@@ -466,3 +467,48 @@ def test_a_daemon_told_an_owner_is_silent_fails_its_calls_at_once():
     peers.silent("x")
     time.sleep(timeout + 0.1)  # a timeout later, calls are made again (it may answer by then)
     assert peers.fetch_many(request) == {"x": None} and len(calls) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_thread_waiting_for_another_s_first_ring_ask_spends_its_read_call_s_silence():
+    """One thread's first ask for the ring goes unanswered (a daemon stopped): another
+    thread's read call waited for it outside its budget of silence (one daemon_timeout in
+    all, silence.py), then waited on the daemon again. It waits at most what is left of
+    its budget now, and that wait is spent."""
+    import threading
+    import time
+
+    from cachemw.client.direct import DirectReads
+    from cachemw.client.silence import ReadCall, silence_left
+
+    answer = threading.Event()
+
+    class Silent(_Directory):
+        def ring(self):
+            answer.wait(30)  # the daemon is stopped
+            return None
+
+    reads = DirectReads(Silent({}), timeout=1.0)
+    reads.client.timeout = 1.0
+    first = threading.Thread(target=reads.alone)
+    first.start()
+    try:
+        time.sleep(0.2)  # the first thread asks
+        left = {}
+
+        def second():
+            with ReadCall(1.0):
+                began = time.monotonic()
+                reads.alone()
+                left["waited"] = time.monotonic() - began
+                left["left"] = silence_left(1.0)
+
+        t = threading.Thread(target=second)
+        t.start()
+        t.join(20)
+        assert not t.is_alive()
+        assert left["waited"] < 5  # before: until the first ask was answered (30 s here)
+        assert left["left"] <= 0.05  # its budget spent: the rest of the call reads the source
+    finally:
+        answer.set()
+        first.join(10)

@@ -25,6 +25,7 @@ import time
 
 from ..blockwire import fetch_deadline
 from .blockclient import BlockClient
+from .silence import silence_left, waited_silent
 from ..ring import HashRing
 
 log = logging.getLogger(__name__)
@@ -72,9 +73,17 @@ class DirectReads:
         if self._pid != os.getpid():
             self._reset()
         if not self._asked:
-            with self._asking:
-                if not self._asked:  # not by another thread meanwhile
-                    self._ask()
+            # the wait for another thread's first ask is a wait on the daemon: within the
+            # read call's budget of silence (silence.py), spent if it stays unanswered
+            began = time.monotonic()
+            if self._asking.acquire(timeout=max(0.0, silence_left(self.client.timeout))):
+                try:
+                    if not self._asked:  # not by another thread meanwhile
+                        self._ask()
+                finally:
+                    self._asking.release()
+            else:
+                waited_silent(time.monotonic() - began)
         elif time.monotonic() - self._fetched_at >= REFRESH and self._asking.acquire(False):
             try:
                 if time.monotonic() - self._fetched_at >= REFRESH:  # not by another, since
