@@ -24,7 +24,7 @@ from .reader import CachemwStorageReader
 from .state_tree import (OptimizerStateLoadPlanner, apply_loaded, optimizer_paths, prepare_for_load,
                          to_state_dict, unplaced)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cachemw.checkpoint.checkpointer")  # its name before the move
 
 
 class StepLoader:

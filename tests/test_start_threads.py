@@ -54,3 +54,41 @@ def test_threads_starting_at_once_make_one_cluster_and_a_reader_waits_for_it(
     assert got["first"] == {"address": "127.0.0.1:1", "started_by_cachemw": True}
     assert isinstance(got["second"], RuntimeError) and "meanwhile" in str(got["second"])
     assert got["reader"] == got["first"]  # before: None, read while the start ran
+
+
+@pytest.mark.timeout(60)
+def test_a_child_forked_during_a_start_reads_the_record_at_once(tmp_path, monkeypatch):
+    """A process forked while a thread of its parent starts the cluster: in the child no
+    thread holds the parent's locks, and its read of the record waited START_WAIT s on one
+    (review diffrev-5); it answers at once, as before the threads' lock."""
+    import os
+
+    runtime_dir = str(tmp_path / "rt")
+    entered, done = threading.Event(), threading.Event()
+
+    def slow_start(rd):
+        entered.set()
+        done.wait(30)
+        return {"address": "127.0.0.1:1"}
+
+    monkeypatch.setattr(local_ray, "_start", slow_start)
+    monkeypatch.setattr(local_ray, "_hold_start", local_ray._release_start_lock)
+    monkeypatch.setattr(local_ray, "START_WAIT", 20.0)
+    starter = threading.Thread(target=local_ray.start, args=(runtime_dir,))
+    starter.start()
+    try:
+        assert entered.wait(10)
+        pid = os.fork()
+        if pid == 0:  # the child: its answer within 5 s is its exit status
+            code = 2
+            try:
+                began = time.monotonic()
+                local_ray.read_state(runtime_dir)
+                code = 0 if time.monotonic() - began < 5 else 1
+            finally:
+                os._exit(code)  # never back into pytest
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        done.set()
+        starter.join(30)

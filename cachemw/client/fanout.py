@@ -5,7 +5,7 @@ waits its first byte's latency, 10-100 ms, doing nothing). Only over a source th
 requests from several threads at once (tiers/source.py ``concurrent``): fsspec's tar and
 zip readers share one file object, its FTP one connection; those go one after another.
 
-Two pools of threads per process, each made at its first batch of two or more (a
+Three pools of threads per process, each made at its first batch of two or more (a
 DataLoader worker reading one sample at a time never makes one) and made again in a forked
 child (a child has none of its parent's threads):
 
@@ -15,6 +15,10 @@ child (a child has none of its parent's threads):
   thread of the process holds while that thread's fetches run in the FETCH pool: in one
   pool, a READ batch filling every thread could hold those fetches back until the daemon's
   lease wait ran out.
+* ``CLAIMED``: a read's fetches of the blocks it holds the claims of, run beside its wait
+  on the daemon for the others (``beside``, misses.py). They wait on the store only (their
+  requests go to FETCH) and hand their blocks on, never on a claim; in READ, a READ batch
+  waiting on those very claims could hold them back.
 
 A caller interrupted (Ctrl-C) cancels what has not started; a batch made while the
 interpreter shuts down runs inline.
@@ -31,7 +35,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 LIMIT = 16  # requests in flight per batch and pool: a DataLoader worker's batch, a cat of shards
-FETCH, READ = "fetch", "read"
+FETCH, READ, CLAIMED = "fetch", "read", "claimed"
 
 _pools: dict[str, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
@@ -92,13 +96,14 @@ def run_all(calls: list[Callable[[], T]], kind: str = FETCH,
         raise
 
 
-def beside(side: Callable[[], T], main: Callable[[], T],
-           kind: str = READ) -> tuple[T | Exception, T]:
+def beside(side: Callable[[], T], main: Callable[[], T], kind: str = CLAIMED,
+           never_run: Callable[[], None] | None = None) -> tuple[T | Exception, T]:
     """(``side``'s result or the exception it raised, ``main``'s result): ``side`` runs in
     the ``kind`` pool while ``main`` runs here, in the calling thread (whose connection to
     the daemon a lease must be taken on). Where a pool cannot be used (see run_all),
     ``side`` runs first, then ``main``. ``main`` raising: ``side`` runs on to its end
-    unwaited if it has started (it releases what it holds itself), or never starts."""
+    unwaited if it has started (it releases what it holds itself), or never starts, and
+    then ``never_run()`` releases what it would have."""
     inside = getattr(_inside, "pool", None)
     if inside in (kind, FETCH):
         return _outcome(side), main()
@@ -109,7 +114,8 @@ def beside(side: Callable[[], T], main: Callable[[], T],
     try:
         got = main()
     except BaseException:
-        future.cancel()
+        if future.cancel() and never_run is not None:
+            never_run()
         raise
     try:
         return future.result(), got

@@ -95,11 +95,20 @@ class Misses:
             # reads waiting on those blocks when it decides whether to keep them (on a
             # full tier, a block decided before this read was heard of was refused, and
             # this read fetched it again: node/demand.py)
-            error, replies = fanout.beside(fetch, partial(self._lease_many, unique))
+            leased: list = []
+
+            def lease() -> list[tuple] | None:
+                leased.append(self._lease_many(unique))
+                return leased[0]
+
+            try:
+                error, replies = fanout.beside(
+                    fetch, lease, never_run=partial(self._release_claims, claimed))
+            except BaseException:  # (Ctrl-C while the claimed fetches ran on)
+                self._abort_fills(unique, leased[0] if leased else None)
+                raise
             if isinstance(error, BaseException):
-                for p, reply in zip(unique, replies or ()):
-                    if reply[0] == "fill":
-                        self.client.abort(p.key, "error")
+                self._abort_fills(unique, replies)
                 raise error
         elif claimed:
             fetch()
@@ -116,9 +125,7 @@ class Misses:
             done = len(unique)
         finally:
             if replies is not None:
-                for p, reply in zip(unique[done + 1:], replies[done + 1:]):
-                    if reply[0] == "fill":
-                        self.client.abort(p.key, "error")
+                self._abort_fills(unique[done + 1:], replies[done + 1:])
         for i, p in enumerate(pieces):  # the repeats: from the block this call got, the tier,
             if i not in out:            # or the source
                 block = direct.get(p.key)
@@ -129,6 +136,16 @@ class Misses:
                 out[i] = data if data is not None else self._direct(p)
         self.client.maybe_flush()
         return [out[i] for i in range(len(pieces))]
+
+    def _abort_fills(self, pieces: list[Piece], replies) -> None:
+        """End the fill leases of ``replies`` (one per piece): this call fills none."""
+        for p, reply in zip(pieces, replies or ()):
+            if reply[0] == "fill":
+                self.client.abort(p.key, "error")
+
+    def _release_claims(self, claimed: dict[str, Piece]) -> None:
+        for p in claimed.values():
+            self.claims.release(p.key)
 
     def _lease_many(self, pieces: list[Piece]) -> list[tuple] | None:
         """The daemon's replies for blocks this call holds no claim of (None: unreachable)."""

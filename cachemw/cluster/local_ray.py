@@ -46,6 +46,17 @@ def _thread_guard(runtime_dir: str) -> threading.RLock:
         return _guards.setdefault(os.path.abspath(runtime_dir), threading.RLock())
 
 
+def _new_locks_in_child() -> None:
+    """A forked child has none of its parent's threads: a lock one of them held at the
+    fork would be held for good (a read_state waited START_WAIT s)."""
+    global _held_lock
+    _held_lock = threading.Lock()
+    _guards.clear()
+
+
+os.register_at_fork(after_in_child=_new_locks_in_child)
+
+
 def state_path(runtime_dir: str) -> str:
     return os.path.join(runtime_dir, RAY_STATE)
 
@@ -306,10 +317,11 @@ def _await_start(runtime_dir: str) -> None:
     it holds the runtime dir yet (its start is under way), at most START_WAIT s."""
     key = os.path.abspath(runtime_dir)
     with _held_lock:
-        guard = _guards.get(key) if key in _held else None
-    if guard is not None:  # our own process's start: done once its thread's start() returns
-        if guard.acquire(timeout=START_WAIT):  # (at once in that thread: reentrant)
-            guard.release()
+        ours = key in _held
+        guard = _guards.get(key) if ours else None
+    if ours:  # our own process's start: done once its thread's start() returns
+        if guard is not None and guard.acquire(timeout=START_WAIT):  # (at once in that
+            guard.release()                                          # thread: reentrant)
         return
     try:
         fd = os.open(os.path.join(runtime_dir, START_LOCK),
