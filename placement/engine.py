@@ -261,6 +261,25 @@ class Engine:
         self._scan = pos
         return Plan(tuple(moves))
 
+    def kept_in(self, key: Hashable, tier: str) -> Plan:
+        """The executor could not carry out a move of ``key`` (a promotion into a tier that
+        takes nothing now: full, broken): it is still in ``tier``. It is counted there
+        again, with room made for it as for any block put there (that tier's least recently
+        read blocks demoted or evicted), so that the tier never holds more than its
+        capacity: counted in the tier it never reached, its bytes were room the engine
+        handed out again in ``tier``, which grew past its capacity."""
+        i = self._index.get(tier)
+        if i is None:
+            raise ValueError(f"no tier {tier!r}, not one of {list(self._index)}")
+        was = self._where.get(key)
+        if was is None or was == i:  # dropped meanwhile, or where it is
+            return Plan()
+        size = self._forget(key)
+        moves: List[Move] = []
+        self._make_room(i, size, moves)
+        self._put(key, size, i)
+        return Plan(tuple(moves))
+
     def drop(self, key: Hashable) -> None:
         """The executor lost or discarded ``key`` (bad checksum, failed write)."""
         if key in self._where:

@@ -38,6 +38,26 @@ def test_hit_in_a_slower_tier_promotes():
     assert e.placement() == {"a": "dram", "b": "nvme", "c": "dram"}
 
 
+def test_a_promotion_not_carried_out_is_counted_where_the_block_stayed():
+    """The executor could not promote a (the faster tier takes nothing now): kept_in counts
+    it in nvme again, with room made there, so that no tier holds more than its capacity.
+    Counted in dram, its room in nvme was handed out again (c's demotion) and the real
+    nvme held 3 blocks of 2 (review epochs4: an NVMe tier 36 % over its capacity)."""
+    e = Engine(tiers(), "lru")
+    for k in "abcd":
+        e.access(k, 1)  # dram: c, d; nvme: a, b
+    plan = e.access("a", 1)
+    assert plan.moves == (Demote("c", 1, "dram", "nvme"), Promote("a", 1, "nvme", "dram"))
+    # a stayed in nvme, where c was demoted: a, b, c in a tier of 2, unless room is made
+    fix = e.kept_in("a", "nvme")
+    assert fix.moves == (Evict("b", 1, "nvme"),)
+    assert e.placement() == {"a": "nvme", "c": "nvme", "d": "dram"}
+    assert all(used <= cap for used, cap in zip(e.used().values(), (2, 2)))
+    assert not e.kept_in("a", "nvme") and not e.kept_in("gone", "nvme")  # nothing to do
+    with pytest.raises(ValueError):
+        e.kept_in("a", "gpu")
+
+
 def test_hit_in_the_fastest_tier_is_an_empty_plan():
     e = Engine(tiers(), "lru")
     e.access("a", 1)

@@ -99,10 +99,11 @@ class MoveRunner:
         """Carry out the engine's moves in order; a move that cannot be done is reported
         back to the engine (drop), never retried blindly."""
         with self._moves_lock:
-            for move in moves:
+            moves = list(moves)
+            for move in moves:  # (grows: the room a block kept where it was needs)
                 started = time.perf_counter()
                 try:
-                    self._run_one(move)
+                    moves.extend(self._run_one(move))
                 except OSError as exc:  # a failing tier: forget the block, never stop
                     log.warning("placement move %s failed: %s", type(move).__name__, exc)
                     self.placer.drop(move.key)
@@ -112,7 +113,9 @@ class MoveRunner:
                     trace.event(type(move).__name__.lower(), trace.PLACEMENT, started, None,
                                 {k: v for k, v in vars(move).items() if k != "key"})
 
-    def _run_one(self, move) -> None:
+    def _run_one(self, move) -> list:
+        """Carry out ``move``; the moves it calls for in turn (room in the tier a block
+        stays in when its promotion cannot be done)."""
         if isinstance(move, Evict):
             with self._lock:
                 entry = self._remove_locked(move.key)
@@ -125,17 +128,19 @@ class MoveRunner:
                 self._tiers[entry.tier].tier.delete(move.key)
         elif isinstance(move, (Demote, Promote)):
             if isinstance(move, Promote) and not self._admitting(move.dst):
-                return  # kept where it is (a broken or full faster tier); see _move_tier
+                # kept where it is (a broken or full faster tier), and counted there again:
+                # counted in the faster one, its room in the slower one was handed out
+                # again and that tier grew past its capacity (review epochs4)
+                return self._kept(move)
             moved = self._move_tier(move.key, move.dst)
             with self._lock:
                 first = self._deferred.pop(move.key, None) or time.monotonic()
                 if moved is None and time.monotonic() - first < MOVE_DEFER:
                     self._deferred[move.key] = first  # its fill in flight: again next pass
                     self._pending.append(move)
-                    return
+                    return []
             if moved is DESTINATION_FAILED and isinstance(move, Promote):
-                return  # its copy in the slower tier stays, and serves (the engine counts it
-                # in the faster one meanwhile: cache kept over exact accounting)
+                return self._kept(move)  # its copy in the slower tier stays, and serves
             if moved is not True:  # a demotion must make room all the same: the block goes
                 self.placer.drop(move.key)
                 self.drop(move.key, moved if moved in (SOURCE_CORRUPT, SOURCE_UNREADABLE)
@@ -145,6 +150,17 @@ class MoveRunner:
                 present = move.key in self._index or move.key in self._inflight
             if not present:
                 self.placer.drop(move.key)
+        return []
+
+    def _kept(self, move: Promote) -> list:
+        """A promotion not carried out: the block is counted where it still is, and the
+        moves that make room for it there are run next."""
+        with self._lock:
+            entry = self._index.get(move.key)
+        if entry is None:  # gone meanwhile: nothing is kept anywhere
+            self.placer.drop(move.key)
+            return []
+        return self.placer.kept_in(move.key, entry.tier)
 
     def _admitting(self, name: str) -> bool:
         ts = self._tiers[name]

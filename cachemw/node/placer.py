@@ -85,6 +85,14 @@ class Placer:
             self._forget_evicted(moves)
             return moves
 
+    def kept_in(self, key: str, tier: str) -> list:
+        """A move of ``key`` was not carried out: it is still in ``tier``; the moves that
+        make room for it there (Engine.kept_in)."""
+        with self._lock:
+            moves = list(self._engine.kept_in(key, tier).moves)
+            self._forget_evicted(moves)
+            return moves
+
     def drop(self, key: str) -> None:
         with self._lock:
             self._sizes.pop(key, None)
