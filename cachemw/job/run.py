@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import warnings
 
@@ -317,17 +316,11 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
     for left in sweep_scratch():
         print(f"note: removed {left}, left by a job killed before its cleanup", file=sys.stderr)
     work = scratch_dir("cachemw-job-")
-    tempdir = tempfile.tempdir
     store, src, kept, warm, run_dir = None, None, None, {}, None
     bar = tqdm(total=total, unit="step", disable=not settings.progress, file=sys.stderr,
                dynamic_ncols=True, leave=False)
     t_start = time.perf_counter()
     try:
-        # the DataLoader workers' own temp dirs (multiprocessing's pymp-*, a socket in
-        # each) in the scratch dir, which goes whatever ends the job: a worker killed by a
-        # SIGTERM to the job's process group left its own in $TMPDIR (review readme4)
-        os.mkdir(os.path.join(work, "tmp"), 0o700)
-        tempfile.tempdir = os.path.join(work, "tmp")
         src, store = _prepare(settings, work, bar)
         if want_ck and not src.checkpoint_root:
             _say(bar, f"note: {src.description} is read-only here: no checkpoints")
@@ -379,7 +372,6 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
                 store.close()
             except Exception as exc:  # the scratch dir below goes all the same
                 print(f"warning: could not stop the emulated store: {exc}", file=sys.stderr)
-        tempfile.tempdir = tempdir
         shutil.rmtree(work, ignore_errors=True)
     results["over_floor"] = report.over_floor(results)
     results["targets"] = report.targets(results)
