@@ -210,13 +210,21 @@ class Checkpointer:
             self._write(step, name, staged, handle, prepared.pool if prepared is not None else None)
             handle._set_durable()
         except CheckpointException as exc:
-            self._cleanup(name)
-            handle._fail(_without_frames(unwrap(exc, self.coord.world_size)))
+            self._failed(handle, name, _without_frames(unwrap(exc, self.coord.world_size)))
         except Exception as exc:  # reported through the handle; training goes on
-            self._cleanup(name)
-            handle._fail(_without_frames(exc))
+            self._failed(handle, name, _without_frames(exc))
         finally:
             staged = None
+
+    def _failed(self, handle: SaveHandle, name: str | None, exc: BaseException) -> None:
+        """A save failed: what it left goes (best effort), and its handle fails whatever
+        that meets. The cleanup asking a store gone mid-save (botocore's errors are no
+        OSErrors) raised past the handle, the worker thread dropped it, and ``wait()``
+        waited for good (review ckpt4)."""
+        try:
+            self._cleanup(name)
+        finally:
+            handle._fail(exc)
 
     def _write(self, step: int, name: str, staged: dict, handle: SaveHandle, pool: Any = None) -> None:
         first = self.fast or self.root
@@ -267,12 +275,26 @@ class Checkpointer:
 
         In the fast tier, retention keeps (beyond ``fast_keep_last``) copies that are their
         step's only one, their drain to the root failed or cut short (_only_copies): a copy
-        in memory is loadable whatever becomes of its drain."""
-        tier.mark_latest(name)
+        in memory is loadable whatever becomes of its drain.
+
+        The step is committed already, and loads find it (by listing, not by ``latest``):
+        ``latest`` and retention failing (no space for the pointer, a store gone) are
+        logged, not the save's failure. A save told failed was committed all the same, and
+        loaded (review ckpt4)."""
+        try:
+            tier.mark_latest(name)
+        except Exception as exc:  # noqa: BLE001 - a store's own errors too
+            log.warning("step %d is committed in %s, but its 'latest' could not be written: "
+                        "%s", step, tier.location.url, exc)
         keep = self._only_copy_test() if tier is self.fast else None
-        removed = tier.retain(keep_last, just_committed=name, keep=keep)
-        if removed:
-            log.info("retention removed %s from %s", removed, tier.location.url)
+        try:
+            removed = tier.retain(keep_last, just_committed=name, keep=keep)
+        except Exception as exc:  # noqa: BLE001 - the next save's retention tries again
+            log.warning("step %d is committed in %s; retention there failed: %s", step,
+                        tier.location.url, exc)
+        else:
+            if removed:
+                log.info("retention removed %s from %s", removed, tier.location.url)
         watch_channel.notify(self._channel, {"step": step, "name": name, "level": level})
 
     def _only_copy_test(self):
@@ -293,11 +315,12 @@ class Checkpointer:
         if name is None:
             return
         for tier in (self.fast, self.root if self.coord.is_coordinator else None):
-            if tier is not None and not tier.is_committed(name):
-                try:
+            try:
+                if tier is not None and not tier.is_committed(name):
                     tier.remove(name)
-                except OSError:
-                    log.warning("could not remove partial checkpoint %s in %s", name, tier.location.url)
+            except Exception as exc:  # noqa: BLE001 - a store gone (botocore's errors too)
+                log.warning("could not remove partial checkpoint %s in %s: %s", name,
+                            tier.location.url, exc)
 
     # -- loading ----------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -353,8 +376,7 @@ class Checkpointer:
                 self.coord.run_on_coordinator(drain)
             handle._set_durable()
         except Exception as exc:  # reported through the handle; training goes on
-            self._cleanup(name)
-            handle._fail(_without_frames(exc))
+            self._failed(handle, name, _without_frames(exc))
 
     def watch(self, state: dict, *, poll_interval: float | None = None, after: int | None = -1,
               timeout: float | None = None) -> Iterator[int]:

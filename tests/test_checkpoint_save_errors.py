@@ -136,3 +136,57 @@ def test_load_of_a_checkpoint_missing_its_metadata_is_a_checksum_error(tmp_path)
     with pytest.raises(FileNotFoundError) as raised:  # no manifest: not a checkpoint
         load(path)
     assert not isinstance(raised.value, ChecksumError)
+
+
+class _StoreGone(Exception):
+    """Stands in for botocore's EndpointConnectionError: a store client's error, no OSError."""
+
+
+@pytest.mark.timeout(60)
+def test_a_save_whose_store_goes_away_mid_write_fails_its_handle(tmp_path, monkeypatch):
+    """The write failed with the store gone; the cleanup asked the store again whether the
+    step was committed, and its client's error (no OSError) escaped the worker before the
+    handle was failed: ``wait()`` waited for good (review ckpt4, S3 endpoint stopped
+    mid-save). The handle fails with the write's error; the step before stays."""
+    from cachemw.checkpoint.layout import CheckpointDir
+
+    state = {"w": torch.ones(100)}
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, state).wait(60)
+
+        def write_fails(self, step, name, staged, handle, pool=None):
+            raise _StoreGone("Could not connect to the endpoint URL (injected)")
+
+        def asks_the_store(self, name):
+            raise _StoreGone("Could not connect to the endpoint URL (injected, cleanup)")
+
+        monkeypatch.setattr(Checkpointer, "_write", write_fails)
+        monkeypatch.setattr(CheckpointDir, "is_committed", asks_the_store)
+        handle = ck.save(2, state)
+        with pytest.raises(_StoreGone, match="injected"):
+            handle.wait(20)  # before: never failed (TimeoutError after 20 s here)
+        with pytest.raises(_StoreGone):
+            ck.wait()
+        monkeypatch.undo()
+        assert ck.steps() == [1]
+
+
+@pytest.mark.timeout(60)
+def test_a_committed_step_whose_latest_cannot_be_written_is_a_saved_step(tmp_path, monkeypatch):
+    """The manifest was written (the step committed), then writing ``latest`` met a full
+    disk: the save was told failed (ENOSPC) though loads returned that step (review
+    ckpt4). It is a saved step now, the failure logged."""
+    from cachemw.checkpoint.layout import CheckpointDir
+
+    state = {"w": torch.arange(100.0)}
+
+    def no_space(self, name):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(CheckpointDir, "mark_latest", no_space)
+    with Checkpointer(str(tmp_path)) as ck:
+        handle = ck.save(2, state)
+        handle.wait(60)  # before: OSError ENOSPC
+        assert handle.durable
+        out = {"w": torch.zeros(100)}
+        assert ck.load(out) == 2 and torch.equal(out["w"], state["w"])
