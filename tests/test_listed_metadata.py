@@ -181,3 +181,24 @@ def test_a_stale_listing_is_not_read_again_at_every_lookup_of_its_files(
     for i in range(50):
         assert fs.info(str(root / f"f{i:03d}"))["size"] == 1
     assert loads.count("ls") <= 2, loads.count("ls")  # before: 50
+
+
+@pytest.mark.timeout(120)
+def test_two_stores_with_the_same_paths_do_not_share_their_listings(
+        runtime_dir, spawn_daemon, tmp_path):
+    """Two ``dir`` filesystems of different roots (as two endpoints of one bucket name):
+    the node's listing records were named by the path alone, so the second store's ``ls``
+    gave the first's listing, and its files were looked up there."""
+    spawn_daemon(runtime_dir)
+    for root, name in (("A", "only_in_a"), ("B", "only_in_b")):
+        (tmp_path / root / "x").mkdir(parents=True)
+        (tmp_path / root / "x" / name).write_bytes(name.encode())
+    made = ("from fsspec.implementations.dirfs import DirFileSystem\n"
+            "from fsspec.implementations.local import LocalFileSystem\n"
+            "fs = fsspec.filesystem('cachemw', fs=DirFileSystem(path=%r, fs=LocalFileSystem()), "
+            "runtime_dir=%r, autostart=False, skip_instance_cache=True)\n")
+    _in_a_process(runtime_dir, made % (str(tmp_path / "A"), runtime_dir) + "fs.ls('x')")
+    got = _in_a_process(runtime_dir, made % (str(tmp_path / "B"), runtime_dir)
+                        + "out['ls'] = [e['name'] for e in fs.ls('x')]\n"
+                          "out['data'] = fs.cat_file('x/only_in_b').decode()")
+    assert got == {"ls": ["x/only_in_b"], "data": "only_in_b"}  # before: ['x/only_in_a']

@@ -88,10 +88,14 @@ class SharedRecords:
         return table
 
     def _record_path(self, kind: str, path: str) -> str | None:
+        """The file of ``path``'s record of ``kind`` (a listing), named by the path's URL
+        (urls.target_url), as the table's records are: by the path alone, two stores with
+        the same paths (two endpoints, two ``dir`` roots) shared it, and one's ``ls`` gave
+        the other's listing."""
         meta_dir = self._meta_dir()
         if meta_dir is None:
             return None
-        key = path_key(f"{kind}\0{path}")
+        key = path_key(f"{kind}\0{self._url(path)}")
         return f"{meta_dir}/{key[:2]}/{key}"
 
     def _load_shared(self, kind: str, path: str, fresh_only: bool = True):
