@@ -42,7 +42,8 @@ from .keys import block_count, block_key, block_length
 from .launch import START_WAIT, spawn_detached
 from .protocol import lock_holder, lookup
 from .ring import HashRing
-from .tiers.pinning import source_info, store_failed
+from .store_errors import store_failed
+from .tiers.pinning import source_info
 
 BATCH_BLOCKS = 64  # block reads handed to the cache at once (one lease request per batch),
 BATCH_BYTES = 32 << 20  # at most; fewer when that gives each thread several batches (the
@@ -268,7 +269,7 @@ def _listed(url: str, fs, path: str, errors: dict) -> list[FileMeta]:
     """The files under ``url`` (or the file itself, not listed: _to_list), with their
     metadata; a file whose metadata cannot be had is recorded in ``errors``. A store that fails the listing (its
     client's error, say botocore's NoCredentialsError, as the OSError cachemw raises for it:
-    tiers/pinning.py store_failed) is a WarmError naming it: nothing has been read yet, and
+    store_errors.py store_failed) is a WarmError naming it: nothing has been read yet, and
     its traceback would say less."""
     metas = []
     try:

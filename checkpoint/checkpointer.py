@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from cachemw import trace
+from cachemw.store_errors import client_error, store_errors
 
 from . import watch as watch_channel
 from .background import niceness, run_at
@@ -83,11 +84,13 @@ class Checkpointer:
                                   self._drain_left)
         self._lock = threading.Lock()
         self._channel = watch_channel.channel_dir(self.root.location.url, fast_root)
-        if self.coord.is_coordinator:
-            self.root.location.makedirs()
-            self.root.sweep(self.config.stale_after_s)
-        if self.fast is not None:  # the root's id, for its fast tiers (choosing.adopt_root)
-            root_id = self.coord.value_of(self.root.root_id)
+        with self._store_errors():
+            if self.coord.is_coordinator:
+                self.root.location.makedirs()
+                self.root.sweep(self.config.stale_after_s)
+            # the root's id, for its fast tiers (choosing.adopt_root)
+            root_id = self.coord.value_of(self.root.root_id) if self.fast is not None else None
+        if self.fast is not None:
             self.fast.location.makedirs()
             self.fast.sweep(self.config.stale_after_s)
             adopt_root(self.fast, root_id, self.root.location.url)
@@ -99,8 +102,13 @@ class Checkpointer:
     def save(self, step: int, state: dict, *, if_busy: str | None = None) -> SaveHandle:
         """Snapshot ``state`` and return; write, commit and drain in the background."""
         started = time.perf_counter()
-        with trace.span("save", trace.CHECKPOINT, step=step):
+        with trace.span("save", trace.CHECKPOINT, step=step), self._store_errors():
             return self._save(step, state, if_busy, started)
+
+    def _store_errors(self):
+        """Calls to the root with a store client's own failures (botocore's: no OSErrors)
+        raised as OSErrors naming the root, as the cache's reads raise them."""
+        return store_errors(self.root.location.fs, self.root.location.path)
 
     def _save(self, step: int, state: dict, if_busy: str | None, started: float) -> SaveHandle:
         policy = if_busy or self.config.if_busy
@@ -210,9 +218,9 @@ class Checkpointer:
             self._write(step, name, staged, handle, prepared.pool if prepared is not None else None)
             handle._set_durable()
         except CheckpointException as exc:
-            self._failed(handle, name, _without_frames(unwrap(exc, self.coord.world_size)))
+            self._failed(handle, name, unwrap(exc, self.coord.world_size))
         except Exception as exc:  # reported through the handle; training goes on
-            self._failed(handle, name, _without_frames(exc))
+            self._failed(handle, name, exc)
         finally:
             staged = None
 
@@ -220,11 +228,13 @@ class Checkpointer:
         """A save failed: what it left goes (best effort), and its handle fails whatever
         that meets. The cleanup asking a store gone mid-save (botocore's errors are no
         OSErrors) raised past the handle, the worker thread dropped it, and ``wait()``
-        waited for good (review ckpt4)."""
+        waited for good (review ckpt4). A store client's own failure is kept as the OSError
+        it is (``store_errors``), as the cache's reads raise it."""
         try:
             self._cleanup(name)
         finally:
-            handle._fail(exc)
+            location = self.root.location
+            handle._fail(_without_frames(client_error(location.fs, location.path, exc) or exc, exc))
 
     def _write(self, step: int, name: str, staged: dict, handle: SaveHandle, pool: Any = None) -> None:
         first = self.fast or self.root
@@ -325,7 +335,8 @@ class Checkpointer:
     # -- loading ----------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Committed steps, oldest first (in the fast tier or at the root)."""
-        root, fast = counted_entries(self.root, self.fast)
+        with self._store_errors():
+            root, fast = counted_entries(self.root, self.fast)
         return sorted({e.step for e in root + fast})
 
     def load(self, state: dict, step: int | None = None) -> int:
@@ -341,7 +352,8 @@ class Checkpointer:
         ``state``); asked for by its step, the error is raised.
         """
         self.wait_quietly()
-        return self._loader.load(state, step)
+        with self._store_errors():
+            return self._loader.load(state, step)
 
     def _drain_left(self, step: int, name: str) -> None:
         """A step loaded from the fast tier that its save never drained to the root (the
@@ -376,7 +388,7 @@ class Checkpointer:
                 self.coord.run_on_coordinator(drain)
             handle._set_durable()
         except Exception as exc:  # reported through the handle; training goes on
-            self._failed(handle, name, _without_frames(exc))
+            self._failed(handle, name, exc)
 
     def watch(self, state: dict, *, poll_interval: float | None = None, after: int | None = -1,
               timeout: float | None = None) -> Iterator[int]:
@@ -434,11 +446,14 @@ class Checkpointer:
         self.close()
 
 
-def _without_frames(error: BaseException) -> BaseException:
-    """``error`` as a handle keeps it until ``wait()``: its traceback as text (a note), not
-    as frames. The frames lead up the worker's stack to the save's staged snapshot, which
-    the stager cannot reuse while they live: with saves failing on a full disk, every
-    save would otherwise hold one more copy of the state."""
+def _without_frames(error: BaseException, cause: BaseException) -> BaseException:
+    """``error`` (``cause`` itself, or what it is told as, chained to it) as a handle keeps
+    it until ``wait()``: its traceback as text (a note), not as frames. The frames lead up
+    the worker's stack to the save's staged snapshot, which the stager cannot reuse while
+    they live: with saves failing on a full disk, every save would otherwise hold one more
+    copy of the state."""
+    if error is not cause:
+        error.__cause__ = cause
     text = "".join(traceback.format_exception(error))
     seen, link = set(), error
     while link is not None and id(link) not in seen:
@@ -447,4 +462,3 @@ def _without_frames(error: BaseException) -> BaseException:
         link = link.__cause__ or link.__context__
     error.add_note("in the checkpoint's background save:\n" + text.rstrip())
     return error
-

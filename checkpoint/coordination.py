@@ -24,6 +24,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from cachemw.store_errors import client_failure
+
 
 def check_same_step(step: int, steps: list) -> None:
     """Raise on every rank (they all see the same ``steps``, one per rank) unless every rank
@@ -40,9 +42,11 @@ def check_same_step(step: int, steps: list) -> None:
 def report(error: BaseException | None) -> tuple | None:
     """What a rank tells the others about its local failure (None: no failure): the class's
     module and name, the errno of an OSError, and the text, so that every rank can raise the
-    same type."""
+    same type. A store client's own failure (botocore's: no OSError) is told as the OSError
+    it is, so that every rank raises an OSError for it."""
     if error is None:
         return None
+    error = client_failure(error) or error
     return (type(error).__module__, type(error).__qualname__, getattr(error, "errno", None),
             f"{type(error).__name__}: {error}")
 

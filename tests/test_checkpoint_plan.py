@@ -130,6 +130,20 @@ def test_a_failure_reported_by_one_rank_is_rebuilt_with_its_type_on_every_rank()
     assert report(None) is None
 
 
+def test_a_store_client_failure_on_one_rank_is_an_oserror_on_every_rank():
+    """botocore's EndpointConnectionError is no OSError, and no other rank can rebuild its
+    class: it was a RuntimeError there. It is reported as the OSError it is told as."""
+    import errno
+
+    botocore_exceptions = pytest.importorskip("botocore.exceptions")
+    from cachemw.checkpoint.coordination import report, same_type
+
+    gone = botocore_exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9/b")
+    rebuilt = same_type(report(gone), "checkpoint failed on rank(s) [1]")
+    assert type(rebuilt) is OSError and rebuilt.errno == errno.EIO
+    assert "EndpointConnectionError" in report(gone)[3]
+
+
 def test_only_the_wire_s_errors_are_told_as_a_failed_collective():
     """Inside a collective's block (DCP's save and load run in one), an error raised by
     torch.distributed's collectives is told as a collective with the other ranks that

@@ -12,7 +12,7 @@ import fsspec
 import pytest
 
 from cachemw.client.fs import CacheFileSystem
-from cachemw.tiers.pinning import client_error, from_client
+from cachemw.store_errors import client_error, from_client
 
 botocore_exceptions = pytest.importorskip("botocore.exceptions")
 pytest.importorskip("s3fs")

@@ -8,7 +8,7 @@ node's tiered cache.
 Reads go through the cache (blocks of ``block_size``; smaller files whole); metadata is
 cached under the same policy (``validate``: immutable | ttl | always). Writes go straight
 to the target and invalidate what was cached of the paths they touch. A store client's own
-failures (botocore's: not OSErrors) are raised as OSErrors (tiers/pinning.store_errors).
+failures (botocore's: not OSErrors) are raised as OSErrors (store_errors.py).
 
 Registered through the ``fsspec.specs`` entry point: no ``import cachemw`` needed. Never
 imports Ray, so it works in forked DataLoader workers.
@@ -40,7 +40,7 @@ from .ranges import read_ranges
 from .reader import BlockReader
 from .silence import ReadCall
 from ..tiers.fork_safe import ForkSafe
-from ..tiers.pinning import store_errors, store_failed
+from ..store_errors import store_errors, store_failed
 from ..tiers.source import PAGE_SIZE, ChangedSourceError, SourceTier
 from .urls import TargetPaths, own_options, url_path
 from .writer import InvalidatingWriter
@@ -327,7 +327,7 @@ class CacheFileSystem(_Base):
         """Run a write on the target, then, even if it failed part-way, forget what the
         cache knew of ``paths``: a file's blocks and metadata (``"file"``), everything
         under a path too (``"tree"``), or only metadata (``"meta"``: directories). A store
-        client's own failure is raised as an OSError (tiers/pinning.py store_errors)."""
+        client's own failure is raised as an OSError (store_errors.py)."""
         first = paths[0] if isinstance(paths, list) and paths else paths
         try:
             with store_errors(self.target, first):
@@ -475,6 +475,6 @@ class CacheFileSystem(_Base):
 
 def _omit_unless_store_failed(exc: BaseException) -> None:
     """fsspec's walk ``on_error``: the failure of a listing is passed over, unless the
-    store failed (tiers/pinning.py store_failed)."""
+    store failed (store_errors.py store_failed)."""
     if store_failed(exc):
         raise exc

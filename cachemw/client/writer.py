@@ -2,7 +2,7 @@
 go of once it is closed (client/fs.py: writes go straight to the target)."""
 from __future__ import annotations
 
-from ..tiers.pinning import store_errors
+from ..store_errors import store_errors
 
 
 class InvalidatingWriter:

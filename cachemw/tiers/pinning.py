@@ -4,7 +4,6 @@ with an HTTP store's failures told apart from a missing file, and a store client
 errors (botocore's, aiohttp's) as the OSErrors the fsspec boundary raises."""
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import re
@@ -13,6 +12,7 @@ from typing import NamedTuple
 from fsspec.implementations.local import LocalFileSystem
 
 from ..keys import stat_token, version_token
+from ..store_errors import http_request_error, http_status_error, store_errors
 
 NO_VERSION = "no ETag"  # why a first GET named no version (see SourceTier.read_first)
 CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+)\s*$")
@@ -59,107 +59,6 @@ def is_http(fs) -> bool:
     """fsspec's HTTP filesystem (or one shaped like it: its session, its protocols)."""
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return ("http" in protocols or "https" in protocols) and hasattr(fs, "set_session")
-
-
-def http_request_error(path: str, exc: BaseException) -> OSError:
-    """``exc`` (a request that got no answer) as an OSError naming ``path`` and the cause,
-    its errno kept (ECONNREFUSED: a ConnectionRefusedError still), EIO if it has none."""
-    code = getattr(exc, "errno", None)
-    if not isinstance(code, int) or code <= 0:  # none, or a resolver's (negative) code
-        code = errno.ETIMEDOUT if isinstance(exc, TimeoutError) else errno.EIO
-    return OSError(code, f"{path}: {type(exc).__name__}: {exc}")
-
-
-# The packages whose errors are a store client's failures (S3 through s3fs: botocore,
-# aiobotocore, aiohttp under them), told by the module of their classes: importing botocore
-# to name them would cost every reader process (a DataLoader worker) its import.
-_CLIENT_PACKAGES = frozenset({"botocore", "aiobotocore", "aiohttp"})
-
-
-def client_error(fs, path: str, exc: BaseException) -> OSError | None:
-    """``exc`` as an OSError naming ``path``'s URL and the cause, if it is a store client's
-    own failure that fsspec's filesystem let through (s3fs turns the store's error answers
-    into OSErrors, not a connection that failed or timed out: botocore's
-    EndpointConnectionError is no OSError, and its timeouts are OSErrors without an errno);
-    None for anything else (an OSError of the filesystem's own, a programming error).
-
-    The errno is the cause's (ECONNREFUSED for a refused connection: a
-    ConnectionRefusedError still), ETIMEDOUT for a timeout (a TimeoutError), else EIO; an
-    HTTP status (aiohttp's error answers) is said as http_status_error says it."""
-    if not from_client(exc):
-        return None
-    url = _url_of(fs, path)
-    status = getattr(exc, "status", None)
-    if isinstance(status, int) and status >= 400:
-        return http_status_error(url, status)
-    code = _cause_errno(exc)
-    if code is None:
-        timeout = isinstance(exc, TimeoutError) or "Timeout" in type(exc).__name__
-        code = errno.ETIMEDOUT if timeout else errno.EIO
-    return OSError(code, f"{url}: {type(exc).__name__}: {exc}")
-
-
-def from_client(exc: BaseException) -> bool:
-    """Whether ``exc`` is an error of a store client's own (its class, or a base of it, is
-    botocore's, aiobotocore's or aiohttp's)."""
-    return any(c.__module__.partition(".")[0] in _CLIENT_PACKAGES for c in type(exc).__mro__)
-
-
-@contextlib.contextmanager
-def store_errors(fs, path: str):
-    """The calls in the block, a store client's own failures raised as OSErrors
-    (``client_error``), chained to them."""
-    try:
-        yield
-    except Exception as exc:
-        mapped = client_error(fs, path, exc)
-        if mapped is None:
-            raise
-        raise mapped from exc
-
-
-def store_failed(exc: BaseException) -> bool:
-    """Whether ``exc`` says that the store failed (``store_errors`` raised it: no answer,
-    a timeout, a store in trouble), not what a path is (missing, refused, a directory)."""
-    return (isinstance(exc, OSError) and from_client(exc.__cause__ or exc)
-            and not isinstance(exc, (FileNotFoundError, PermissionError, NotADirectoryError,
-                                     IsADirectoryError)))
-
-
-def _cause_errno(exc: BaseException) -> int | None:
-    """The errno of the OSError behind ``exc`` (``exc``'s own, its cause's, or the one
-    botocore keeps in ``kwargs["error"]``), if one has a positive one (a resolver's codes
-    are negative: not errnos)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        code = getattr(exc, "errno", None)
-        if isinstance(exc, OSError) and isinstance(code, int) and code > 0:
-            return code
-        kept = getattr(exc, "kwargs", None)
-        kept = kept.get("error") if isinstance(kept, dict) else None
-        exc = kept if isinstance(kept, BaseException) else (exc.__cause__ or exc.__context__)
-    return None
-
-
-def _url_of(fs, path: str) -> str:
-    """``path`` as its URL on ``fs`` (``s3://bucket/key``), for messages."""
-    try:
-        return fs.unstrip_protocol(path)
-    except Exception:  # a message must not fail
-        return str(path)
-
-
-def http_status_error(path: str, status: int) -> OSError:
-    """The OSError for an HTTP error status: a file that is not there (404, 410) is
-    FileNotFoundError, a refusal (401, 403) PermissionError, anything else (a server in
-    trouble: 500, 503) EIO, so an outage never reads as a missing file."""
-    if status in (404, 410):
-        return FileNotFoundError(errno.ENOENT, f"{path}: not found (HTTP {status})", path)
-    if status in (401, 403):
-        return PermissionError(errno.EACCES, f"{path}: HTTP {status} from the server "
-                               f"(access denied)")
-    return OSError(errno.EIO, f"{path}: HTTP {status} from the server")
 
 
 def source_info(fs, path: str) -> dict:

@@ -4,8 +4,8 @@ first GET of a cold file names its version (see source.py)."""
 from __future__ import annotations
 
 from ..keys import version_fields
-from .pinning import (CONTENT_RANGE, NO_VERSION, FirstBlock, changed, check_after, http_request_error,
-                      http_status_error, sync)
+from ..store_errors import http_request_error, http_status_error
+from .pinning import CONTENT_RANGE, NO_VERSION, FirstBlock, changed, check_after, sync
 
 
 async def _http_get(fs, url: str, headers: dict):

@@ -2,12 +2,12 @@
 ``VersionId`` where the bucket keeps versions), the ETag of the answer compared too; the
 first GET of a cold file names its version (see source.py). A failure of the client's own
 (an endpoint that does not answer: botocore's EndpointConnectionError is no OSError) is
-raised as an OSError naming the URL (pinning.client_error)."""
+raised as an OSError naming the URL (store_errors.client_error)."""
 from __future__ import annotations
 
 from ..keys import version_fields
-from .pinning import (CONTENT_RANGE, NO_VERSION, FirstBlock, changed, from_client, read_checked,
-                      store_errors, sync)
+from ..store_errors import from_client, store_errors
+from .pinning import CONTENT_RANGE, NO_VERSION, FirstBlock, changed, read_checked, sync
 
 
 async def _s3_get(fs, bucket: str, key: str, kwargs: dict) -> tuple[str, bytes]:
