@@ -198,18 +198,21 @@ def test_an_interrupted_job_says_so_and_leaves_nothing(tmp_path, how):
     (timeout, Slurm, systemd) was said as "DataLoader worker ... killed", exit 2, and left
     the store's data or a daemon's runtime dir in /dev/shm (found by black-box checks).
     Ctrl-C is now an "interrupted", exit 130, SIGTERM a "terminated", exit 143, each with
-    everything removed."""
+    everything removed, multiprocessing's temp dirs (pymp-*) included: a SIGTERM to the
+    group left one per DataLoader worker in $TMPDIR (review readme4)."""
     import os
     import signal
     import threading
     import time
 
     before, running = _job_dirs(), _job_processes()
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
     job = subprocess.Popen([sys.executable, "-m", "cachemw.cli", "job", *TINY, "--set",
                             "train.epochs=500", "--store-latency-ms", "20", "--checkpoints", "none",
                             "--io-epochs", "0", "--out", str(tmp_path / "out")],
                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+                           start_new_session=True, env={**os.environ, "TMPDIR": str(tmp)})
     said, reading = [], threading.Event()
 
     def read_stderr():  # the epochs' lines: signal once the first system is reading
@@ -246,6 +249,7 @@ def test_an_interrupted_job_says_so_and_leaves_nothing(tmp_path, how):
     assert "Error" not in err, err[-3000:]
     time.sleep(1)
     assert _job_dirs() == before and _job_processes() == running
+    assert not list(tmp.glob("pymp-*")), sorted(tmp.iterdir())
 
 
 @pytest.mark.timeout(120)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -316,6 +317,11 @@ def run(settings: JobSettings, argv: list[str] | None = None) -> dict:
     for left in sweep_scratch():
         print(f"note: removed {left}, left by a job killed before its cleanup", file=sys.stderr)
     work = scratch_dir("cachemw-job-")
+    # multiprocessing's own temp dir (pymp-*), made here, before any DataLoader forks its
+    # workers: they inherit it and make none of their own, and this process removes it as
+    # it exits. Each worker made one (a socket in it) and removed it as it exited; a
+    # SIGTERM to the job's whole process group left them in $TMPDIR (review readme4).
+    multiprocessing.util.get_temp_dir()
     store, src, kept, warm, run_dir = None, None, None, {}, None
     bar = tqdm(total=total, unit="step", disable=not settings.progress, file=sys.stderr,
                dynamic_ncols=True, leave=False)
