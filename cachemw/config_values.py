@@ -134,12 +134,17 @@ def int_or_none(value: str | None, name: str) -> int | None:
 def float_or_none(value: str | None, name: str) -> float | None:
     if value is None or value == "":
         return None
+    return finite_float(value, f"{name}: ")
+
+
+def finite_float(value: str | int | float, prefix: str = "") -> float:
+    """``value`` as a finite float; a ValueError (its text after ``prefix``) if it is not."""
     try:
         number = float(value)
     except ValueError:
-        raise ValueError(f"{name}: expected a number, got {value!r}") from None
+        raise ValueError(f"{prefix}expected a number, got {value!r}") from None
     if not math.isfinite(number):
-        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+        raise ValueError(f"{prefix}expected a finite number, got {value!r}")
     return number
 
 

@@ -14,8 +14,9 @@ error. (DLIO 2.0.0 itself ignores the later names: run such a file there, throug
 from __future__ import annotations
 
 import difflib
-import math
 from typing import Any, Callable
+
+from ..config_values import finite_float
 
 SHUFFLE_VALUES = ("off", "seed", "random")
 
@@ -46,13 +47,7 @@ def _size(v: Any) -> int:
 def _float(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, str)):
         raise ValueError(f"expected a number, got {v!r}")
-    try:
-        number = float(v)
-    except ValueError:
-        raise ValueError(f"expected a number, got {v!r}") from None
-    if not math.isfinite(number):
-        raise ValueError(f"expected a finite number, got {v!r}")
-    return number
+    return finite_float(v)
 
 
 def _bool(v: Any) -> bool:
