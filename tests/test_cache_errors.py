@@ -76,6 +76,33 @@ def test_unknown_option_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="valdate"):
         fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True,
                           valdate="always")
+    with pytest.raises(ValueError, match="client_kwargs"):  # the target's: target_options
+        fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True,
+                          client_kwargs={"endpoint_url": "http://127.0.0.1:9"})
+    with pytest.raises(ValueError, match="block_size"):  # (False is no 0)
+        fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True,
+                          block_size=False)
+
+
+def test_what_callers_hand_every_filesystem_is_taken_as_fsspec_takes_it(tmp_path):
+    """HF datasets' streaming opens hand the filesystem a file's open arguments
+    (``encoding``, ``errors``), a tar archive's ``block_size=0`` (fsspec's "no
+    read-ahead") and a compression hop's aiohttp ``client_kwargs``: every fsspec
+    filesystem takes them, cachemw refused them (found by a black-box check). An HTTP
+    target's client gets the ``client_kwargs`` (under its own options, which win)."""
+    (tmp_path / "lines.txt").write_bytes(b"".join(b"line %d\n" % i for i in range(1000)))
+    fs = fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True,
+                           encoding="utf-8", errors="strict", newline=None, block_size=0,
+                           client_kwargs={"trust_env": True, "requote_redirect_url": False},
+                           runtime_dir=str(tmp_path / "rt"), autostart=False)
+    assert fs.options.block_size == 8 << 20  # the default unit
+    with fs.open(str(tmp_path / "lines.txt"), block_size=0) as f:  # readline read nothing
+        assert f.readline() == b"line 0\n" and len(list(f)) == 999
+    http = fsspec.filesystem("cachemw", target_protocol="http", skip_instance_cache=True,
+                             target_options={"client_kwargs": {"trust_env": False}},
+                             client_kwargs={"trust_env": True, "requote_redirect_url": False},
+                             runtime_dir=str(tmp_path / "rt"), autostart=False)
+    assert http.target.client_kwargs == {"trust_env": False, "requote_redirect_url": False}
 
 
 @pytest.mark.parametrize("name,value", [("CACHEMW_VALIDATE", "bogus"), ("CACHEMW_TTL", "soon"),

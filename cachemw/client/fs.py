@@ -42,7 +42,7 @@ from .silence import ReadCall
 from ..tiers.fork_safe import ForkSafe
 from ..store_errors import store_errors, store_failed
 from ..tiers.source import PAGE_SIZE, ChangedSourceError, SourceTier
-from .urls import TargetPaths, own_options, url_path
+from .urls import TargetPaths, own_options, url_path, with_client_kwargs
 from .writer import InvalidatingWriter
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,12 @@ class CacheFileSystem(_Base):
                 raise ValueError(f"{name}: must be a dict of options, got {value!r}")
         if fs is not None and not isinstance(fs, AbstractFileSystem):
             raise ValueError(f"fs: must be an fsspec filesystem, got {fs!r}")
-        kwargs = own_options(kwargs, target_options or {})
+        target_options = with_client_kwargs(target_protocol, dict(target_options or {}),
+                                            kwargs.pop("client_kwargs", None))
+        kwargs = own_options(kwargs, target_options)
         super().__init__(**kwargs)
+        if type(block_size) is int and block_size == 0:  # fsspec's "no read-ahead" (HF datasets opens archives with
+            block_size = None  # it), not a cache unit: the default unit then
         if fs is not None and target_protocol is not None:
             raise ValueError("target_protocol: give either fs or target_protocol, not both")
         self.options = CacheOptions.build(validate=validate, ttl=ttl, block_size=block_size,
@@ -266,7 +270,9 @@ class CacheFileSystem(_Base):
             meta = self.meta.file_to_open(path)
             if self._reads_to_end(meta):  # read now, to its end (_read): the file is its bytes
                 return BytesFile(self, path, self.cat_file(path))
-            return CachedFile(self, path, meta, block_size=block_size,
+            # block_size 0 is fsspec's "no read-ahead" (HTTP's streaming file), and there
+            # is none here (cache_type "none"); a buffered file's line reads need a chunk
+            return CachedFile(self, path, meta, block_size=block_size or None,
                               cache_type=kwargs.pop("cache_type", "none"),
                               cache_options=cache_options)
         with store_errors(self.target, path):

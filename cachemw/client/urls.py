@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from typing import Callable, Mapping
 
 import fsspec
 import fsspec.core
@@ -26,6 +26,14 @@ except ImportError:  # pragma: no cover - older fsspec: none told apart
 # Options of fsspec's own base class, passed through; anything else unknown is an error.
 FSSPEC_BASE_OPTIONS = {"use_listings_cache", "listings_expiry_time", "max_paths",
                        "asynchronous", "loop"}
+# Arguments of a file's open that callers hand to the filesystem as options, which every
+# fsspec filesystem takes and ignores there: HF datasets' streaming ``xopen`` passes the
+# open's keywords (a text file's ``encoding``, ``errors``) as storage options.
+OPEN_ARGUMENTS = {"encoding", "errors", "newline"}
+# aiohttp session options that HF datasets' compression hop (``gzip::``, ...) gives its
+# target as ``client_kwargs``, whatever the target is: an HTTP target takes them, and
+# over any other there is no HTTP client for them to set.
+HF_SESSION_OPTIONS = {"trust_env", "requote_redirect_url"}
 
 
 class TargetPaths:
@@ -269,13 +277,14 @@ def _unstrip(fs: AbstractFileSystem) -> Callable[[str], str]:
 
 def own_options(kwargs: dict, target_options: dict) -> dict:
     """The options of fsspec's base class among ``kwargs``; unknown ones are a ValueError,
-    except copies of the target's options: HF datasets hands its flat ``storage_options``
-    to every hop of a chained URL, so the cachemw hop gets the target's options too, as
-    themselves or as ``{protocol: {...}}`` under the protocol datasets takes a
-    ``cachemw::`` hop for (``file``)."""
+    except a file's open arguments (``OPEN_ARGUMENTS``, ignored) and copies of the target's
+    options: HF datasets hands its flat ``storage_options`` to every hop of a chained URL,
+    so the cachemw hop gets the target's options too, as themselves or as
+    ``{protocol: {...}}`` under the protocol datasets takes a ``cachemw::`` hop for
+    (``file``)."""
     unknown = []
     for name, value in kwargs.items():
-        if name in FSSPEC_BASE_OPTIONS:
+        if name in FSSPEC_BASE_OPTIONS or name in OPEN_ARGUMENTS:
             continue
         if name in target_options and target_options[name] == value:
             continue
@@ -287,3 +296,23 @@ def own_options(kwargs: dict, target_options: dict) -> dict:
     if unknown:
         raise ValueError(f"unknown cachemw option(s): {', '.join(sorted(unknown))}")
     return {k: v for k, v in kwargs.items() if k in FSSPEC_BASE_OPTIONS}
+
+
+def with_client_kwargs(target_protocol: str | None, target_options: dict,
+                       client_kwargs: object) -> dict:
+    """The target's options with ``client_kwargs`` given to the cachemw hop: an HTTP
+    target's client takes them (under its own, which win); over any other target only
+    the aiohttp options HF datasets' compression hop adds are taken, and dropped (there is
+    no HTTP client to set); anything else there is the unknown option it was, unless it is
+    a copy of the target's own (HF datasets' flat storage options: see own_options)."""
+    if client_kwargs is None or client_kwargs == target_options.get("client_kwargs"):
+        return target_options
+    if not isinstance(client_kwargs, Mapping):
+        raise ValueError(f"client_kwargs: must be a dict of options, got {client_kwargs!r}")
+    if target_protocol in ("http", "https"):
+        mine = target_options.get("client_kwargs") or {}
+        return {**target_options, "client_kwargs": {**client_kwargs, **mine}}
+    if set(client_kwargs) <= HF_SESSION_OPTIONS:
+        return target_options
+    raise ValueError("unknown cachemw option(s): client_kwargs (the target's client options "
+                     "go in target_options)")
