@@ -94,7 +94,7 @@ OPS: dict[str, Op] = {
                         "ranks, first, replace, owner): one rank's order among the node's, "
                         "and whether it replaces the unread rest its owner announced; sent "
                         "to a daemon naming ANNOUNCE_STREAMS]", "-"),
-    DROP: Op(False, "key, reason ('corrupt', 'missing', 'unreadable')[, tier: dropped only "
+    DROP: Op(False, "key, reason ('corrupt', 'missing', 'unreadable', 'superseded')[, tier: dropped only "
                     "if that tier holds it; sent to a daemon naming DROP_IN_TIER]", "-"),
     INVALIDATE: Op(True, "source url (written through the cache)",
                    "('ok', blocks dropped): answered once no block of it can be read"),

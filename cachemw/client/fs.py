@@ -101,6 +101,7 @@ class CacheFileSystem(_Base):
                                   defer=self.reader.fills.defer)
         self.reader.dropped_since = self.meta.dropped_since
         self.reader.moved_on = self.meta.moved_on
+        self.meta.superseded = self._drop_version
         self._warned_gone = False  # announced files not at the store, said once
 
         stripped: dict[str, str] = {}  # fsspec's path normalisation costs ~5 us a call
@@ -321,6 +322,15 @@ class CacheFileSystem(_Base):
                     tier.delete(key)
         self.meta.forget_tree(path)
         self.client.invalidate(self.meta.url(path))
+
+    def _drop_version(self, old) -> None:
+        """Have the node's daemon drop the blocks of ``old``, a version of a file the source
+        has moved on from (metadata.py ``_superseding``): left to eviction, they held the
+        room (and, by their reads, the rank) the new version's blocks needed."""
+        bs = self.options.block_size
+        for i in range(block_count(old.size, bs)):
+            if not self.client.drop(block_key(old.url, old.version, i, bs), "superseded"):
+                return  # no daemon: nothing of it to drop
 
     def _written_tree(self, path: str) -> None:
         prefix = path.rstrip("/") + "/"

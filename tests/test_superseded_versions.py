@@ -1,0 +1,94 @@
+"""A file's earlier version, once the node learns the source has moved on from it, has its
+blocks dropped node-wide: left to eviction they held the tier's room and, by the reads they
+had had, their rank under the history policy. A dataset rewritten in place after 5 epochs
+was two thirds uncached for the next 11 epochs through a tier that held both versions'
+worth, and a third of the dead blocks stayed for good (review loaders5)."""
+from __future__ import annotations
+
+import os
+
+import fsspec
+import pytest
+
+from conftest import daemon_stats, published, wait_for
+
+BS = 65536
+FILES = 24
+SIZE = 3 * BS + 100  # 4 blocks a file
+
+
+def _write_all(root, seed: int) -> dict:
+    out = {}
+    for i in range(FILES):
+        data = bytes([seed]) * 7 + os.urandom(SIZE - 7)
+        path = str(root / f"f{i:02d}.bin")
+        with open(path, "wb") as f:
+            f.write(data)
+        out[path] = data
+    return out
+
+
+def _epoch(fs, files: dict) -> None:
+    for path, data in files.items():
+        assert fs.cat_file(path) == data
+    published(fs)
+
+
+def _blocks(runtime_dir: str) -> int:
+    return daemon_stats(runtime_dir)["tiers"]["dram"]["blocks"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("validate", ["always", "ttl"])
+def test_a_rewritten_dataset_s_old_blocks_are_dropped_when_the_new_version_is_learnt(
+        tmp_path, runtime_dir, spawn_daemon, validate):
+    """The tier holds one version of the dataset and a half: with the old blocks left in
+    place (and read five times each), the new version's were refused admission."""
+    root = tmp_path / "data"
+    root.mkdir()
+    one_version = FILES * 4 * (BS + 4096)  # blocks with their page checksums, roughly
+    spawn_daemon(runtime_dir, dram_capacity=str(one_version * 3 // 2))
+    fs = fsspec.filesystem("cachemw", target_protocol="file", validate=validate, ttl=0.5,
+                           block_size=BS, autostart=False, runtime_dir=runtime_dir,
+                           skip_instance_cache=True)
+    files = _write_all(root, 1)
+    for _ in range(5):
+        _epoch(fs, files)
+    assert _blocks(runtime_dir) == FILES * 4
+    files = _write_all(root, 2)
+    if validate == "ttl":
+        import time
+        time.sleep(0.6)
+    _epoch(fs, files)  # learns every file's new version, and fills it
+    wait_for(lambda: _blocks(runtime_dir) == FILES * 4, 10,
+             what="only the new version's blocks left")
+    before = daemon_stats(runtime_dir)["counters"]
+    _epoch(fs, files)
+    after = daemon_stats(runtime_dir)["counters"]
+    assert after["misses"] == before["misses"]  # every block of the new version cached
+    assert after["bypassed"] == before["bypassed"]
+
+
+@pytest.mark.timeout(60)
+def test_the_blocks_of_a_version_a_read_found_gone_are_dropped(tmp_path, runtime_dir,
+                                                                   spawn_daemon):
+    """A read of a block not cached, pinned to the version the process knows, met another
+    version (ChangedSourceError): that version's other blocks are dead, and go."""
+    spawn_daemon(runtime_dir)
+    fs = fsspec.filesystem("cachemw", target_protocol="file", validate="immutable",
+                           block_size=BS, autostart=False, runtime_dir=runtime_dir,
+                           skip_instance_cache=True)
+    path = str(tmp_path / "f.bin")
+    old = os.urandom(4 * BS)
+    with open(path, "wb") as f:
+        f.write(old)
+    assert fs.cat_file(path, 0, 3 * BS) == old[:3 * BS]  # 3 of its 4 blocks cached
+    published(fs)
+    assert _blocks(runtime_dir) == 3
+    new = os.urandom(4 * BS)
+    with open(path + ".new", "wb") as f:
+        f.write(new)
+    os.replace(path + ".new", path)
+    assert fs.cat_file(path) == new  # the old version's last block: gone; started over
+    published(fs)
+    wait_for(lambda: _blocks(runtime_dir) == 4, 10, what="only the new version's 4 blocks")
