@@ -20,6 +20,7 @@ import errno
 import hashlib
 import mmap
 import os
+import stat
 import struct
 import sys
 
@@ -54,6 +55,11 @@ TIER_FAULTS = frozenset({errno.EIO, errno.EACCES, errno.EPERM, errno.ELOOP,
                          errno.ENXIO, errno.ESTALE, errno.EROFS})
 # the errors of opening a block file that say it is not there
 ABSENT = (FileNotFoundError, NotADirectoryError)
+# How a block file is opened for reading: never blocking, so that a FIFO (or a device) put
+# in a tier by hand is met as damage, not waited on for good (an open of a FIFO waits for
+# a writer; review loaders5: readers, and the daemon at its start and stop, hung there).
+# O_NONBLOCK changes nothing for a regular file.
+READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def key_id(key: str) -> bytes:
@@ -173,7 +179,7 @@ def read_block(path: str, length: int, page_size: int = PAGE_SIZE, key: str | No
     """The whole block at ``path`` (``length`` data bytes), verified; None if absent.
     ``key``: the block's, where the caller has it (else it is read off the file's name)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, READ_FLAGS)
     except ABSENT:  # no file, or no directory for it (a tier directory made a file)
         return None
     want = tail_size(length, page_size) + 1  # +1: detect trailing garbage
@@ -207,7 +213,7 @@ def read_range(path: str, length: int, start: int, end: int, page_size: int = PA
     if start <= 0 and end >= length:
         return read_block(path, length, page_size, key)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, READ_FLAGS)
     except ABSENT:  # no file, or no directory for it (a tier directory made a file)
         return None
     n = n_pages(length, page_size)
@@ -265,13 +271,16 @@ def read_tag(path: str) -> bytes | None:
     OSError for one that cannot be read (EIO, EACCES, ELOOP): a fault of the tier, which
     the caller counts."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < TRAILER_SIZE:
-                return None
-            trailer = os.pread(f.fileno(), TRAILER_SIZE, size - TRAILER_SIZE)
+        fd = os.open(path, READ_FLAGS)
     except (*ABSENT, IsADirectoryError):
         return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < TRAILER_SIZE:  # (a FIFO: no block)
+            return None
+        trailer = os.pread(fd, TRAILER_SIZE, st.st_size - TRAILER_SIZE)
+    finally:
+        os.close(fd)
     magic, fmt, *_, tag, _ = _TRAILER.unpack(trailer)
     return tag if magic == MAGIC and fmt == FORMAT_VERSION else None
 
@@ -301,7 +310,7 @@ def map_block(path: str, length: int, key: str | None = None) -> memoryview | No
     with holes is not mapped either (a read through the mapping of a hole on a full tmpfs
     is SIGBUS too): tiers write whole files, so one with holes is damage."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, READ_FLAGS)
     except ABSENT:  # no file, or no directory for it (a tier directory made a file)
         return None
     try:
@@ -342,7 +351,7 @@ class OpenBlock:
     def __init__(self, path: str, length: int, known: tuple | None = None) -> None:
         """``known``: (inode, page table) of this block file as an earlier OpenBlock of it
         read them: the same file again needs no second read and check of its tail."""
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, READ_FLAGS)
         try:
             st = os.fstat(fd)
             size, self.ino = st.st_size, st.st_ino

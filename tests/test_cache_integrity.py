@@ -484,3 +484,55 @@ def test_an_error_of_the_reading_process_is_raised_not_blamed_on_the_block(make_
     fs.client.flush()
     assert daemon_stats(runtime_dir)["tiers"]["dram"]["blocks"] == blocks
     assert fs.cat_file(path) == data
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_place_of_a_block_file_is_damage_not_a_hang(runtime_dir, spawn_daemon, tmp_path):
+    """A block file's open waited for a writer when the file was a FIFO put in the tier by
+    hand: readers hung for good, and so did the daemon re-indexing its tier at its start
+    and clearing it at its stop (review loaders5). Opened without blocking, it is a
+    damaged block: read from the source, and the FIFO removed."""
+    import signal
+
+    import fsspec
+
+    proc = spawn_daemon(runtime_dir)
+    dram = DirectoryTier("dram", daemon_stats(runtime_dir)["tiers"]["dram"]["path"])
+
+    def new_fs():
+        return fsspec.filesystem("cachemw", target_protocol="file", block_size=BS,
+                                 autostart=False, runtime_dir=runtime_dir,
+                                 skip_instance_cache=True)
+
+    fs = new_fs()
+    path = str(tmp_path / "f.bin")
+    data = os.urandom(2 * BS + 100)
+    with open(path, "wb") as f:
+        f.write(data)
+    assert fs.cat_file(path) == data
+    published(fs)
+    meta = fs.meta.file(path)
+    blocks = [dram.block_path(block_key(meta.url, meta.version, i, BS)) for i in range(3)]
+
+    def fifos():
+        for block in blocks:
+            if os.path.exists(block):
+                os.unlink(block)
+            os.mkfifo(block)
+
+    fifos()
+    assert new_fs().cat_file(path) == data
+    fifos()
+    assert new_fs().cat_file(path, BS - 10, BS + 10) == data[BS - 10:BS + 10]
+    fifos()
+    with new_fs().open(path) as f:
+        assert f.read() == data
+    fifos()
+    proc.kill()  # a new daemon indexes the tier: the FIFOs are no blocks
+    proc.wait(10)
+    proc = spawn_daemon(runtime_dir)
+    assert daemon_stats(runtime_dir)["tiers"]["dram"]["blocks"] == 0
+    assert new_fs().cat_file(path) == data
+    fifos()
+    proc.send_signal(signal.SIGTERM)  # its stop clears the tier
+    assert proc.wait(20) is not None

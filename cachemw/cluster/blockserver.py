@@ -70,7 +70,7 @@ class BlockServer:
         if path is None:
             return None
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, blockfile.READ_FLAGS)
         except OSError:
             return None
         try:
