@@ -202,8 +202,8 @@ class DaemonConnection:
                 conn, features = wire.dial(address, self.timeout)
                 break
             except (OSError, EOFError, AuthenticationError, DaemonUnavailable) as exc:
-                # refused with its lock free: it died; the second attempt replaces it
-                if attempt == 1 and self._may_start() and lock_holder(self.runtime_dir) is None:
+                # it died, or was stopping: the second attempt replaces it
+                if attempt == 1 and self._may_start() and self._gone_or_going(address, exc):
                     continue
                 self._unreachable(f"{address.socket}: {exc}",
                                   timed_out=isinstance(exc, DaemonUnavailable), pid=address.pid)
@@ -222,6 +222,20 @@ class DaemonConnection:
                 self._warned = False
             self._untold = None
         return conn
+
+    def _gone_or_going(self, address: DaemonAddress, exc: Exception) -> bool:
+        """Whether the daemon that failed a dial with ``exc`` is dead (its lock free) or,
+        refusing while it holds the lock, frees it within what this call may still wait on
+        silence: it was stopping (finding.released). Not one that stayed silent (hung,
+        busy): that is waited on no longer."""
+        if lock_holder(self.runtime_dir) is None:
+            return True
+        if isinstance(exc, DaemonUnavailable):
+            return False
+        waited = time.monotonic()
+        gone = finding.released(self.runtime_dir, address.pid, silence.silence_left(self.timeout))
+        silence.waited_silent(time.monotonic() - waited)
+        return gone
 
     def _may_start(self) -> bool:
         """Whether a dead daemon may be replaced now: not by the last report of a closing

@@ -31,7 +31,28 @@ def find(runtime_dir: str, *, may_start: bool, daemon_config: dict, timeout: flo
         return address  # its tier files still serve hits
     if address is not None and address.pid == holder.get("pid"):
         return address
-    return await_address(runtime_dir, min(START_WAIT, timeout)) or address
+    found = await_address(runtime_dir, min(START_WAIT, timeout))
+    if found is None and may_start and lock_holder(runtime_dir) is None:
+        # the holder was a daemon on its way out (its address withdrawn, then its lock
+        # freed): the next is started now, not after a back-off of misses to the source
+        return start(runtime_dir, daemon_config)
+    return found or address
+
+
+def released(runtime_dir: str, pid: int, wait: float) -> bool:
+    """Whether the daemon ``pid``, which refused a connection while holding the node's
+    lock, frees the lock within ``wait`` s: a daemon stopping (its process's parent gone,
+    its idle time out, a ``cachemw stop``) closes its socket before it has cleared its
+    tiers and let the lock go. A process started in those moments waited out a back-off,
+    its misses read uncached, and was told the daemon it never started was gone."""
+    deadline = time.monotonic() + wait
+    while True:
+        holder = lock_holder(runtime_dir)
+        if holder is None:
+            return True
+        if holder.get("pid") != pid or time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
 
 
 def start(runtime_dir: str, daemon_config: dict) -> DaemonAddress | None:
