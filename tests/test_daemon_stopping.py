@@ -68,3 +68,31 @@ def test_a_reader_started_while_the_daemon_stops_starts_the_next_one(tmp_path, c
             stopping.kill()
         stopping.stdout.close()
         stop_local(runtime_dir)
+
+
+@pytest.mark.timeout(60)
+def test_tier_settings_a_running_daemon_lacks_are_said_once(tmp_path, runtime_dir,
+                                                              spawn_daemon, caplog,
+                                                              monkeypatch):
+    """A process's daemon settings apply only to a daemon it starts; where one runs with
+    other tiers they were ignored without a word (review loaders5)."""
+    spawn_daemon(runtime_dir, dram_capacity="32MiB")
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 5000)
+
+    def read(**options):
+        fs = fsspec.filesystem("cachemw", target_protocol="file", runtime_dir=runtime_dir,
+                               skip_instance_cache=True, **options)
+        assert fs.cat_file(str(path)) == b"x" * 5000
+
+    with caplog.at_level(logging.WARNING, logger="cachemw"):
+        read(daemon_options={"dram_capacity": "32MiB"})  # what it has: nothing to say
+        assert not [r for r in caplog.records if "other tiers" in r.getMessage()]
+        monkeypatch.setenv("CACHEMW_NVME_DIR", str(tmp_path / "nvme"))
+        monkeypatch.setenv("CACHEMW_NVME_CAPACITY", "1GiB")
+        read(daemon_options={"dram_capacity": "64MiB"})
+        read(daemon_options={"dram_capacity": "64MiB"})
+    said = [r.getMessage() for r in caplog.records if "other tiers" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "dram_capacity 64.0 MiB (it has 32.0 MiB)" in said[0], said
+    assert "nvme_dir" in said[0] and "no nvme tier" in said[0], said

@@ -31,7 +31,7 @@ import weakref
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
 
-from ..config import DaemonConfig
+from ..config import DaemonConfig, daemon_environment
 from .. import ops
 from . import finding, reporting, silence, wire
 from .wire import DaemonUnavailable
@@ -258,6 +258,23 @@ class DaemonConnection:
         if address != self._address:
             self._address = address
             self._tiers = [DirectoryTier(t["name"], t["path"]) for t in address.tiers]
+            self._say_ignored(address)
+
+    def _say_ignored(self, address: DaemonAddress) -> None:
+        """Say once (per process and daemon) which of this process's tier settings the
+        running daemon does not have: they would apply only to a daemon it started."""
+        try:
+            asked = {**daemon_environment(), **(self.daemon_config or {})}
+        except ValueError:  # a bad variable: said where the filesystem was made
+            return
+        ignored = finding.ignored_settings(address, asked)
+        why = (f"the node's daemon (pid {address.pid}, {self.runtime_dir}) runs with other "
+               f"tiers than this process asks for: {'; '.join(ignored)}. Settings apply to "
+               f"a daemon a process starts; to have them, stop this one first (`cachemw "
+               f"stop`; one autostarted by a DataLoader worker exits once idle)")
+        if ignored and why not in _said:
+            _said.add(why)
+            log.warning("%s", why)
 
     def _drop_connection(self):
         conn = getattr(self._local, "conn", None)

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import time
 
+from ..config_values import format_size, parse_size
 from ..launch import LOG, START_WAIT, DaemonStartError, await_address, spawn_detached
 from ..processes import process_state
 from ..protocol import DaemonAddress, UnsafeDirectory, check_private_dir, lock_holder, lookup
@@ -93,3 +94,29 @@ def why_not_started(runtime_dir: str, exc: Exception) -> str:
     if isinstance(exc, DaemonStartError):
         return f"cachemw daemon cannot start: {exc}"
     return f"cachemw daemon cannot start in {runtime_dir}: {exc}"
+
+
+def ignored_settings(address: DaemonAddress, asked: dict) -> list[str]:
+    """The tier settings ``asked`` (a filesystem's ``daemon_options`` over the CACHEMW_*
+    variables) that the running daemon at ``address`` does not have: they apply only to a
+    daemon the process starts, and were ignored without a word (review loaders5: a
+    daemon a DataLoader worker had started kept serving the next job's other tiers)."""
+    have = {t["name"]: t for t in address.tiers}
+    out = []
+    for tier in ("dram", "nvme"):
+        held = have.get(tier)
+        where, size = asked.get(f"{tier}_dir"), asked.get(f"{tier}_capacity")
+        if where is not None and "{" in str(where):  # a cluster's per-node form: not here
+            where = None
+        try:
+            size = None if size is None else parse_size(size, name=f"{tier}_capacity")
+        except ValueError:
+            size = None  # (checked where the filesystem was made)
+        if where is not None and (held is None or os.path.realpath(str(where))
+                                  != os.path.realpath(held["path"])):
+            out.append(f"{tier}_dir {str(where)!r} (it has "
+                       f"{repr(held['path']) if held else f'no {tier} tier'})")
+        if size is not None and (held is None or size != held.get("capacity")):
+            out.append(f"{tier}_capacity {format_size(size)} (it has "
+                       f"{format_size(held['capacity']) if held else f'no {tier} tier'})")
+    return out
