@@ -27,8 +27,21 @@ options=()
 [[ -n ${CACHEMW_DRAM_CAPACITY:-} ]] && options+=(--dram-capacity "$CACHEMW_DRAM_CAPACITY")
 if [[ -n ${CACHEMW_NVME_DIR:-} ]]; then
     nvme=${CACHEMW_NVME_DIR//%u/$SLURM_JOB_USER}  # e.g. /local/nvme/cachemw-%u (kept)
-    install -d -m 0700 -o "$SLURM_JOB_USER" "$nvme"
-    options+=(--nvme-dir "$nvme" --nvme-capacity "${CACHEMW_NVME_CAPACITY:?}")
+    # Root never follows a path the job's user may have put there: in a scratch dir users
+    # can write, a symlink at that name would make its target the user's (install -d -o
+    # did). A new directory is made by root only where nothing has the name (mkdir fails
+    # on an existing one, a symlink too) and given to the user with chown -h (which
+    # changes a link, never its target); what is there already must be the user's own
+    # directory, else the job runs without an NVMe tier.
+    if [[ ! -e $nvme && ! -L $nvme ]]; then
+        mkdir -m 0700 -- "$nvme" 2>/dev/null && chown -h -- "$SLURM_JOB_USER" "$nvme"
+    fi
+    if [[ -d $nvme && ! -L $nvme && $(stat -c %u -- "$nvme") == "$uid" ]]; then
+        options+=(--nvme-dir "$nvme" --nvme-capacity "${CACHEMW_NVME_CAPACITY:?}")
+    else
+        echo "cachemw-prolog: job $SLURM_JOB_ID: $nvme is not a directory of $SLURM_JOB_USER's: no NVMe tier" >&2
+        logger -t cachemw-prolog "job $SLURM_JOB_ID: $nvme is not a directory of the job user's: no NVMe tier" 2>/dev/null
+    fi
 fi
 # a clean environment: only what the daemon needs, never root's
 if ! out=$(timeout "${CACHEMW_PROLOG_TIMEOUT:-120}" runuser -u "$SLURM_JOB_USER" -- env -i \

@@ -59,3 +59,78 @@ def test_job_layout_is_per_job():
             assert "absolute" in _layout("9", CACHEMW_RUNTIME_DIR=bad)["error"], bad
     assert _layout("7", CACHEMW_RAY_PORT_BASE="20000")["base"] == 20000
     assert "must be a number" in _layout("7; rm -rf /")["error"]
+
+
+def _prolog(tmp_path, nvme_base, user: str = "nobody") -> tuple[subprocess.CompletedProcess, str]:
+    """Run the site-mode Prolog as Slurm does (as root, for ``user``'s job 4242), with a
+    stand-in for cachemw that records its arguments; (the run, those arguments)."""
+    said = tmp_path / "said"
+    said.mkdir(mode=0o1777)
+    said.chmod(0o1777)
+    fake = tmp_path / "fake-cachemw"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {said}/args\n')
+    fake.chmod(0o755)
+    site = tmp_path / "site.env"
+    site.write_text(f"CACHEMW_BIN={fake}\nCACHEMW_NVME_DIR={nvme_base}/cachemw-%u\n"
+                    f"CACHEMW_NVME_CAPACITY=1GiB\n")
+    env = {"PATH": os.environ["PATH"], "CACHEMW_SITE_ENV": str(site),
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_USER": user, "SLURM_JOB_PARTITION": "p"}
+    run = subprocess.run(["bash", os.path.join(SLURM, "prolog.sh")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    args = (said / "args").read_text() if (said / "args").exists() else ""
+    return run, args
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("runuser") or subprocess.run(
+        ["id", "-u", "nobody"], capture_output=True).returncode != 0,
+    reason="the Prolog runs as root and starts the daemon as the job's user (nobody here)")
+
+
+@pytest.fixture
+def open_dir():
+    """A directory the job's user can reach (pytest's own is private to root)."""
+    import tempfile
+    from pathlib import Path
+
+    path = tempfile.mkdtemp(prefix="cachemw-test-prolog-", dir="/tmp")
+    os.chmod(path, 0o755)
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_the_prolog_never_follows_a_link_the_job_s_user_planted(open_dir):
+    """As root it ran ``install -d -o USER`` on the NVMe path: where users can write the
+    directory holding it (node-local scratch, 1777), a symlink at that name made its
+    target (/etc, say) the user's (review ops5). Now root makes the directory only where
+    nothing has the name; anything else there must be the user's own directory."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    tmp_path = open_dir
+    base = tmp_path / "nvme"
+    base.mkdir()
+    base.chmod(0o1777)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    victim.chmod(0o755)
+    subprocess.run(["runuser", "-u", "nobody", "--", "ln", "-s", str(victim),
+                    str(base / "cachemw-nobody")], check=True)
+    run, args = _prolog(tmp_path, base)
+    assert run.returncode == 0, run.stderr
+    st = victim.stat()
+    assert (st.st_uid, st.st_mode & 0o7777) == (0, 0o755)  # untouched
+    assert "--nvme-dir" not in args and "start" in args  # the job runs, without NVMe
+    assert "not a directory of nobody's" in run.stderr
+
+    (base / "cachemw-nobody").unlink()  # nothing at the name: made, the user's, 0700
+    again = tmp_path / "again"
+    again.mkdir()
+    run, args = _prolog(again, base)
+    made = base / "cachemw-nobody"
+    st = os.lstat(made)
+    assert os.path.isdir(made) and not os.path.islink(made)
+    assert (st.st_uid, st.st_mode & 0o777) == (nobody, 0o700)
+    assert f"--nvme-dir {made} --nvme-capacity 1GiB" in args, args
