@@ -8,11 +8,13 @@ InvalidAuthToken warnings); ``--runtime-dir relative/dir`` said "no daemon runs"
 ``warm`` refused it as not absolute."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -105,6 +107,14 @@ def test_the_address_of_the_local_cluster_is_reached_with_its_token(tmp_path):
             nodes = json.loads(r.stdout)["nodes"]  # through Ray, not the local fallback
             assert len(nodes) == 1 and "error" not in nodes[0]["stats"], nodes
             assert time.monotonic() - began < 60  # no retries (generous: a loaded machine)
+        # without the cluster's token (another runtime dir's shell): an error, exit 2; it
+        # stopped nothing and exited 0, as if no cluster ran there (review ops5)
+        other = dict(env, CACHEMW_RUNTIME_DIR=str(tmp_path / "other"))
+        r = _cli("stop", "--address", state["address"], env=other, timeout=120)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "cannot join the Ray cluster at" in r.stderr and "token" in r.stderr, r.stderr
+        r = _cli("status", "--json", env=env, timeout=120)
+        assert r.returncode == 0 and len(json.loads(r.stdout)["nodes"]) == 1, r.stderr
         # stop with the address stops that cluster whole, as stop without it does
         r = _cli("stop", "--address", f"localhost:{port}", env=env, timeout=240)
         assert r.returncode == 0 and "stopped 1 daemon" in r.stdout, r.stdout + r.stderr
@@ -130,6 +140,54 @@ def test_an_ipv6_address_is_checked_as_ray_takes_it():
     with server:
         server.listen()
         port = server.getsockname()[1]
-        assert answers(f"[::1]:{port}")
+        with _answering_as_grpc(server):
+            assert answers(f"[::1]:{port}")
         assert names({"address": f"127.0.0.1:{port}"}, f"[::1]:{port}")
     assert not answers(f"[::1]:{port}")
+
+
+@contextlib.contextmanager
+def _answering_as_grpc(server):
+    """``server`` (listening) answers its first connection as an HTTP/2 server does: the
+    SETTINGS frame a gRPC server (Ray's GCS) sends on a client's preface."""
+    def answer():
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(64)
+            conn.sendall(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+            conn.recv(64)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    yield
+    thread.join(10)
+
+
+@pytest.mark.timeout(60)
+def test_an_address_where_another_server_listens_is_no_ray_cluster(tmp_path):
+    """A TCP connect was all the check asked: at a port where an HTTP server listens (a
+    typo'd port) ray.init retried for good and `cachemw status` and `stop` with it (review
+    ops5). A Ray GCS is a gRPC server: it answers an HTTP/2 preface."""
+    import http.server
+    import socket
+
+    from cachemw.cluster.local_ray import answers
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{httpd.server_address[1]}"
+        assert not answers(address)
+        began = time.monotonic()
+        r = _cli("status", "--address", address, env=dict(
+            os.environ, CACHEMW_RUNTIME_DIR=str(tmp_path / "rt")), timeout=50)
+        assert r.returncode == 2 and "no Ray cluster answers at" in r.stderr, r.stderr
+        assert time.monotonic() - began < 30
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        with _answering_as_grpc(server):
+            assert answers(f"127.0.0.1:{server.getsockname()[1]}")

@@ -158,6 +158,7 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
     if ray is not None and ray.is_initialized():  # a driver already connected: use its cluster
         return {"address": address or "current", "started_by_cachemw": False}
     address = own_address(address, runtime_dir)
+    given = address  # --address, not the local cluster's nor RAY_ADDRESS's
     state = None
     if address is not None and not local_ray.answers(address):  # ray.init would retry minutes
         raise UnreachableCluster(f"no Ray cluster answers at {address} (the address "
@@ -182,8 +183,16 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
         os.environ["RAY_AUTH_TOKEN_PATH"] = state["token_path"]
     ray = _ray()
     if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING,
-                 log_to_driver=False)
+        try:
+            ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING,
+                     log_to_driver=False)
+        except ConnectionError as exc:  # the cluster given refused us: the command's error
+            if given is None:  # (stop, status, top went on as if no cluster ran, exit 0:
+                raise  # review ops5), not "no cluster" (RAY_ADDRESS's: passed over)
+            raise UnreachableCluster(
+                f"cannot join the Ray cluster at {given}: {exc}; a cluster with token "
+                f"auth (as `cachemw start` makes) admits only a process with its token "
+                f"(RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)") from exc
     return state or {"address": address, "started_by_cachemw": False}
 
 

@@ -220,9 +220,18 @@ def alive(state: dict) -> bool:
     return answers(state["address"])
 
 
+# What an HTTP/2 client sends first (RFC 9113 3.4): the preface, then its SETTINGS frame
+# (empty); a server answers with a SETTINGS frame of its own (frame type 4).
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
 def answers(address: str) -> bool:
-    """Does something listen at a Ray GCS address ``host:port``? Other forms ("auto", a
-    ``ray://`` client address) are Ray's to resolve: True."""
+    """Does a gRPC server (as Ray's GCS is) answer at a Ray GCS address ``host:port``?
+    Other forms ("auto", a ``ray://`` client address) are Ray's to resolve: True. Not
+    only a listener: ray.init at a port where another server listens (an HTTP server, a
+    typo'd port) retried for good, and the command with it (review ops5); a gRPC server
+    answers an HTTP/2 preface with its SETTINGS frame. With TLS (RAY_USE_TLS) the port
+    listening is all that is asked."""
     import socket
 
     host, _, port = address.rpartition(":")
@@ -230,8 +239,18 @@ def answers(address: str) -> bool:
         return True
     host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:6379
     try:
-        with socket.create_connection((host, int(port)), timeout=2):
-            return True
+        with socket.create_connection((host, int(port)), timeout=2) as sock:
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+                return True
+            sock.settimeout(2)
+            sock.sendall(_H2_PREFACE)
+            head = b""
+            while len(head) < 9:
+                chunk = sock.recv(9 - len(head))
+                if not chunk:
+                    return False
+                head += chunk
+            return head[3] == 4  # a SETTINGS frame
     except OSError:
         return False
 
