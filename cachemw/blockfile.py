@@ -193,6 +193,8 @@ def read_block(path: str, length: int, page_size: int = PAGE_SIZE, key: str | No
             tail, at = os.read(fd, want), 0
     except IsADirectoryError:
         raise CorruptBlock(f"{path}: a directory, not a block file") from None
+    except BlockingIOError:  # (READ_FLAGS) a FIFO with a writer: no block file either
+        raise CorruptBlock(f"{path}: not a regular file") from None
     finally:
         os.close(fd)
     if len(data) != length:
@@ -226,6 +228,10 @@ def read_range(path: str, length: int, start: int, end: int, page_size: int = PA
         data = os.pread(fd, want, lo)
     except IsADirectoryError:
         raise CorruptBlock(f"{path}: a directory, not a block file") from None
+    except (BlockingIOError, OSError) as exc:  # a FIFO (ESPIPE; with a writer, EAGAIN)
+        if isinstance(exc, BlockingIOError) or exc.errno == errno.ESPIPE:
+            raise CorruptBlock(f"{path}: not a regular file") from None
+        raise
     finally:
         os.close(fd)
     if len(trailer) != TRAILER_SIZE:

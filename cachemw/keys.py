@@ -84,6 +84,17 @@ def version_fields(token: str) -> dict[str, str]:
     return out
 
 
+def other_content(old: str, new: str) -> bool:
+    """Whether two version tokens of one file name other bytes for certain: a field both
+    carry (the size among them) differs. Tokens of one object may carry different fields
+    (an S3 listing gives an ETag, a HEAD of a versioned bucket its VersionId too): those
+    with no field in common but the size, the same size, are not told apart."""
+    if old == new:
+        return False
+    a, b = version_fields(old), version_fields(new)
+    return any(a[name] != b[name] for name in a.keys() & b.keys())
+
+
 def block_key(url: str, version: str, index: int, block_size: int) -> str:
     """Key of block ``index`` of ``url`` at ``version`` cut at ``block_size`` (32 hex chars)."""
     h = hashlib.blake2b(digest_size=16)

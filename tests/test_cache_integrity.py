@@ -527,6 +527,20 @@ def test_a_fifo_in_place_of_a_block_file_is_damage_not_a_hang(runtime_dir, spawn
     fifos()
     with new_fs().open(path) as f:
         assert f.read() == data
+    fifos()  # with a writer holding them open: reads find no data (EAGAIN), not an error
+    writers = [os.open(block, os.O_RDWR) for block in blocks]
+    try:
+        for read in (lambda b: blockfile.read_block(b, BS),
+                     lambda b: blockfile.read_range(b, BS, 10, 20)):
+            with pytest.raises(blockfile.CorruptBlock):  # not EAGAIN's BlockingIOError
+                read(blocks[0])
+        assert new_fs().cat_file(path) == data
+        fifos()
+        writers += [os.open(block, os.O_RDWR) for block in blocks]
+        assert new_fs().cat_file(path, BS - 10, BS + 10) == data[BS - 10:BS + 10]
+    finally:
+        for fd in writers:
+            os.close(fd)
     fifos()
     proc.kill()  # a new daemon indexes the tier: the FIFOs are no blocks
     proc.wait(10)

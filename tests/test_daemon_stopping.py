@@ -96,3 +96,22 @@ def test_tier_settings_a_running_daemon_lacks_are_said_once(tmp_path, runtime_di
     assert len(said) == 1, said
     assert "dram_capacity 64.0 MiB (it has 32.0 MiB)" in said[0], said
     assert "nvme_dir" in said[0] and "no nvme tier" in said[0], said
+
+    import multiprocessing  # a DataLoader worker (forked) has its parent's settings: quiet
+
+    log_file = tmp_path / "worker.log"
+
+    def worker():
+        handler = logging.FileHandler(log_file)
+        logging.getLogger("cachemw").addHandler(handler)
+        fs = fsspec.filesystem("cachemw", target_protocol="file", runtime_dir=runtime_dir,
+                               daemon_options={"dram_capacity": "64MiB"},
+                               skip_instance_cache=True)
+        fs.cat_file(str(path))
+        handler.flush()
+
+    child = multiprocessing.get_context("fork").Process(target=worker)
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert "other tiers" not in log_file.read_text()

@@ -204,3 +204,34 @@ def test_text_compressed_and_tar_files_stream_through_cachemw(hf, tmp_path, monk
     finally:
         CacheFileSystem.clear_instance_cache()
         stop_local(runtime_dir)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("options", ["per-protocol", "flat"])
+def test_a_compressed_file_on_s3_streams_through_cachemw(hf, tmp_path, monkeypatch, s3_server,
+                                                         options):
+    """datasets' compression hop merges its aiohttp options into the S3 target's own
+    ``client_kwargs`` and hands them to the cachemw hop: with flat storage options that
+    was refused as an unknown option (diffrev-6)."""
+    import gzip
+    import json
+
+    client = s3_server["boto3"]()
+    key = f"hf-gz/{options}/b.jsonl.gz"
+    client.put_object(Bucket=s3_server["bucket"], Key=key, Body=gzip.compress(
+        "".join(json.dumps({"id": i}) + "\n" for i in range(100)).encode()))
+    s3 = s3_server["target_options"]
+    storage_options = ({"s3": s3, "cachemw": {"validate": "immutable"}}
+                       if options == "per-protocol" else dict(s3))
+    runtime_dir = str(tmp_path / "runtime")
+    monkeypatch.setenv("CACHEMW_RUNTIME_DIR", runtime_dir)
+    CacheFileSystem.clear_instance_cache()
+    try:
+        ds = datasets.load_dataset("json", data_files=f"cachemw::s3://{s3_server['bucket']}/{key}",
+                                   split="train", streaming=True, cache_dir=hf,
+                                   storage_options=storage_options)
+        assert [r["id"] for r in ds] == list(range(100))
+        assert daemon_stats(runtime_dir)["counters"]["leases"] == 1  # through the cache
+    finally:
+        CacheFileSystem.clear_instance_cache()
+        stop_local(runtime_dir)

@@ -261,8 +261,12 @@ class DaemonConnection:
             self._say_ignored(address)
 
     def _say_ignored(self, address: DaemonAddress) -> None:
-        """Say once (per process and daemon) which of this process's tier settings the
-        running daemon does not have: they would apply only to a daemon it started."""
+        """Say once (per daemon) which of this process's tier settings the running daemon
+        does not have: they would apply only to a daemon it started. By a main process
+        only: its DataLoader workers have its settings, and each said it again, every
+        epoch (diffrev-6)."""
+        if not finding.is_main_process():
+            return
         try:
             asked = {**daemon_environment(), **(self.daemon_config or {})}
         except ValueError:  # a bad variable: said where the filesystem was made

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Callable, NamedTuple
 
-from ..keys import stated_size, version_token
+from ..keys import other_content, stated_size, version_token
 from ..tiers.fork_safe import ForkSafe
 from ..tiers.source import source_info
 from .metatable import written_at
@@ -217,8 +217,14 @@ class MetadataCache(SharedRecords):
         left to eviction; under the history policy their read counts kept the new
         version's blocks out of a full tier (a dataset rewritten in place after 5 epochs
         was two thirds uncached for the next 11, and a third of the old blocks stayed for
-        good: review loaders5)."""
-        if old is not None and old.version != new.version and old.size > 0:
+        good: review loaders5).
+
+        Only an older answer (fetched before ``new`` was asked for: a late answer must not
+        call the newer version superseded) that says another content: a field both tokens
+        carry differs. A versioned bucket's listing gives an object's ETag without the
+        VersionId its HEAD and GET give: the same bytes under two tokens (diffrev-6)."""
+        if (old is not None and old.size > 0 and old.fetched <= new.fetched
+                and other_content(old.version, new.version)):
             self.superseded(old)
         return new
 

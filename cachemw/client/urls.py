@@ -302,9 +302,10 @@ def with_client_kwargs(target_protocol: str | None, target_options: dict,
                        client_kwargs: object) -> dict:
     """The target's options with ``client_kwargs`` given to the cachemw hop: an HTTP
     target's client takes them (under its own, which win); over any other target only
-    the aiohttp options HF datasets' compression hop adds are taken, and dropped (there is
-    no HTTP client to set); anything else there is the unknown option it was, unless it is
-    a copy of the target's own (HF datasets' flat storage options: see own_options)."""
+    the aiohttp options HF datasets' compression hop adds are dropped (there is no HTTP
+    client to set), and the rest must be empty or a copy of the target's own (HF datasets'
+    flat storage options, which its compression hop merges those two into: see
+    own_options); anything else there is the unknown option it was."""
     if client_kwargs is None or client_kwargs == target_options.get("client_kwargs"):
         return target_options
     if not isinstance(client_kwargs, Mapping):
@@ -312,7 +313,8 @@ def with_client_kwargs(target_protocol: str | None, target_options: dict,
     if target_protocol in ("http", "https"):
         mine = target_options.get("client_kwargs") or {}
         return {**target_options, "client_kwargs": {**client_kwargs, **mine}}
-    if set(client_kwargs) <= HF_SESSION_OPTIONS:
+    rest = {k: v for k, v in client_kwargs.items() if k not in HF_SESSION_OPTIONS}
+    if not rest or rest == target_options.get("client_kwargs"):
         return target_options
     raise ValueError("unknown cachemw option(s): client_kwargs (the target's client options "
                      "go in target_options)")
