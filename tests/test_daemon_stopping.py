@@ -17,23 +17,29 @@ import pytest
 
 from cachemw.launch import stop_local
 
-# A daemon on its way out: it holds the lock, has (or has withdrawn) its address, refuses
-# every connection, and frees the lock after a moment.
-_STOPPING = r"""
+# A daemon that holds the lock and refuses every connection (no socket at its address):
+# "withdrawn": on its way out (node/service.py close: the address withdrawn, then the socket
+# closed and the tiers cleared, then the lock freed after a moment); "published": its address
+# withdrawn a moment after a reader may have read it; "live": never stopping (its socket
+# removed by hand), until killed.
+_REFUSING = r"""
 import json, os, sys, time
 from cachemw.protocol import DaemonAddress, DaemonLock, ensure_private_dir, publish, unpublish
-runtime_dir, published = sys.argv[1], sys.argv[2] == "published"
+runtime_dir, how = sys.argv[1], sys.argv[2]
 ensure_private_dir(runtime_dir)
 lock = DaemonLock(runtime_dir)
 assert lock.acquire(5)
 lock.describe(pid=os.getpid(), kind="autostarted")
-if published:
+if how != "withdrawn":
     publish(runtime_dir, DaemonAddress(node_id="n", pid=os.getpid(),
                                        socket=os.path.join(runtime_dir, "gone.sock"),
                                        secret="00" * 16, tiers=(), meta_dir=runtime_dir))
 print("holding", flush=True)
-time.sleep(float(sys.argv[3]))
+if how == "live":
+    time.sleep(3600)
+time.sleep(0.05)
 unpublish(runtime_dir, os.getpid())
+time.sleep(float(sys.argv[3]))
 lock.release()
 """
 
@@ -48,7 +54,7 @@ def test_a_reader_started_while_the_daemon_stops_starts_the_next_one(tmp_path, c
     for path, data in files.items():
         with open(path, "wb") as f:
             f.write(data)
-    stopping = subprocess.Popen([sys.executable, "-c", _STOPPING, runtime_dir, address, "1.0"],
+    stopping = subprocess.Popen([sys.executable, "-c", _REFUSING, runtime_dir, address, "1.0"],
                                 stdout=subprocess.PIPE, text=True)
     try:
         assert stopping.stdout.readline().strip() == "holding"
@@ -115,3 +121,32 @@ def test_tier_settings_a_running_daemon_lacks_are_said_once(tmp_path, runtime_di
     child.join(30)
     assert child.exitcode == 0
     assert "other tiers" not in log_file.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_live_daemon_that_refuses_is_not_waited_on(tmp_path):
+    """A daemon that refuses connections with its address still published (its socket
+    removed by hand, its backlog full) is not stopping: reads go to the source at once,
+    counted, as before; waiting for its lock cost each read call the whole budget of
+    silence, 5 s (diffrev-6)."""
+    import time
+
+    runtime_dir = str(tmp_path / "rt")
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"y" * 5000)
+    live = subprocess.Popen([sys.executable, "-c", _REFUSING, runtime_dir, "live", "0"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout.readline().strip() == "holding"
+        fs = fsspec.filesystem("cachemw", target_protocol="file", runtime_dir=runtime_dir,
+                               skip_instance_cache=True)
+        for _ in range(2):
+            began = time.monotonic()
+            assert fs.cat_file(str(path)) == b"y" * 5000
+            assert time.monotonic() - began < 2.0
+            time.sleep(2.2)  # past the back-off: asked again
+        assert fs.stats()["fallbacks"] == 2
+    finally:
+        live.kill()
+        live.wait(10)
+        live.stdout.close()

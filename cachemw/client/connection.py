@@ -224,13 +224,19 @@ class DaemonConnection:
         return conn
 
     def _gone_or_going(self, address: DaemonAddress, exc: Exception) -> bool:
-        """Whether the daemon that failed a dial with ``exc`` is dead (its lock free) or,
-        refusing while it holds the lock, frees it within what this call may still wait on
-        silence: it was stopping (finding.released). Not one that stayed silent (hung,
-        busy): that is waited on no longer."""
+        """Whether the daemon that failed a dial with ``exc`` is dead (its lock free) or
+        stopping, and frees its lock within what this call may still wait on silence
+        (finding.released). A daemon stopping withdraws its address before it closes its
+        socket (node/service.py close); one that refused with its address still published
+        (its socket removed by hand, its listen backlog full: EAGAIN) or stayed silent
+        (hung, busy) is waited on no longer: each read call waited out the budget on it
+        (diffrev-6)."""
         if lock_holder(self.runtime_dir) is None:
             return True
-        if isinstance(exc, DaemonUnavailable):
+        if isinstance(exc, (DaemonUnavailable, BlockingIOError, TimeoutError)):
+            return False
+        published = lookup(self.runtime_dir)
+        if published is not None and published.pid == address.pid:
             return False
         waited = time.monotonic()
         gone = finding.released(self.runtime_dir, address.pid, silence.silence_left(self.timeout))
