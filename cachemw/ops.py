@@ -69,6 +69,7 @@ PING = "ping"
 SHUTDOWN = "shutdown"
 CHECKPOINT = "checkpoint"
 PEER_SILENT = "peer_silent"
+SUPERSEDED = "superseded"
 BUSY = "busy"  # sent by the daemon, never by a client (see above)
 
 #: What a daemon can do beyond the first release's protocol, named in its HELLO reply (a
@@ -76,7 +77,8 @@ BUSY = "busy"  # sent by the daemon, never by a client (see above)
 ANNOUNCE_STREAMS = "announce-streams"  # ANNOUNCE's (group, rank, ranks, first, replace, owner)
 DROP_IN_TIER = "drop-in-tier"  # DROP's third argument: the tier whose copy failed
 PEER_SILENT_NOTE = "peer-silent"  # PEER_SILENT is understood
-FEATURES = (ANNOUNCE_STREAMS, DROP_IN_TIER, PEER_SILENT_NOTE)
+SUPERSEDED_NOTE = "superseded"  # SUPERSEDED is understood
+FEATURES = (ANNOUNCE_STREAMS, DROP_IN_TIER, PEER_SILENT_NOTE, SUPERSEDED_NOTE)
 
 OPS: dict[str, Op] = {
     HELLO: Op(True, "client pid[, keepalive seconds: how often to say BUSY]",
@@ -94,8 +96,11 @@ OPS: dict[str, Op] = {
                         "ranks, first, replace, owner): one rank's order among the node's, "
                         "and whether it replaces the unread rest its owner announced; sent "
                         "to a daemon naming ANNOUNCE_STREAMS]", "-"),
-    DROP: Op(False, "key, reason ('corrupt', 'missing', 'unreadable', 'superseded')[, tier: dropped only "
+    DROP: Op(False, "key, reason ('corrupt', 'missing', 'unreadable')[, tier: dropped only "
                     "if that tier holds it; sent to a daemon naming DROP_IN_TIER]", "-"),
+    SUPERSEDED: Op(False, "url, version, size, block size: the source has moved on from that "
+                          "version of the file; the daemon drops the blocks of it it holds "
+                          "(node/superseded.py); sent to a daemon naming SUPERSEDED_NOTE", "-"),
     INVALIDATE: Op(True, "source url (written through the cache)",
                    "('ok', blocks dropped): answered once no block of it can be read"),
     RING: Op(True, "-", "('ok', {self, members, vnodes, blocks, secret, timeout, alive} "

@@ -326,11 +326,9 @@ class CacheFileSystem(_Base):
     def _drop_version(self, old) -> None:
         """Have the node's daemon drop the blocks of ``old``, a version of a file the source
         has moved on from (metadata.py ``_superseding``): left to eviction, they held the
-        room (and, by their reads, the rank) the new version's blocks needed."""
-        bs = self.options.block_size
-        for i in range(block_count(old.size, bs)):
-            if not self.client.drop(block_key(old.url, old.version, i, bs), "superseded"):
-                return  # no daemon: nothing of it to drop
+        room (and, by their reads, the rank) the new version's blocks needed. One note,
+        whatever the file's size (node/superseded.py)."""
+        self.client.superseded(old.url, old.version, old.size, self.options.block_size)
 
     def _written_tree(self, path: str) -> None:
         prefix = path.rstrip("/") + "/"

@@ -94,6 +94,14 @@ class DaemonClient(DaemonConnection, reporting.Reporter):
             return False
         return self._send(ops.DROP, key, reason, tier)
 
+    def superseded(self, url: str, version: str, size: int, block_size: int) -> bool:
+        """Tell the daemon that the source has moved on from ``version`` of ``url``: it
+        drops the blocks of it it holds (node/superseded.py). Not sent to a daemon that
+        does not know the note (an earlier release); True if sent."""
+        if self._connect() is None or ops.SUPERSEDED_NOTE not in self._features:
+            return False
+        return self._send(ops.SUPERSEDED, url, version, size, block_size)
+
     def peer_silent(self, owner: str) -> bool:
         """Tell the daemon that ``owner``'s block server (its name in the ring directory)
         kept a direct transfer waiting the whole peer timeout: the lease of the same blocks

@@ -35,6 +35,7 @@ from .lease_ends import LeaseEnds
 from ..placement import Demote, Prefetch
 from .placer import Placer
 from .records import Entry, Inflight, TierState
+from .superseded import SupersededVersions
 from ..protocol import CLIENT_COUNTERS
 from .. import reports
 from . import replicas
@@ -43,7 +44,7 @@ from ..tiers.directory import DirectoryTier
 log = logging.getLogger(__name__)
 
 
-class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner):
+class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner, SupersededVersions):
     BATCH_SHARE = 4  # a batch of fetched blocks stops being granted at 1/4 of a tier
 
     def __init__(self, config: DaemonConfig, *, lease_wait: float = 30.0) -> None:
@@ -70,6 +71,7 @@ class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner):
         self.claims.clear()  # no lease outlives a daemon, nor the claims that came with them
         self.metrics_url: str | None = None  # the daemon's Prometheus endpoint, if any
         self._pending: list = []  # moves for the maintenance thread (promotions)
+        self._superseded: list = []  # versions whose blocks it drops (superseded.py)
         self._deferred: dict[str, float] = {}  # key -> since when its move waits for its fill
         self._move_warned: dict[str, float] = {}  # tier -> when a failed move into it was last logged
         # blocks readers found corrupt or unreadable, by reason, since they were last logged

@@ -38,6 +38,7 @@ class MoveRunner:
                 self.check_tiers()
                 self.say_dropped()
                 self.take_reports()
+                self.drop_superseded()
                 with self._lock:
                     moves, self._pending = self._pending, []
                 self.run_moves(moves)

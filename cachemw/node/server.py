@@ -202,6 +202,8 @@ class SocketServer:
             ops.REPORT: lambda conn, link, counters, accesses: node.report(counters, accesses),
             ops.ANNOUNCE: lambda conn, link, items, stream=None: node.announce(items, stream),
             ops.DROP: lambda conn, link, key, reason, tier=None: node.drop(key, reason, tier),
+            ops.SUPERSEDED: lambda conn, link, url, version, size, block_size:
+                node.superseded(url, version, size, block_size),
             ops.INVALIDATE: lambda conn, link, url: ("ok", node.invalidate(url)),
             ops.RING: lambda conn, link: (
                 "ok", node.remote.directory() if node.remote is not None else None),

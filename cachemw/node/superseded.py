@@ -1,0 +1,47 @@
+"""A file's versions the source has moved on from: their blocks, dropped by the daemon.
+
+A client that learns a file has another version (a revalidation finds another, a read
+meets another or none: client/metadata.py ``_superseding``) names the old one once (ops
+SUPERSEDED: url, version, size, block size), never its blocks one by one: a file of 16 GiB
+in blocks of 1 MiB is 16,384 keys, and a message per key on the reader's path cost that
+read 150 ms (diffrev-6). The daemon looks only if it holds blocks of that URL (most often
+it holds none), and off the client's connection: the maintenance thread computes the old
+version's keys and drops those it holds. Blocks cached under another block size are not
+matched (their keys differ); eviction takes them.
+"""
+from __future__ import annotations
+
+from ..keys import block_count, block_key, url_tag
+
+
+class SupersededVersions:
+    """The part of NodeCache (node/cache.py) that drops superseded versions' blocks."""
+
+    def superseded(self, url: str, version: str, size: int, block_size: int) -> None:
+        """A client's note that ``version`` of ``url`` is gone at the source."""
+        if not isinstance(size, int) or not isinstance(block_size, int) or block_size <= 0:
+            return  # (a note, never an error: nothing of it is dropped)
+        with self._lock:
+            if not self._by_tag.get(url_tag(url)):  # nothing of the file here
+                return
+            self._superseded.append((url, version, size, block_size))
+        self._wake.set()
+
+    def drop_superseded(self) -> int:
+        """The maintenance thread's part: drop the held blocks of each version noted since
+        its last pass. Returns how many were dropped."""
+        with self._lock:
+            todo, self._superseded = self._superseded, []
+        dropped = 0
+        for url, version, size, block_size in todo:
+            with self._lock:
+                held = set(self._by_tag.get(url_tag(url), ()))
+            for index in range(block_count(size, block_size)):
+                if not held:
+                    break
+                key = block_key(url, version, index, block_size)
+                if key in held:
+                    held.discard(key)
+                    self.drop(key, "superseded")
+                    dropped += 1
+        return dropped
