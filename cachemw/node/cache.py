@@ -427,18 +427,6 @@ class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner, SupersededVersi
                     "a minute)", ", ".join(f"{n} {why}" for why, n in sorted(counts.items())),
                     last)
 
-    def invalidate(self, url: str) -> int:
-        """Drop every block of ``url`` (the file was written through the cache)."""
-        tag = url_tag(url)
-        with self._lock:
-            keys = list(self._by_tag.get(tag, ()))
-            for fill in self._inflight.values():
-                if fill.tag == tag:  # read before the write: must not land in the cache
-                    fill.cancelled = True
-        for key in keys:
-            self.drop(key, "invalidated")
-        return len(keys)
-
     def report(self, counters: dict, accesses: list[tuple[str, str]]) -> None:
         """An access report from a client: counters to add, (key, tier) hits for recency."""
         with self._lock:

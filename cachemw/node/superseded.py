@@ -15,7 +15,20 @@ from ..keys import block_count, block_key, url_tag
 
 
 class SupersededVersions:
-    """The part of NodeCache (node/cache.py) that drops superseded versions' blocks."""
+    """The part of NodeCache (node/cache.py) that drops the blocks of versions the source
+    no longer has: one superseded, or every version of a file written through the cache."""
+
+    def invalidate(self, url: str) -> int:
+        """Drop every block of ``url`` (the file was written through the cache)."""
+        tag = url_tag(url)
+        with self._lock:
+            keys = list(self._by_tag.get(tag, ()))
+            for fill in self._inflight.values():
+                if fill.tag == tag:  # read before the write: must not land in the cache
+                    fill.cancelled = True
+        for key in keys:
+            self.drop(key, "invalidated")
+        return len(keys)
 
     def superseded(self, url: str, version: str, size: int, block_size: int) -> None:
         """A client's note that ``version`` of ``url`` is gone at the source."""
