@@ -22,9 +22,11 @@ that is the writer where the extension could not be built, or where the thread i
 span. The other events are made in their final shape where they happen (a msgspec Struct:
 its id, microseconds and thread id filled in then, the thread id kept per thread instead of
 a system call per event) and appended to a deque (no lock). Lines are written in batches
-(every 512 events, or at the first event a second after the last batch): the deque's by one
-msgspec call, then the C buffer, in one ``write``, so a killed process leaves a file whose
-lines all parse. Ids (one count for both writers) are given as events happen, so a span's
+(every 512 events, or at the first event a second after the last batch, or by a thread of
+the process's own within a second of the last event: a process that went idle, or was
+killed, after its last reads lost them): the deque's by one msgspec call, then the C
+buffer, in one ``write``, so a killed process leaves a file whose lines all parse and lacks
+at most its last second. Ids (one count for both writers) are given as events happen, so a span's
 (made when it ends) is above its children's though it is written before them.
 
 A process writes one file per ``start``: after ``stop`` (or a failed write), a ``start``
@@ -90,6 +92,7 @@ _pid = os.getpid()  # this process (kept by the fork hook: no system call per ev
 _flush_at = 0.0  # perf_counter time of the next flush by time (0: at the next event)
 _closed = False
 _hooked_pid = 0
+_flusher_pid = 0  # the process whose flushing thread runs (a forked child starts its own)
 _warned = False
 
 
@@ -115,6 +118,7 @@ def start(directory: str) -> None:
         _closed = False
     _ensure_exit_hook()
     ENABLED = True
+    _ensure_flusher()
 
 
 def stop() -> None:
@@ -262,8 +266,28 @@ def _general(name: str, cat: str, tid: int, start: float, end: float, args: dict
 def _due() -> None:
     if _hooked_pid != _pid:  # a child's first event (a DataLoader worker): its exit hook
         _ensure_exit_hook()
+        _ensure_flusher()
     with _lock:
         _flush_locked()
+
+
+def _ensure_flusher() -> None:
+    """A thread that writes what is buffered within FLUSH_SECONDS of its making, whether
+    or not another event comes: a batch was written only at an event, so a reader's last
+    events were lost when it went idle, or was killed at its time limit (review ops5)."""
+    global _flusher_pid
+    if _flusher_pid != _pid:
+        _flusher_pid = _pid
+        threading.Thread(target=_flush_loop, args=(_pid,), name="cachemw-trace",
+                         daemon=True).start()
+
+
+def _flush_loop(pid: int) -> None:
+    while _pid == pid:  # (in a forked child this thread is not running: its own is)
+        time.sleep(FLUSH_SECONDS)
+        if ENABLED and _now() >= _flush_at:
+            with _lock:
+                _flush_locked()
 
 
 def _encoding() -> None:

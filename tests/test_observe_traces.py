@@ -488,3 +488,42 @@ def test_a_second_start_writes_a_new_file(tmp_path):
     assert sorted(glob.glob(str(tmp_path / "t" / "*.pfw"))) == sorted(files)
     names = [[e["name"] for e in read_pfw(f) if e["ph"] == "X"] for f in files]
     assert names == [["first"], ["second"]]
+
+
+@pytest.mark.timeout(60)
+def test_the_last_events_of_a_process_that_goes_idle_or_is_killed_are_written(tmp_path):
+    """A batch was written only at an event: a reader whose last reads came within a second
+    of the batch before, then idled (computing, hung) or was killed (scancel, a time limit,
+    the OOM killer), left them unwritten, or no file at all (review ops5). A thread writes
+    them within a second."""
+    import signal
+    import time
+
+    code = r"""
+import sys, time
+import cachemw.trace as trace
+trace.start(sys.argv[1])
+for i in range(40):
+    t = time.perf_counter()
+    trace.event(f"read{i}", trace.READ, t)
+print("made", flush=True)
+time.sleep(60)
+"""
+    out = tmp_path / "t"
+    child = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "made"
+        deadline = time.monotonic() + 10
+        names = set()
+        while time.monotonic() < deadline and len(names) < 40:
+            time.sleep(0.2)
+            for path in glob.glob(str(out / "*.pfw")):
+                with open(path) as f:
+                    lines = [ln.rstrip(",\n") for ln in f if ln.startswith("{")]
+                names = {json.loads(ln)["name"] for ln in lines} - {"process_name"}
+        assert len(names) == 40, names  # written while it idles
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        child.stdout.close()
