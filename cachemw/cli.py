@@ -13,7 +13,7 @@ from . import bench, top, warm
 from .client.link import DaemonClient
 from .cluster import actor as daemon
 from .config import WarmConfig, resolve_runtime_dir
-from .config_values import check_runtime_dir, format_size, parse_size
+from .config_values import check_runtime_dir, check_trace_dir, format_size, parse_size
 from .job import command as job
 from .placement.registry import ONLINE_POLICIES
 from .protocol import check_private_dir, lock_holder, lookup
@@ -51,11 +51,29 @@ def cmd_start(args) -> int:
         "peer_timeout": args.peer_timeout, "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host, "trace_dir": args.trace,
         "placement": args.placement}.items() if v is not None}
+    if args.trace:
+        _check_trace_dir(args.trace)
     addresses = daemon.start(args.address, runtime_dir=_runtime_dir(args), **options)
     for a in addresses:
         tiers = ", ".join(f"{t['name']}={t['path']} ({format_size(t['capacity'])})" for t in a["tiers"])
         print(f"daemon on node {a['node_id']}: {a['socket']}  tiers: {tiers}")
     return 0
+
+
+def _check_trace_dir(directory: str) -> None:
+    """``--trace DIR`` must take trace files here: the daemons warned in their own logs
+    and ran untraced while start said nothing (review ops5). (On other nodes, what their
+    daemons meet is said in their logs.)"""
+    import tempfile
+
+    try:
+        check_trace_dir(directory, "--trace")
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".cachemw-probe-"):
+            pass
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--trace {directory}: trace files cannot be written there "
+                         f"({getattr(exc, 'strerror', None) or exc})") from None
 
 
 def _metrics(stats: dict) -> str:

@@ -170,3 +170,15 @@ def test_a_refused_runtime_dir_is_said_alone(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"cachemw stats: {tmp_path / 'open'}: writable by other users (mode 777); refusing to "
         f"use it (another user may have made it: remove it, or set another runtime_dir)"], r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_start_with_a_trace_dir_that_cannot_take_files_fails_saying_so(tmp_path):
+    """The daemons warned in their own logs and ran untraced; start exited 0 (review ops5)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    env = dict(os.environ, CACHEMW_RUNTIME_DIR=str(tmp_path / "rt"))
+    r = _cli("start", "--trace", str(blocker / "traces"), env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "trace files cannot be written there" in r.stderr, r.stderr
+    assert not (tmp_path / "rt" / "ray.json").exists()  # nothing was started
