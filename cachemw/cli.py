@@ -60,6 +60,17 @@ def cmd_start(args) -> int:
     return 0
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse's type: its error names the option)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def _check_trace_dir(directory: str) -> None:
     """``--trace DIR`` must take trace files here: the daemons warned in their own logs
     and ran untraced while start said nothing (review ops5). (On other nodes, what their
@@ -274,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("top", help="live view of every node: tiers, hit ratio, MB/s, checkpoints")
     s.add_argument("--address")
     s.add_argument("--json", action="store_true", help="print one sample as JSON and exit")
-    s.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+    s.add_argument("--interval", type=_seconds, default=1.0, metavar="SECONDS",
                    help="refresh period, and the span of the rates (default 1)")
     s.set_defaults(func=cmd_top)
 

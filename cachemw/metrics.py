@@ -12,6 +12,7 @@ counters exposed with ``_total`` (prometheus_client adds it), histograms as ``_b
 """
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 from typing import Callable, NamedTuple
@@ -214,7 +215,13 @@ class MetricsServer:
         registry.register(StatsCollector(stats))
         try:
             self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        except socket.gaierror as exc:  # the host, not the port (review ops5)
+            raise OSError(errno.EINVAL, f"metrics_host: {host!r} is no address of this "
+                                        f"machine ({exc.strerror or exc})") from None
         except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise OSError(exc.errno, f"metrics_host: {host!r} is no address of this "
+                                         f"machine ({exc.strerror or exc})") from None
             raise OSError(exc.errno, f"metrics_port: cannot listen on {host}:{port} "
                                      f"({exc.strerror or exc}); choose another port, or 0 "
                                      f"for any free one") from None

@@ -144,6 +144,12 @@ def test_a_taken_port_fails_the_daemon_start_naming_it(tmp_path):
             NodeService(config)
     service = NodeService(config)  # the lock was let go: the port free now, it starts
     service.close()
+    # a host that is no address here is said as the host's fault, not the port's (review ops5)
+    for host in ("999.1.1.1", "203.0.113.7"):
+        config = DaemonConfig.build(runtime_dir=str(tmp_path / "rt"), dram_capacity="16MiB",
+                                    metrics_port=0, metrics_host=host)
+        with pytest.raises(OSError, match=f"metrics_host: '{host}' is no address of this"):
+            NodeService(config)
 
 
 def test_bad_metrics_options_are_named():
