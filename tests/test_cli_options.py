@@ -51,11 +51,30 @@ def test_job_and_bench_refuse_a_runtime_dir_they_would_not_use(command, capsys):
 
 @pytest.fixture
 def gcs_port():
-    """Something listening where a Ray GCS would: RAY_ADDRESS is taken as answering."""
+    """A server where a Ray GCS would be that answers as a gRPC server does (an HTTP/2
+    SETTINGS frame on a client's preface): RAY_ADDRESS is taken as answering."""
+    import threading
+
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn:
+                try:
+                    conn.recv(64)
+                    conn.sendall(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+                except OSError:
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
     yield listener.getsockname()[1]
+    listener.shutdown(socket.SHUT_RDWR)
     listener.close()
 
 
