@@ -61,13 +61,15 @@ def cmd_start(args) -> int:
 
 
 def _seconds(text: str) -> float:
-    """A positive, finite number of seconds (argparse's type: its error names the option)."""
+    """A positive number of seconds, a day at most (argparse's type: its error names the
+    option)."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (at most a "
+                                         f"day), got {text!r}")
     return value
 
 

@@ -284,7 +284,7 @@ def _ensure_flusher() -> None:
 
 def _flush_loop(pid: int) -> None:
     while _pid == pid:  # (in a forked child this thread is not running: its own is)
-        time.sleep(FLUSH_SECONDS)
+        time.sleep(FLUSH_SECONDS / 4)  # (a batch written by an event moves the next due)
         if ENABLED and _now() >= _flush_at:
             with _lock:
                 _flush_locked()

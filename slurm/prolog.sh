@@ -27,14 +27,24 @@ options=()
 [[ -n ${CACHEMW_DRAM_CAPACITY:-} ]] && options+=(--dram-capacity "$CACHEMW_DRAM_CAPACITY")
 if [[ -n ${CACHEMW_NVME_DIR:-} ]]; then
     nvme=${CACHEMW_NVME_DIR//%u/$SLURM_JOB_USER}  # e.g. /local/nvme/cachemw-%u (kept)
-    # Root never follows a path the job's user may have put there: in a scratch dir users
-    # can write, a symlink at that name would make its target the user's (install -d -o
-    # did). A new directory is made by root only where nothing has the name (mkdir fails
-    # on an existing one, a symlink too) and given to the user with chown -h (which
-    # changes a link, never its target); what is there already must be the user's own
-    # directory, else the job runs without an NVMe tier.
+    while [[ $nvme == */ && $nvme != / ]]; do  # (through "link/" chown -h follows a link)
+        nvme=${nvme%/}
+    done
+    # Root never acts on a path the job's user may have made: in a scratch dir users can
+    # write, a symlink at that name made its target the user's (install -d -o did), and a
+    # symlink for a parent (/local/nvme/%u/cachemw) made root create the directory wherever
+    # it pointed. Root makes the directory only in a parent reached through no symlink,
+    # root's own and writable by no one else (no one can race it there); anywhere else the
+    # user makes it, with the user's rights. What is there then must be a directory the
+    # user owns, else the job runs without an NVMe tier.
+    parent=$(dirname -- "$nvme")
     if [[ ! -e $nvme && ! -L $nvme ]]; then
-        mkdir -m 0700 -- "$nvme" 2>/dev/null && chown -h -- "$SLURM_JOB_USER" "$nvme"
+        if [[ $(realpath -e -- "$parent" 2>/dev/null) == "$parent" \
+              && $(stat -c '%u %A' -- "$parent") =~ ^0\ d....-..-.$ ]]; then
+            mkdir -m 0700 -- "$nvme" 2>/dev/null && chown -h -- "$SLURM_JOB_USER" "$nvme"
+        else
+            runuser -u "$SLURM_JOB_USER" -- mkdir -p -m 0700 -- "$nvme" 2>/dev/null
+        fi
     fi
     if [[ -d $nvme && ! -L $nvme && $(stat -c %u -- "$nvme") == "$uid" ]]; then
         options+=(--nvme-dir "$nvme" --nvme-capacity "${CACHEMW_NVME_CAPACITY:?}")

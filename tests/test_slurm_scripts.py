@@ -61,7 +61,8 @@ def test_job_layout_is_per_job():
     assert "must be a number" in _layout("7; rm -rf /")["error"]
 
 
-def _prolog(tmp_path, nvme_base, user: str = "nobody") -> tuple[subprocess.CompletedProcess, str]:
+def _prolog(tmp_path, nvme_base, user: str = "nobody",
+            template: str = "cachemw-%u") -> tuple[subprocess.CompletedProcess, str]:
     """Run the site-mode Prolog as Slurm does (as root, for ``user``'s job 4242), with a
     stand-in for cachemw that records its arguments; (the run, those arguments)."""
     said = tmp_path / "said"
@@ -71,7 +72,7 @@ def _prolog(tmp_path, nvme_base, user: str = "nobody") -> tuple[subprocess.Compl
     fake.write_text(f'#!/bin/sh\necho "$@" > {said}/args\n')
     fake.chmod(0o755)
     site = tmp_path / "site.env"
-    site.write_text(f"CACHEMW_BIN={fake}\nCACHEMW_NVME_DIR={nvme_base}/cachemw-%u\n"
+    site.write_text(f"CACHEMW_BIN={fake}\nCACHEMW_NVME_DIR={nvme_base}/{template}\n"
                     f"CACHEMW_NVME_CAPACITY=1GiB\n")
     env = {"PATH": os.environ["PATH"], "CACHEMW_SITE_ENV": str(site),
            "SLURM_JOB_ID": "4242", "SLURM_JOB_USER": user, "SLURM_JOB_PARTITION": "p"}
@@ -134,3 +135,35 @@ def test_the_prolog_never_follows_a_link_the_job_s_user_planted(open_dir):
     assert os.path.isdir(made) and not os.path.islink(made)
     assert (st.st_uid, st.st_mode & 0o777) == (nobody, 0o700)
     assert f"--nvme-dir {made} --nvme-capacity 1GiB" in args, args
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_the_prolog_never_acts_through_a_parent_the_user_made(open_dir):
+    """``/base/%u/cachemw`` (as the job script's example has it): a symlink the user put
+    at ``/base/USER`` made root create a directory of the user's wherever it pointed; a
+    trailing slash made ``chown -h`` follow a link swapped in for root's new directory
+    (diffrev-7). Where the user can write, the user makes the directory."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    base = open_dir / "nvme"
+    base.mkdir()
+    base.chmod(0o1777)
+    victim = open_dir / "victim"
+    victim.mkdir()
+    victim.chmod(0o755)
+    subprocess.run(["runuser", "-u", "nobody", "--", "ln", "-s", str(victim),
+                    str(base / "nobody")], check=True)
+    run, args = _prolog(open_dir, base, template="%u/cachemw/")
+    assert run.returncode == 0, run.stderr
+    assert not (victim / "cachemw").exists() or (victim / "cachemw").stat().st_uid == nobody
+    assert os.stat(victim).st_uid == 0
+    # a plain per-user dir in a sticky scratch dir: made by the user, with a trailing slash too
+    (base / "nobody").unlink()
+    again = open_dir / "again"
+    again.mkdir()
+    run, args = _prolog(again, base, template="cachemw-%u/")
+    made = base / "cachemw-nobody"
+    assert os.lstat(made).st_uid == nobody and not os.path.islink(made)
+    assert f"--nvme-dir {made} " in args, args

@@ -121,3 +121,31 @@ def test_one_object_under_two_tokens_is_not_a_superseded_version(tmp_path, runti
         from_source.append(fs.stats()["bytes_from_source"] - before)
         time.sleep(1.2)  # past the ttl: revalidated
     assert from_source[3:] == [0] * 5, from_source
+
+
+def test_the_daemon_drops_a_superseded_version_over_several_passes(tmp_path, monkeypatch):
+    """The daemon's part, without a daemon process: only that version's blocks go, a huge
+    file's keys are computed a bounded number per maintenance pass (one pass took 10 s for
+    64 GiB of 4 KiB blocks, diffrev-7), and a version noted twice is gone through once."""
+    from cachemw.config import DaemonConfig
+    from cachemw.keys import block_key, url_tag
+    from cachemw.node import superseded
+    from cachemw.node.cache import NodeCache
+
+    monkeypatch.setattr(superseded, "PASS_KEYS", 1000)
+    node = NodeCache(DaemonConfig.build(runtime_dir=str(tmp_path / "rt"), dram_capacity="64MiB"))
+    url, bs, size = "file:///data/big.bin", 4096, 4096 * 2500
+    old = [block_key(url, "v1", i, bs) for i in (0, 1500, 2499)]
+    new = [block_key(url, "v2", i, bs) for i in (0, 1500)]
+    for key in old + new:
+        node._add(key, "dram", bs, url_tag(url))
+    node.superseded(url, "v1", size, bs)
+    node.superseded(url, "v1", size, bs)  # another process learnt it too
+    passes = []
+    while node._superseded:
+        passes.append(node.drop_superseded())
+    assert passes == [1, 1, 1]  # 1,000 keys a pass: 2,500 in three
+    assert not any(key in node._index for key in old)
+    assert all(key in node._index for key in new)
+    node.superseded("file:///data/other.bin", "v1", size, bs)  # nothing of it here: no work
+    assert node._superseded == []

@@ -190,8 +190,10 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
             if given is None:  # (stop, status, top went on as if no cluster ran, exit 0:
                 raise  # review ops5), not "no cluster" (RAY_ADDRESS's: passed over)
             raise UnreachableCluster(
-                f"cannot join the Ray cluster at {given}: {exc}; a cluster with token "
-                f"auth (as `cachemw start` makes) admits only a process with its token "
+                f"cannot join the Ray cluster at {given}: {exc}; the address must be the "
+                f"head's GCS (`ray start --head --port`, 6379 by default; not a raylet's "
+                f"nor the client server's port), and a cluster with token auth (as "
+                f"`cachemw start` makes) admits only a process with its token "
                 f"(RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)") from exc
     return state or {"address": address, "started_by_cachemw": False}
 

@@ -230,8 +230,10 @@ def answers(address: str) -> bool:
     Other forms ("auto", a ``ray://`` client address) are Ray's to resolve: True. Not
     only a listener: ray.init at a port where another server listens (an HTTP server, a
     typo'd port) retried for good, and the command with it (review ops5); a gRPC server
-    answers an HTTP/2 preface with its SETTINGS frame. With TLS (RAY_USE_TLS) the port
-    listening is all that is asked."""
+    answers an HTTP/2 preface with its SETTINGS frame. A server that accepts and says
+    nothing within 2 s is taken as answering, as before (a GCS paused, or under load: the
+    cluster ``cachemw start`` made must not be taken for dead, diffrev-7); with TLS
+    (RAY_USE_TLS) the port listening is all that is asked."""
     import socket
 
     host, _, port = address.rpartition(":")
@@ -246,7 +248,10 @@ def answers(address: str) -> bool:
             sock.sendall(_H2_PREFACE)
             head = b""
             while len(head) < 9:
-                chunk = sock.recv(9 - len(head))
+                try:
+                    chunk = sock.recv(9 - len(head))
+                except TimeoutError:  # silent: slow, not another kind of server
+                    return True
                 if not chunk:
                     return False
                 head += chunk
