@@ -100,6 +100,20 @@ def open_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _planted(where, name: str):
+    """A sticky scratch dir (``nvme``, 1777) where user nobody has put a symlink ``name``
+    to a root directory (``victim``, 0755): (the scratch dir, the victim)."""
+    base = where / "nvme"
+    base.mkdir()
+    base.chmod(0o1777)
+    victim = where / "victim"
+    victim.mkdir()
+    victim.chmod(0o755)
+    subprocess.run(["runuser", "-u", "nobody", "--", "ln", "-s", str(victim), str(base / name)],
+                   check=True)
+    return base, victim
+
+
 @needs_root
 @pytest.mark.timeout(120)
 def test_the_prolog_never_follows_a_link_the_job_s_user_planted(open_dir):
@@ -111,14 +125,7 @@ def test_the_prolog_never_follows_a_link_the_job_s_user_planted(open_dir):
 
     nobody = pwd.getpwnam("nobody").pw_uid
     tmp_path = open_dir
-    base = tmp_path / "nvme"
-    base.mkdir()
-    base.chmod(0o1777)
-    victim = tmp_path / "victim"
-    victim.mkdir()
-    victim.chmod(0o755)
-    subprocess.run(["runuser", "-u", "nobody", "--", "ln", "-s", str(victim),
-                    str(base / "cachemw-nobody")], check=True)
+    base, victim = _planted(open_dir, "cachemw-nobody")
     run, args = _prolog(tmp_path, base)
     assert run.returncode == 0, run.stderr
     st = victim.stat()
@@ -147,14 +154,7 @@ def test_the_prolog_never_acts_through_a_parent_the_user_made(open_dir):
     import pwd
 
     nobody = pwd.getpwnam("nobody").pw_uid
-    base = open_dir / "nvme"
-    base.mkdir()
-    base.chmod(0o1777)
-    victim = open_dir / "victim"
-    victim.mkdir()
-    victim.chmod(0o755)
-    subprocess.run(["runuser", "-u", "nobody", "--", "ln", "-s", str(victim),
-                    str(base / "nobody")], check=True)
+    base, victim = _planted(open_dir, "nobody")
     run, args = _prolog(open_dir, base, template="%u/cachemw/")
     assert run.returncode == 0, run.stderr
     assert not (victim / "cachemw").exists() or (victim / "cachemw").stat().st_uid == nobody
