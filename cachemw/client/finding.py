@@ -33,7 +33,8 @@ def find(runtime_dir: str, *, may_start: bool, daemon_config: dict, timeout: flo
     if address is not None and address.pid == holder.get("pid"):
         return address
     found = await_address(runtime_dir, min(START_WAIT, timeout))
-    if found is None and may_start and lock_holder(runtime_dir) is None:
+    if (found is None and may_start and (address is None or address.kind != "ray")
+            and lock_holder(runtime_dir) is None):
         # the holder was a daemon on its way out (its address withdrawn, then its lock
         # freed): the next is started now, not after a back-off of misses to the source
         return start(runtime_dir, daemon_config)

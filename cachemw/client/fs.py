@@ -72,8 +72,10 @@ class CacheFileSystem(_Base):
                                             kwargs.pop("client_kwargs", None))
         kwargs = own_options(kwargs, target_options)
         super().__init__(**kwargs)
-        if type(block_size) is int and block_size == 0:  # fsspec's "no read-ahead" (HF datasets opens archives with
-            block_size = None  # it), not a cache unit: the default unit then
+        if type(block_size) is int and block_size == 0:
+            # fsspec's "no read-ahead" (HF datasets opens archives with it), not a cache
+            # unit: the default unit then
+            block_size = None
         if fs is not None and target_protocol is not None:
             raise ValueError("target_protocol: give either fs or target_protocol, not both")
         self.options = CacheOptions.build(validate=validate, ttl=ttl, block_size=block_size,
