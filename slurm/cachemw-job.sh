@@ -124,6 +124,7 @@ cachemw_node_clean() {
         sleep 0.5
     done
     kill -KILL "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null  # (reaped quietly: not a "Killed" line in the job's log)
     sleep 0.5
     # The daemon may still be stopping (Slurm sent it TERM too: it copies DRAM to NVMe for
     # up to 10 s) and would write into the dir again: it holds daemon.lock while it lives.
@@ -192,8 +193,16 @@ cachemw_cleanup() {
         timeout 15 cachemw stop --address "$RAY_ADDRESS" >/dev/null 2>&1 || true
     fi
     if [[ -n ${CACHEMW_RAY_STEP:-} ]]; then
-        # its tasks end their Ray and remove their dirs within ~25 s (cachemw_node_clean)
-        kill -TERM "$CACHEMW_RAY_STEP" 2>/dev/null || true
+        # its tasks end their Ray and remove their dirs within ~25 s (cachemw_node_clean),
+        # once signalled: scancel --signal=INT reaches the step's tasks and cancels nothing.
+        # A TERM to srun itself cancels the step, whose tasks were then killed before
+        # their trap ran, each logged as "Killed" at every normal end of a job.
+        local step
+        step=$(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null \
+               | awk '$2 == "cachemw-ray" {print $1; exit}')
+        if [[ -z $step ]] || ! scancel --signal=INT "$step" 2>/dev/null; then
+            kill -TERM "$CACHEMW_RAY_STEP" 2>/dev/null || true
+        fi
         for _ in $(seq 90); do
             kill -0 "$CACHEMW_RAY_STEP" 2>/dev/null || break
             sleep 0.5
@@ -237,7 +246,8 @@ cachemw_job_main() {
     trap 'exit 130' INT
 
     srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" \
-        --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c cachemw_node_ray &
+        --ntasks-per-node=1 --kill-on-bad-exit=0 --job-name=cachemw-ray \
+        bash -c cachemw_node_ray &
     CACHEMW_RAY_STEP=$!
     cachemw_wait_nodes "$SLURM_JOB_NUM_NODES" "${CACHEMW_RAY_TIMEOUT:-180}" "$CACHEMW_RAY_STEP"
     CACHEMW_STARTED=1

@@ -106,6 +106,9 @@ def test_job_script_on_three_nodes(slurm, tmp_path):
                         sys.executable, str(train), str(data), str(ckpt), str(out))
     log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert done.returncode == 0, f"{done.stderr}\n{log[-6000:]}\n{slurm.logs()[-4000:]}"
+    # a normal end: the Ray step's tasks are signalled and clean up; a TERM to its srun
+    # cancelled the step, and every node logged "task N: Killed" (review ops5)
+    assert "Killed" not in log and "CANCELLED" not in log, log[-3000:]
     result = json.loads(out.read_text())
     assert result["daemons"] == NODES
     first, second = result["epochs"]
