@@ -32,6 +32,7 @@ from .demand import WaitingReads
 from .mover import MoveRunner
 from .waits import LeaseWaits
 from .lease_ends import LeaseEnds
+from .leftovers import LeftoverSweep, LeftoverSweeping
 from ..placement import Demote, Prefetch
 from .placer import Placer
 from .records import Entry, Inflight, TierState
@@ -44,7 +45,8 @@ from ..tiers.directory import DirectoryTier
 log = logging.getLogger(__name__)
 
 
-class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner, SupersededVersions):
+class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner, SupersededVersions,
+                LeftoverSweeping):
     BATCH_SHARE = 4  # a batch of fetched blocks stops being granted at 1/4 of a tier
 
     def __init__(self, config: DaemonConfig, *, lease_wait: float = 30.0) -> None:
@@ -62,7 +64,7 @@ class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner, SupersededVersi
         self._lease_numbers = itertools.count(1)
         self.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
         self.counters.update(leases=0, waits=0, busy=0, adopted=0, reindexed=0, served_remote=0,
-                             peer_fallbacks=0, replicas=0, claim_errors=0)
+                             peer_fallbacks=0, replicas=0, claim_errors=0, leftovers_removed=0)
         self.remote = None  # RemoteReads, set by a daemon that has peers
         self.checkpoints = CheckpointLog()  # what trainers here note of their saves
         # who fetches which block (claims.py): a lease comes with its block's claim
@@ -72,6 +74,7 @@ class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner, SupersededVersi
         self.metrics_url: str | None = None  # the daemon's Prometheus endpoint, if any
         self._pending: list = []  # moves for the maintenance thread (promotions)
         self._superseded: list = []  # versions whose blocks it drops (superseded.py)
+        self._leftovers = LeftoverSweep()  # fill files of writers that died (leftovers.py)
         self._deferred: dict[str, float] = {}  # key -> since when its move waits for its fill
         self._move_warned: dict[str, float] = {}  # tier -> when a failed move into it was last logged
         # blocks readers found corrupt or unreadable, by reason, since they were last logged

@@ -1,7 +1,8 @@
 """Carrying out the placement engine's moves on a node's tiers: evictions, demotions to a
 slower tier, promotions, and the prefetch pass, on the node cache's maintenance thread
 (never on a client's connection thread: moves copy data); that thread also checks, every
-second, that the tier directories are still there and private.
+second, that the tier directories are still there and private, drops superseded versions
+(superseded.py) and removes the fill files of writers that died (leftovers.py).
 
 A mixin of NodeCache (node.py): it works on the node's index, tiers and locks.
 """
@@ -39,6 +40,7 @@ class MoveRunner:
                 self.say_dropped()
                 self.take_reports()
                 self.drop_superseded()
+                self.sweep_leftovers()
                 with self._lock:
                     moves, self._pending = self._pending, []
                 self.run_moves(moves)

@@ -26,7 +26,7 @@ from .base import BlockEntry, TierInfo
 
 log = logging.getLogger(__name__)
 
-_FANOUT = [f"{i:02x}" for i in range(256)]
+FANOUT = tuple(f"{i:02x}" for i in range(256))  # the sub-directories, by first two hex digits
 _STAGED = ".staged"
 
 
@@ -55,7 +55,7 @@ class DirectoryTier:
                                       f"its own, e.g. {os.path.join(self.path, f'cachemw-{os.getuid()}')}")
             os.chmod(self.path, 0o700)
             present = self._fanout_present()
-            for sub in _FANOUT:
+            for sub in FANOUT:
                 if sub in present:
                     continue
                 path = os.path.join(self.path, sub)
@@ -79,7 +79,7 @@ class DirectoryTier:
         if (st.st_dev, st.st_ino) != getattr(self, "_identity", None) or st.st_mode & 0o077:
             return False
         try:
-            return len(self._fanout_present()) == len(_FANOUT)
+            return len(self._fanout_present()) == len(FANOUT)
         except OSError:
             return False
 
@@ -158,7 +158,7 @@ class DirectoryTier:
         where it can be), counted in ``unreadable`` and logged once per scan, and the scan
         goes on (one bad sector must not keep every daemon of the node from starting)."""
         faults: list[str] = []
-        for sub in _FANOUT:
+        for sub in FANOUT:
             d = os.path.join(self.path, sub)
             try:
                 with os.scandir(d) as it:
@@ -174,6 +174,34 @@ class DirectoryTier:
             self.unreadable += len(faults)
             log.warning("%s tier: forgot %d block file(s) that could not be read (first: %s)",
                         self.name, len(faults), faults[0])
+
+    def sweep_leftovers(self, sub: str, before: float, live=lambda key, lease: False) -> tuple[int, int]:
+        """Remove the fill files in the sub-directory ``sub`` whose writer died while a
+        daemon ran (scan removes them only at start): temp files (``*.tmp``) and staged
+        fills (``<key>.<lease>.staged``) last written before ``before`` (a time.time()),
+        but not the staged fill of a lease ``live(key, lease)`` says is held. Returns the
+        files and bytes removed."""
+        files = freed = 0
+        try:
+            with os.scandir(os.path.join(self.path, sub)) as it:
+                entries = [e for e in it if e.name.endswith((".tmp", _STAGED))]
+        except OSError:  # gone, no directory: check_tiers' business
+            return 0, 0
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if st.st_mtime >= before:
+                    continue
+                if entry.name.endswith(_STAGED):
+                    key, _, lease = entry.name[:-len(_STAGED)].partition(".")
+                    if lease.isdigit() and live(key, int(lease)):
+                        continue
+                os.unlink(entry.path)
+            except OSError:  # gone meanwhile (published, renamed into place, unstaged)
+                continue
+            files += 1
+            freed += st.st_size
+        return files, freed
 
     def _scanned(self, sub: str, entry: os.DirEntry, faults: list[str]) -> BlockEntry | None:
         """The block of one entry of the sub-directory ``sub``, or None (not a block: a
@@ -215,7 +243,7 @@ class DirectoryTier:
         freed = 0
         for entry in list(self.scan()):
             freed += self.delete(entry.key)
-        for sub in _FANOUT:
+        for sub in FANOUT:
             try:
                 os.rmdir(os.path.join(self.path, sub))
             except OSError:
