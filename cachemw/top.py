@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import io
 import json
+import signal
 import sys
+import threading
 import time
 
 from .client.link import DaemonClient
@@ -33,6 +35,7 @@ def sample(address: str | None = None, runtime_dir: str | None = None) -> list[d
         raise
     except ConnectionError:
         nodes = []
+    _sigterm_as_interrupt()
     if nodes:
         return nodes
     client = DaemonClient(runtime_dir, autostart=False, timeout=10)
@@ -77,6 +80,18 @@ def summarize(before: list[dict], after: list[dict], seconds: float) -> list[dic
     return rows
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _sigterm_as_interrupt() -> None:
+    """A SIGTERM (``timeout``, the end of a job step) ends top as Ctrl-C does. Set after
+    each look into the cluster: connecting to Ray installs its C++ handler, which wrote a
+    stack dump of ours to stderr for a SIGTERM (review ops5)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupted)
+
+
 def measure(address=None, runtime_dir=None, interval: float = 1.0) -> list[dict]:
     before = sample(address, runtime_dir)
     t0 = time.monotonic()
@@ -114,6 +129,20 @@ def render(rows: list[dict]):
 
 def main(address=None, runtime_dir=None, *, as_json: bool = False, interval: float = 1.0,
          iterations: int | None = None) -> int:
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if in_main else None
+    try:
+        return _top(address, runtime_dir, as_json, interval, iterations)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: how a live view ends (--json: cut short)
+        if as_json:
+            raise
+        return 0
+    finally:
+        if in_main and previous is not None:  # (None: a handler not set from Python)
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _top(address, runtime_dir, as_json: bool, interval: float, iterations: int | None) -> int:
     if as_json:
         rows = measure(address, runtime_dir, interval)
         print(json.dumps({"nodes": rows, "interval": interval}, indent=2))

@@ -119,6 +119,18 @@ def test_cli_start_status_read_stop(tmp_path, dataset):
         assert stats["tiers"]["dram"]["blocks"] == len(files)
         r = _cli("stats", env=env)
         assert "hit ratio 50.0%" in r.stdout
+        # top ended by SIGTERM (`timeout`, a job step's end) ends quietly: connected to Ray,
+        # it wrote Ray's C++ stack dump to stderr (review ops5)
+        top = subprocess.Popen(CLI + ["top", "--interval", "0.2"], env=env, cwd="/",
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert "1 node(s)" in top.stdout.readline()  # its first frame: Ray was looked into
+            top.terminate()
+            _, err = top.communicate(timeout=30)
+        finally:
+            top.kill()
+            top.wait()
+        assert top.returncode == 0 and "SIGTERM" not in err, err
         # a warm on 2 nodes at once while the cache cluster has 1: an error before any read
         # (a node warming only its share of a ring of 1 would leave half cold, or read all)
         r = _cli("warm", "--nodes", "2", "--ring-wait", "1", str(root), env=env)
