@@ -27,6 +27,7 @@ import select
 import shutil
 import signal
 import site
+import socket
 import stat
 import subprocess
 import sys
@@ -55,7 +56,11 @@ class DaemonStartError(RuntimeError):
 
 
 def holder_alive(holder: dict) -> bool:
-    """Is the process a lock file names still that process?"""
+    """Is the process a lock file names still that process? Never one of another host (a
+    runtime dir on a filesystem the nodes share): its pid here is some other process."""
+    host = holder.get("host")
+    if host and host != socket.gethostname():
+        return False
     return process_alive(holder.get("pid"), holder.get("start"))
 
 

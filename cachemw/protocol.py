@@ -171,7 +171,7 @@ os.register_at_fork(after_in_child=_forget_locks_in_child)
 class DaemonLock:
     """The lock a live daemon holds on its runtime dir; released by the kernel when it dies.
 
-    The file names the holder (``{"pid", "kind", "dram"}``, JSON) so that `cachemw stop`
+    The file names the holder (``{"pid", "kind", "dram", "host"}``, JSON) so that `cachemw stop`
     can find a daemon whose socket or registry is gone, and what a dead one left behind.
     A process that starts a daemon takes the lock first and hands it to the new process
     (``fd`` is inherited), so exactly one of several processes that find the daemon dead

@@ -252,3 +252,69 @@ def test_cachemw_start_is_private_strict_and_stops_whole(tmp_path):
     for p in alive:
         p.kill()
     assert alive == [], [(p.pid, p.name()) for p in alive]
+
+
+@pytest.mark.timeout(60)
+def test_a_runtime_dir_another_hosts_daemon_holds_is_said_to_be_shared(tmp_path):
+    """A runtime dir on a filesystem the nodes share (CACHEMW_RUNTIME_DIR=/shared/x before a
+    multi-node job): the daemon of the second node cannot start, and says that the directory
+    is shared, not to stop the first node's daemon (which it cannot, nor would that help)."""
+    import socket
+
+    from cachemw.config import DaemonConfig
+    from cachemw.node.service import DaemonAlreadyRunning, NodeService
+    from cachemw.protocol import DaemonLock
+
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    config = DaemonConfig.build(runtime_dir=str(rt), dram_dir=str(tmp_path / "dram"),
+                                dram_capacity="16MiB")
+    other = DaemonLock(str(rt))  # another node's daemon, as its lock file says
+    assert other.acquire()
+    try:
+        other.describe(pid=4242, kind="ray", host="node-b-of-this-test")
+        with pytest.raises(DaemonAlreadyRunning) as raised:
+            NodeService(config)
+        said = str(raised.value)
+        assert "daemon of host node-b-of-this-test (pid 4242)" in said
+        assert "on a filesystem the nodes share" in said and "{node_id}" in said
+        assert "cachemw stop" not in said
+        other.describe(pid=4242, kind="ray", host=socket.gethostname())  # this node's own
+        with pytest.raises(DaemonAlreadyRunning, match=r"a cachemw ray daemon \(pid 4242\) "
+                           r"already serves .*; stop it first \(`cachemw stop`\)"):
+            NodeService(config)
+    finally:
+        other.release()
+
+
+@pytest.mark.timeout(60)
+def test_stop_never_signals_a_pid_another_hosts_lock_names(tmp_path):
+    """`cachemw stop` on a node whose runtime dir is shared with another node: the pid in the
+    lock file is the other node's daemon, here some other process (with the same start
+    time, as unlikely as that is): it is left alone."""
+    import socket
+    import subprocess
+    import sys
+
+    from cachemw.launch import stop_local
+    from cachemw.processes import process_start
+    from cachemw.protocol import DaemonLock
+
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = DaemonLock(str(rt))
+    assert other.acquire()
+    try:
+        other.describe(pid=bystander.pid, start=process_start(bystander.pid), kind="autostarted",
+                       host="node-b-of-this-test")
+        assert stop_local(str(rt), timeout=2) is False
+        assert bystander.poll() is None  # not signalled
+        other.describe(pid=bystander.pid, start=process_start(bystander.pid), kind="autostarted",
+                       host=socket.gethostname())  # this host's: the process stop stops
+        assert stop_local(str(rt), timeout=1) is True
+        assert bystander.wait(timeout=10) == -15
+    finally:
+        other.release()
+        bystander.kill()
+        bystander.wait()

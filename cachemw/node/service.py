@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -34,6 +35,21 @@ class DaemonAlreadyRunning(RuntimeError):
     """Another live daemon holds this runtime dir."""
 
 
+def _held(runtime_dir: str) -> str:
+    """Why no daemon can start for ``runtime_dir``: another holds its lock. One of another
+    host means the directory is on a filesystem the nodes share (review ops5: the message
+    said to stop it, which cannot be done from here, nor is the fix)."""
+    holder = lock_holder(runtime_dir) or {}
+    kind, pid, host = holder.get("kind", ""), holder.get("pid", "?"), holder.get("host")
+    if host and host != socket.gethostname():
+        return (f"the cachemw {kind} daemon of host {host} (pid {pid}) serves {runtime_dir}: "
+                f"the runtime dir is on a filesystem the nodes share; give each node one of "
+                f"its own (CACHEMW_RUNTIME_DIR or --runtime-dir: a node-local path, such as "
+                f"one under /tmp, or one with {{node_id}} in it)").replace("  ", " ")
+    return (f"a cachemw {kind} daemon (pid {pid}) already serves {runtime_dir}; stop it "
+            f"first (`cachemw stop`)").replace("  ", " ")
+
+
 class NodeService:
     """``lock``: the runtime dir's daemon lock, already held (handed over by the process
     that spawned us); without it, it is taken here. ``host``: the name the metrics
@@ -51,18 +67,14 @@ class NodeService:
         ensure_private_dir(config.runtime_dir)
         self._lock = lock if lock is not None else DaemonLock(config.runtime_dir)
         if self._lock.fd is None and not self._lock.acquire(wait=3.0):
-            holder = lock_holder(config.runtime_dir) or {}
-            raise DaemonAlreadyRunning(
-                f"a cachemw {holder.get('kind', '')} daemon (pid {holder.get('pid', '?')}) "
-                f"already serves {config.runtime_dir}; stop it first (`cachemw stop`)"
-                .replace("  ", " "))
+            raise DaemonAlreadyRunning(_held(config.runtime_dir))
         started = time.time()  # no daemon before this one is still serving the runtime dir
         self.free_dram_at_exit = False  # an autostarted daemon's main sets it
         self.stopped = threading.Event()
         try:
             dram = next(t.path for t in config.tiers if t.name == "dram")
             self._lock.describe(pid=os.getpid(), start=process_start(os.getpid()), kind=kind,
-                                dram=os.path.abspath(dram))
+                                dram=os.path.abspath(dram), host=socket.gethostname())
             try:  # we hold the lock: a registry here is a dead daemon's
                 os.unlink(os.path.join(config.runtime_dir, REGISTRY))
             except FileNotFoundError:
