@@ -30,20 +30,25 @@ class WaitingReads:
 
         Blocks owned by another node (and not replicated here) are fetched from their
         owners, one call per owner, and answered ("data", bytes) or ("fallback", why).
+        They are asked for before any lease here is taken: a batch that held its node's
+        leases while it waited on an owner could wait on a batch of the owner's that held
+        the owner's leases and waited on us (readers on two nodes missing one multi-block
+        file at once), and each owner's serve then waited out its lease wait and answered
+        nothing (review nodes6: 3 s stalls).
 
         The batch waits on other processes' fetches (claims, fills in flight) for
         ``lease_wait`` in all, not per block: a holder that makes no progress (a stopped
         process holding a file's claims) costs its waiters that once, after which they are
         answered ("nofill", "busy") and fetch the rest themselves.
         """
-        deadline = time.monotonic() + self.lease_wait
         replies: list = [None] * len(items)
-        remote_items, remote_at = [], []
         local = [i for i, (key, _, _, source) in enumerate(items)
                  if self.remote is None or source is None or not self.remote.is_remote(key)]
         self._want([items[i][0] for i in local])  # each a read waiting from now on
         asked = 0
         try:
+            self._ask_owners(items, set(local), replies)
+            deadline = time.monotonic() + self.lease_wait
             for i in local:
                 key, length, url, _ = items[i]
                 replies[i] = self.lease(key, length, url, conn, wanted=True,
@@ -53,13 +58,17 @@ class WaitingReads:
         finally:  # the leases not answered (one raised): no longer waiting
             for i in local[asked:]:
                 self._unwant(items[i][0])
-        leased = set(local)
+        return replies
+
+    def _ask_owners(self, items: list[tuple], local: set[int], replies: list) -> None:
+        """Answer the items not in ``local`` (owned elsewhere): a copy held here, or the
+        owner's reply."""
+        remote_items, remote_at = [], []
         for i, item in enumerate(items):
-            if i in leased:
+            if i in local:
                 continue
-            key = item[0]
             with self._lock:
-                entry = self._index.get(key)
+                entry = self._index.get(item[0])
             if entry is not None:
                 replies[i] = ("present", entry.tier)
             else:
@@ -68,7 +77,6 @@ class WaitingReads:
         if remote_items:
             for i, reply in zip(remote_at, self.remote.fetch(remote_items)):
                 replies[i] = reply
-        return replies
 
     def _init_waiting_reads(self) -> None:
         self._waiting: dict[str, int] = {}  # key -> leases of this daemon waiting for it
