@@ -424,8 +424,12 @@ _interrupts: list[int] = []  # signals taken since the job started
 
 
 def _interrupted(signum, frame) -> None:
-    if os.getpid() != _interrupts_pid[0]:  # a forked DataLoader worker: as Python's own
-        raise KeyboardInterrupt
+    if os.getpid() != _interrupts_pid[0]:  # a forked DataLoader worker (Ctrl-C signals the
+        if signum == signal.SIGINT:  # whole group): the job ends its workers as it stops;
+            return  # a KeyboardInterrupt here, raised in a worker's exit, printed tracebacks
+        signal.signal(signum, signal.SIG_DFL)  # SIGTERM (the loader's terminate()): ended
+        os.kill(os.getpid(), signum)  # as Python's default ends a process, at once
+        return
     _interrupts.append(signum)
     if len(_interrupts) == 1:
         # the DataLoader's SIGCHLD handler raises when a worker dies by a signal: the
@@ -437,4 +441,4 @@ def _interrupted(signum, frame) -> None:
     print("cachemw job: cleaning up, one moment", file=sys.stderr, flush=True)
 
 
-_interrupts_pid = [0]  # the job's own process: its forked workers take a signal as Python does
+_interrupts_pid = [0]  # the job's own process (its forked workers: see _interrupted)
