@@ -98,6 +98,13 @@ def test_arguments_the_job_refuses(tmp_path):
     with pytest.raises(ValueError, match=r"^--source-options: a directory"):
         job_run._prepare(arguments.settings_from(_args(
             "--source", str(tmp_path), "--source-options", '{"anon": true}')), str(tmp_path), None)
+    # a missing directory, as a path or as a file:// URL: refused alike (the URL made it and
+    # wrote a dataset there, review nodes6)
+    missing = tmp_path / "no" / "such"
+    for given in (str(missing), f"file://{missing}"):
+        with pytest.raises(ValueError, match=rf"^--source {given}: not a directory"):
+            job_run._prepare(arguments.settings_from(_args("--source", given)), str(tmp_path), None)
+    assert not (tmp_path / "no").exists()
 
 
 @pytest.mark.timeout(60)

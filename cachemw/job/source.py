@@ -22,6 +22,7 @@ import secrets
 import time
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 import numpy as np
 
 from . import owners
@@ -110,6 +111,8 @@ def local_source(directory: str, workload: Workload) -> Source:
 def url_source(url: str, options: dict, workload: Workload) -> Source:
     fs, path = fsspec.core.url_to_fs(url, **options)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if isinstance(fs, LocalFileSystem) and not fs.isdir(path):  # as a plain path is: a typo
+        raise ValueError(f"--source {url}: not a directory")  # must not write a dataset
     if protocol in ("http", "https"):
         base = f"{url.rstrip('/')}/{JOB_DIR}"
         return Source(protocol, options, f"{base}/{workload.name}/train", "", url)
