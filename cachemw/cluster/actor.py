@@ -390,11 +390,14 @@ def _stop_ray_daemons(address: str | None, runtime_dir: str, timeout: float) -> 
     handles = _daemon_handles()
     # stop all first (each stops placing daemons on new nodes), then kill them
     refs = {node_id: h.stop.remote() for node_id, h in handles.items()}
+    stopped = 0  # cleanly: one that did not (hung, or its node gone) is killed, not counted
     for node_id, ref in refs.items():
         try:
             ray.get(ref, timeout=timeout)
+            stopped += 1
         except Exception as exc:  # one daemon's failure never stops the stop
-            log.warning("daemon on node %s did not stop cleanly: %s", node_id, exc)
+            log.warning("daemon on node %s did not stop cleanly (killed instead, if it still "
+                        "runs): %s", node_id, exc)
     for handle in list(handles.values()) + list(_daemon_handles().values()):
         try:
             ray.kill(handle, no_restart=True)
@@ -407,4 +410,4 @@ def _stop_ray_daemons(address: str | None, runtime_dir: str, timeout: float) -> 
     deadline = time.monotonic() + 10
     while lookup(runtime_dir) is not None and time.monotonic() < deadline:
         time.sleep(0.1)
-    return len(handles)
+    return stopped
