@@ -25,7 +25,8 @@ from .writer import MANIFEST_NAME, parse_manifest
 
 log = logging.getLogger(__name__)
 
-STEP_DIR = re.compile(r"^step_(\d{12})-([0-9a-f]{8})$")
+# 12 digits at least (a step of 10**12 or more, a token count, has more: it was not listed)
+STEP_DIR = re.compile(r"^step_(\d{12,})-([0-9a-f]{8})$")
 OWNER_NAME = ".owner.json"
 LATEST_NAME = "latest"
 SPARE_NAME = ".spare"

@@ -78,6 +78,31 @@ def test_retention_and_latest(tmp_path):
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["no-fast-tier", "fast-tier"])
+def test_steps_of_more_than_twelve_digits_are_listed_loaded_and_retired(tmp_path, fast):
+    """A step counted in tokens or samples passes 10**12: such steps were saved and said
+    durable, but neither listed, loaded nor removed by retention (a resumed run started over,
+    and the disk filled: review ckpt6). Steps that are no int (True, 2.0) are refused; a
+    numpy integer is one."""
+    import numpy as np
+
+    big = [999_999_999_999, 10**12, 5 * 10**12, 10**15]
+    with Checkpointer(str(tmp_path / "root"), keep_last=2,
+                      fast_root=str(tmp_path / "fast") if fast else None) as ck:
+        for step in big:
+            ck.save(step, {"t": torch.full((4,), float(step)), "s": step}).wait(60)
+        assert ck.steps() == big[-2:]
+        state = {"t": torch.zeros(4), "s": 0}
+        assert ck.load(state) == 10**15 and state["s"] == 10**15
+        assert ck.load(state, step=5 * 10**12) == 5 * 10**12 and state["t"][0] == 5e12
+        for bad in (True, 2.0, -1):
+            with pytest.raises(ValueError, match="step must be a non-negative int"):
+                ck.save(bad, state)
+        ck.save(np.int64(10**16), state).wait(60)
+        assert ck.steps() == [10**15, 10**16]
+    assert len(committed_dirs(tmp_path / "root")) == 2
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["no-fast-tier", "fast-tier"])
 def test_a_rerun_saving_lower_steps_than_the_root_holds_commits_them(tmp_path, fast):
     """A second run into the same root (a benchmark run again, training resumed from an older
     step) saves steps below those the first one left: each is committed and kept, not removed

@@ -1,0 +1,63 @@
+"""A script whose last act is save(), ending without wait(): the save commits before the
+process exits, and a failure is logged. It was dropped without a word with 2 ranks, or with
+a fast tier (review ckpt6): past concurrent.futures' exit hook no pool takes work, and the
+save's background starts pools of its own. Real processes, gloo ranks."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.torch]
+
+RANK = r"""
+import os, sys, torch, torch.distributed as dist
+from cachemw.checkpoint import Checkpointer
+root, fast, rank, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if world > 1:
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[5], rank=rank, world_size=world)
+ck = Checkpointer(root, keep_last=3, fast_root=None if fast == "-" else fast)
+state = {"w": torch.full((1 << 20,), float(rank)), "step": 0}
+ck.save(1, state).wait(120)
+state["step"] = 2
+ck.save(2, state)  # and the script ends here
+"""
+
+
+def _run_ranks(tmp_path, world: int, fast: bool) -> list[subprocess.CompletedProcess]:
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", RANK, str(tmp_path / "root"),
+         str(tmp_path / f"fast{rank}") if fast else "-", str(rank), str(world),
+         str(tmp_path / "rendezvous")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in range(world)]
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=150)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world,fast", [(1, True), (2, False)], ids=["1-rank-fast-tier", "2-ranks"])
+def test_a_save_pending_at_exit_commits_before_the_process_ends(tmp_path, world, fast):
+    import torch
+
+    from cachemw.checkpoint import Checkpointer
+
+    for r in _run_ranks(tmp_path, world, fast):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "waiting for the checkpoint of step(s) [2] to commit" in r.stderr, r.stderr[-3000:]
+        assert "not committed" not in r.stderr, r.stderr[-3000:]
+    ck = Checkpointer(str(tmp_path / "root"), fast_root=None)
+    assert ck.steps() == [1, 2]
+    state = {"w": torch.zeros(1 << 20), "step": 0}
+    assert ck.load(state) == 2 and state["step"] == 2 and state["w"][0] == 0.0
+    ck.close()
