@@ -109,8 +109,11 @@ class StepLoader:
                         tiers.append(self.root)
                 if not tiers:
                     raise error from None
+                # the failure in one line (its traceback, 50 lines, read as a failed load
+                # that then succeeded: review ckpt6), the traceback for debugging
                 log.warning("loading %s from %s failed (%s); loading it again from %s", name, tier.location.url,
-                            error, tiers[0].location.url, exc_info=True)
+                            error, tiers[0].location.url)
+                log.debug("the failed load of %s from %s", name, tier.location.url, exc_info=True)
         error = None
         try:
             apply_loaded(state, loaded)

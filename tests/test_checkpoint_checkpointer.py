@@ -198,14 +198,22 @@ def test_fast_tier_commits_first_and_load_prefers_it(tmp_path):
             ck.load(out)
 
 
-def test_corrupt_fast_copy_falls_back_to_intact_root_copy(tmp_path):
+def test_corrupt_fast_copy_falls_back_to_intact_root_copy(tmp_path, caplog):
+    """... said in one line: with its traceback (50 lines), it read as a failed load that
+    then succeeded (review ckpt6)."""
+    import logging
+
     root, fast = tmp_path / "root", tmp_path / "fast"
     state = {"t": torch.randn(1000, 10)}
     with Checkpointer(str(root), fast_root=str(fast), fast_keep_last=1) as ck:
         ck.save(1, state).wait(60)
         corrupt_first_chunk(fast / committed_dirs(fast)[0])
         out = {"t": torch.zeros(1000, 10)}
-        assert ck.load(out) == 1 and torch.equal(out["t"], state["t"])
+        with caplog.at_level(logging.WARNING, logger="cachemw.checkpoint"):
+            assert ck.load(out) == 1 and torch.equal(out["t"], state["t"])
+        said = [r for r in caplog.records if "loading it again from" in r.getMessage()]
+        assert len(said) == 1 and said[0].exc_info is None
+        assert "checksum mismatch in chunk 't@0" in said[0].getMessage()
         ck.save(2, state).wait(60)
         assert len(committed_dirs(fast)) == 1 and len(committed_dirs(root)) == 2
 
