@@ -109,6 +109,7 @@ class Checkpointer:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachemw-ckpt",
                                           initializer=run_at, initargs=(self._background,))
         self._handles: list[SaveHandle] = []
+        self._saved: set[str] = set()  # our saves' step directories (_only_copy_test)
         _live.add(self)
         self._loader = StepLoader(self.root, self.fast, self.coord, self.config.thread_count,
                                   self._drain_left)
@@ -245,6 +246,7 @@ class Checkpointer:
                 name = prepared.name
             else:
                 name = self.coord.broadcast(step_dir_name(step, uuid.uuid4().hex))
+            self._saved.add(name)
             handle.path = self.root.location.child(name).url
             self._write(step, name, staged, handle, prepared.pool if prepared is not None else None)
             handle._set_durable()
@@ -344,6 +346,11 @@ class Checkpointer:
         found: list = []
 
         def only_copy(entry: Entry) -> bool:
+            # another saver's copy on this node (a second Checkpointer of the root, whose
+            # process lives): its own to retire; removed here, its drain from it failed
+            # (review ckpt6)
+            if entry.name not in self._saved and self.fast.written_by_another_live_process(entry.name):
+                return True
             if not found:
                 found.append(only_copies(self.root, self.fast, self.config.keep_last,
                                          self.config.fast_keep_last))

@@ -234,6 +234,13 @@ class CheckpointDir:
         except (FileNotFoundError, json.JSONDecodeError):
             return None
 
+    def written_by_another_live_process(self, name: str) -> bool:
+        """The process that wrote ``name`` here is another one of this host, and lives."""
+        owner = self._owner(name)
+        return (owner is not None and owner.get("host") == socket.gethostname()
+                and int(owner.get("pid", 0)) != os.getpid()
+                and process_alive(int(owner.get("pid", 0)), owner.get("pid_start") or None))
+
     def writer_gone(self, name: str) -> bool:
         """The process that wrote ``name`` here ran on this host and is gone: whatever it
         left undone for the step (its drain to the root) nobody else is doing."""

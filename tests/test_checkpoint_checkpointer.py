@@ -227,6 +227,40 @@ def corrupt_first_chunk(directory):
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.timeout(120)
+def test_a_fast_tier_copy_of_another_live_saver_is_left_to_it(tmp_path):
+    """Two Checkpointers of one root on one node share its fast tier (the daemon's): one's
+    retention removed the other's newest copy while that one drained it to the root, whose
+    save then failed with a FileNotFoundError of a .metadata (review ckpt6). Another live
+    process's copies are its own to retire; a dead one's are retired as ever."""
+    import sys
+
+    root, fast = tmp_path / "root", tmp_path / "fast"
+    other = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, torch\n"
+        "from cachemw.checkpoint import Checkpointer\n"
+        f"ck = Checkpointer({str(root)!r}, fast_root={str(fast)!r}, keep_last=3)\n"
+        "ck.save(0, {'t': torch.ones(1000)}).wait(60)\n"
+        "print('saved', flush=True)\n"
+        "time.sleep(100)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "saved"
+        theirs = committed_dirs(fast)
+        assert len(theirs) == 1
+        with Checkpointer(str(root), fast_root=str(fast), keep_last=3, fast_keep_last=1) as ck:
+            for step in (1, 2, 3):
+                ck.save(step, {"t": torch.zeros(1000)}).wait(60)
+            assert theirs[0] in committed_dirs(fast)  # left to its live saver
+            other.kill()
+            other.wait()
+            ck.save(4, {"t": torch.zeros(1000)}).wait(60)
+            assert theirs[0] not in committed_dirs(fast)  # its saver is gone: retired
+            assert len(committed_dirs(fast)) == 1
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_two_savers_into_one_root_never_mix(tmp_path):
     a_state = {"x": torch.full((300, 100), 1.0), "y": torch.full((300,), 1.0)}
     b_state = {"x": torch.full((300, 100), 2.0), "y": torch.full((300,), 2.0)}
