@@ -15,14 +15,12 @@ Loading (which step, from which tier, and what a failed copy falls back to) is l
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import numbers
 import threading
 import time
 import traceback
 import uuid
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -32,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from cachemw import trace
 from cachemw.store_errors import client_error, store_errors
 
-from . import watch as watch_channel
+from . import at_exit, watch as watch_channel
 from .background import niceness, run_at
 from .config import BUSY_POLICIES, CheckpointerConfig
 from .coordination import Coordinator, check_same_step, report, unwrap
@@ -53,33 +51,6 @@ from .tiers import Drainer, commit_copy, daemon_fast_root, drain_committed
 from .writer import CachemwStorageWriter
 
 log = logging.getLogger(__name__)
-
-_live: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()  # for _finish_at_exit
-
-
-def _finish_at_exit() -> None:
-    """The interpreter is exiting (the script returned) with saves still pending: they are
-    finished first, and a failure is logged (no one is left to wait for its handle).
-    Registered as concurrent.futures registers its own exit hook, and after it, so run
-    before it: past that hook, no thread pool takes work any more, and a pending save's
-    background, which starts pools of its own, failed without a word (review ckpt6: a
-    script whose last act was save() lost that step, silently, with 2 ranks or a fast tier)."""
-    for ck in list(_live):
-        with ck._lock:
-            pending = [h.step for h in ck._handles if not h.done()]
-        if not pending:
-            continue
-        log.warning("exiting: waiting for the checkpoint of step(s) %s to commit (call "
-                    "wait() before the end to wait yourself)", pending)
-        try:
-            ck.wait()
-        except BaseException as exc:
-            log.error("the checkpoint of step(s) %s was not committed: %s", pending, exc)
-
-
-# threading's exit hooks run before atexit's, the latest registered first
-getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit)
-
 
 class Checkpointer:
     """Asynchronous, distributed, tiered checkpoints of a training state under ``root``."""
@@ -110,7 +81,7 @@ class Checkpointer:
                                           initializer=run_at, initargs=(self._background,))
         self._handles: list[SaveHandle] = []
         self._saved: set[str] = set()  # our saves' step directories (_only_copy_test)
-        _live.add(self)
+        at_exit.track(self)
         self._loader = StepLoader(self.root, self.fast, self.coord, self.config.thread_count,
                                   self._drain_left)
         self._lock = threading.Lock()
@@ -211,6 +182,11 @@ class Checkpointer:
         with trace.span("persist", trace.CHECKPOINT, step=step):
             self._run(step, staged, handle, prepared)
         note_end(step, handle.durable, handle.bytes_written, time.perf_counter() - started)
+
+    def _pending_steps(self) -> list[int]:
+        """The steps of saves not ended yet (at_exit.py)."""
+        with self._lock:
+            return [h.step for h in self._handles if not h.done()]
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every pending save; raise the first failure not yet raised by ``wait``."""
