@@ -83,6 +83,33 @@ class OptimizerStateLoadPlanner(DefaultLoadPlanner):
             drop_unsaved_optimizer_state(state_dict, self.optimizers, metadata.state_dict_metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
+    def create_local_plan(self):
+        """DCP's plan; a key the checkpoint lacks said as the state's shape, a ValueError:
+        a list saved [1, 2, {"a": 3}] and loaded into [] was "Missing key in checkpoint
+        state_dict: list", a key the checkpoint does hold (review ckpt6)."""
+        try:
+            return super().create_local_plan()
+        except RuntimeError as exc:
+            said = str(exc)
+            if not said.startswith(_MISSING):
+                raise
+            raise ValueError(_missing(said[len(_MISSING):].removesuffix("."),
+                                      self.metadata.state_dict_metadata)) from exc
+
+
+_MISSING = "Missing key in checkpoint state_dict: "
+
+
+def _missing(key: str, saved) -> str:
+    under = sorted(k for k in saved if k.startswith(key + "."))
+    if under:
+        shown = ", ".join(under[:3]) + (", ..." if len(under) > 3 else "")
+        return (f"the state given to load holds {key!r} as one value where the checkpoint "
+                f"holds {len(under)} entries under it ({shown}): a list or tuple must have "
+                f"the length it was saved with (a dict may be given empty)")
+    return (f"the state given to load holds {key!r}, which the checkpoint does not (a list "
+            f"longer than the one saved, or an entry added since)")
+
 
 def apply_loaded(state: dict, loaded: dict) -> None:
     """Write what DCP loaded into ``loaded`` (built by ``to_state_dict(state)``) back into ``state``."""

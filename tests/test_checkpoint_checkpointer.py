@@ -490,6 +490,24 @@ def test_a_damaged_manifest_is_never_loaded_and_says_so(tmp_path, caplog):
         load(str(tmp_path / "one"))
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["no-fast-tier", "fast-tier"])
+def test_a_list_of_another_length_is_said_as_the_states_shape(tmp_path, fast):
+    """A list saved [1, 2, {"a": 3}] and loaded into [] or [0] was DCP's RuntimeError "Missing
+    key in checkpoint state_dict: list", a key the checkpoint holds (review ckpt6)."""
+    with Checkpointer(str(tmp_path / "root"),
+                      fast_root=str(tmp_path / "fast") if fast else None) as ck:
+        ck.save(1, {"list": [1, 2, {"a": 3}], "t": torch.ones(3)}).wait(60)
+        for held in ([], [0]):
+            with pytest.raises(ValueError, match=r"holds 'list' as one value where the "
+                               r"checkpoint holds 3 entries under it \(list\.0, list\.1, "
+                               r"list\.2\.a\): a list or tuple must have the length"):
+                ck.load({"list": held, "t": torch.zeros(3)})
+        with pytest.raises(ValueError, match=r"holds 'list\.3', which the checkpoint does not"):
+            ck.load({"list": [0, 0, {"a": 0}, 5], "t": torch.zeros(3)})
+        state = {"list": [0, 0, {"a": 0}], "t": torch.zeros(3)}
+        assert ck.load(state) == 1 and state["list"] == [1, 2, {"a": 3}]
+
+
 def test_entries_the_state_has_no_place_for_are_named_once(tmp_path, caplog):
     """A load is in place: a dict saved full and loaded into an empty one stayed empty, in
     silence (found by a black-box check). The entries left out are named, once a step."""
