@@ -55,6 +55,21 @@ class DaemonStartError(RuntimeError):
     """The daemon could not start; the message is the daemon's own."""
 
 
+def held_by_another_host(runtime_dir: str) -> str | None:
+    """What to say if ``runtime_dir``'s daemon lock is held by another host's daemon: the
+    directory is on a filesystem the nodes share (where locks are seen across nodes); else
+    None. Nothing of such a directory is this node's to stop or remove."""
+    holder = lock_holder(runtime_dir) or {}
+    host = holder.get("host")
+    if not host or host == socket.gethostname():
+        return None
+    return (f"the cachemw {holder.get('kind', '')} daemon of host {host} (pid "
+            f"{holder.get('pid', '?')}) serves {runtime_dir}: the runtime dir is on a "
+            f"filesystem the nodes share; give each node one of its own (CACHEMW_RUNTIME_DIR "
+            f"or --runtime-dir: a node-local path, such as one under /tmp, or one with "
+            f"{{node_id}} in it)").replace("  ", " ")
+
+
 def holder_alive(holder: dict) -> bool:
     """Is the process a lock file names still that process? Never one of another host (a
     runtime dir on a filesystem the nodes share): its pid here is some other process."""

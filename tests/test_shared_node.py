@@ -310,6 +310,18 @@ def test_stop_never_signals_a_pid_another_hosts_lock_names(tmp_path):
                        host="node-b-of-this-test")
         assert stop_local(str(rt), timeout=2) is False
         assert bystander.poll() is None  # not signalled
+        # nor is anything of it removed by `cachemw stop`: the node-DRAM checkpoint copies
+        # there are the other node's trainers' (some still draining); and it says why
+        copy = rt / "checkpoints" / "0123" / "step_000000000001-abcdef01" / "__0_0.distcp"
+        copy.parent.mkdir(parents=True)
+        copy.write_bytes(b"x")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        r = subprocess.run([sys.executable, "-m", "cachemw.cli", "stop"], capture_output=True,
+                           text=True, timeout=120, env={**env, "CACHEMW_RUNTIME_DIR": str(rt)})
+        assert r.returncode == 0 and "stopped 0 daemon(s)" in r.stdout, r.stdout + r.stderr
+        assert ("daemon of host node-b-of-this-test" in r.stderr and "filesystem the nodes "
+                "share" in r.stderr and "nothing in it was stopped or removed" in r.stderr), r.stderr
+        assert copy.exists() and bystander.poll() is None
         other.describe(pid=bystander.pid, start=process_start(bystander.pid), kind="autostarted",
                        host=socket.gethostname())  # this host's: the process stop stops
         assert stop_local(str(rt), timeout=1) is True

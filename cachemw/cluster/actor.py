@@ -20,7 +20,7 @@ from dataclasses import asdict
 
 from ..config import DaemonConfig, daemon_environment, ray_address, resolve_runtime_dir
 from ..config_values import format_size, parse_size
-from ..launch import remove_checkpoint_copies, stop_local
+from ..launch import held_by_another_host, remove_checkpoint_copies, stop_local
 from ..node.service import NodeService
 from ..protocol import lock_holder, lookup
 from . import local_ray
@@ -359,6 +359,10 @@ def stop(address: str | None = None, *, runtime_dir: str | None = None, timeout:
     Returns the count of daemons stopped; ``notes`` gets a line per thing reclaimed."""
     runtime_dir = resolve_runtime_dir(runtime_dir)
     n = _stop_ray_daemons(address, runtime_dir, timeout)
+    shared = held_by_another_host(runtime_dir)
+    if shared is not None:  # its daemon and the checkpoint copies its trainers drain are
+        log.warning("%s; nothing in it was stopped or removed", shared)  # another node's
+        return n
     n += stop_local(runtime_dir, notes=notes)
     if remove_checkpoint_copies(runtime_dir) and notes is not None:
         notes.append(f"removed the node-DRAM checkpoint copies in {runtime_dir}/checkpoints "

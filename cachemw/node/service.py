@@ -20,7 +20,7 @@ import time
 
 from .. import trace
 from ..config import DaemonConfig
-from ..launch import clear_failure, free_dram, note_freed
+from ..launch import clear_failure, free_dram, held_by_another_host, note_freed
 from ..metrics import MetricsServer
 from ..processes import process_start, process_state
 from ..protocol import (REGISTRY, SOCKET, DaemonAddress, DaemonLock, ensure_private_dir,
@@ -36,18 +36,13 @@ class DaemonAlreadyRunning(RuntimeError):
 
 
 def _held(runtime_dir: str) -> str:
-    """Why no daemon can start for ``runtime_dir``: another holds its lock. One of another
-    host means the directory is on a filesystem the nodes share (review ops5: the message
-    said to stop it, which cannot be done from here, nor is the fix)."""
+    """Why no daemon can start for ``runtime_dir``: another holds its lock."""
+    shared = held_by_another_host(runtime_dir)
+    if shared is not None:  # (review ops5: it said to stop that one, which is not the fix)
+        return shared
     holder = lock_holder(runtime_dir) or {}
-    kind, pid, host = holder.get("kind", ""), holder.get("pid", "?"), holder.get("host")
-    if host and host != socket.gethostname():
-        return (f"the cachemw {kind} daemon of host {host} (pid {pid}) serves {runtime_dir}: "
-                f"the runtime dir is on a filesystem the nodes share; give each node one of "
-                f"its own (CACHEMW_RUNTIME_DIR or --runtime-dir: a node-local path, such as "
-                f"one under /tmp, or one with {{node_id}} in it)").replace("  ", " ")
-    return (f"a cachemw {kind} daemon (pid {pid}) already serves {runtime_dir}; stop it "
-            f"first (`cachemw stop`)").replace("  ", " ")
+    return (f"a cachemw {holder.get('kind', '')} daemon (pid {holder.get('pid', '?')}) "
+            f"already serves {runtime_dir}; stop it first (`cachemw stop`)").replace("  ", " ")
 
 
 class NodeService:
