@@ -13,12 +13,24 @@ from __future__ import annotations
 import atexit
 import importlib
 import logging
+import os
 import threading
 import weakref
 
 log = logging.getLogger(__name__)
 
 _live: weakref.WeakSet = weakref.WeakSet()  # the Checkpointers of the process
+
+
+def _forked() -> None:
+    """In a forked child (a DataLoader's worker, a multiprocessing process), whose end runs
+    the hook too: its copies of the parent's Checkpointers are not its own, and their
+    pending saves are the parent's to finish. Waited for there, the child never ended, and
+    a parent joining it waited with it (diffrev-8)."""
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def track(checkpointer) -> None:
@@ -32,7 +44,7 @@ def _finish() -> None:
         if not pending:
             continue
         log.warning("exiting: waiting for the checkpoint of step(s) %s to commit (call "
-                    "wait() before the end to wait yourself)", pending)
+                    "wait() before the end to wait yourself; Ctrl-C abandons it)", pending)
         try:
             ck.wait()
         except BaseException as exc:

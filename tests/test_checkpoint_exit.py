@@ -61,3 +61,41 @@ def test_a_save_pending_at_exit_commits_before_the_process_ends(tmp_path, world,
     state = {"w": torch.zeros(1 << 20), "step": 0}
     assert ck.load(state) == 2 and state["step"] == 2 and state["w"][0] == 0.0
     ck.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_process_forked_while_a_save_is_pending_ends_at_once(tmp_path, monkeypatch):
+    """A DataLoader forks its workers while the last epoch's save drains: a forked child
+    inherited the parent's Checkpointers, and its end (multiprocessing runs the exit hooks)
+    waited for a save only the parent can finish: it never ended, and a parent joining it
+    hung (diffrev-8). The parent's save still commits."""
+    import multiprocessing
+    import time
+
+    import torch
+
+    from cachemw.checkpoint import Checkpointer
+    from cachemw.checkpoint import checkpointer as module
+
+    write = module.Checkpointer._write
+
+    def slow_write(self, *args, **kwargs):  # a big state, a slow store
+        time.sleep(3)
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(module.Checkpointer, "_write", slow_write)
+    ck = Checkpointer(str(tmp_path / "root"), fast_root=None)
+    try:
+        ck.save(1, {"w": torch.zeros(1000)})  # pending
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0,))
+        child.start()
+        child.join(20)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+            child.join()
+        assert not alive and child.exitcode == 0
+        ck.wait(60)
+        assert ck.steps() == [1]
+    finally:
+        ck.close()

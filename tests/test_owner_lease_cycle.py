@@ -16,6 +16,7 @@ import pytest
 from cachemw.cluster import owner
 from cachemw.cluster.owner import RemoteReads
 from cachemw.config import DaemonConfig, TierConfig
+from cachemw.keys import url_tag
 from cachemw.node.cache import NodeCache
 
 BS = 65536
@@ -57,7 +58,6 @@ def _node(tmp_path, name: str) -> NodeCache:
 @pytest.mark.timeout(60)
 def test_two_nodes_missing_one_file_at_once_get_each_others_blocks(tmp_path, monkeypatch):
     monkeypatch.setattr(owner, "source_for", lambda _target: _Source)
-    monkeypatch.setattr(owner, "OWNER_LEASE_WAIT", 1.0)  # (3 s: the old stall, shortened)
     nodes = {"a": _node(tmp_path, "a"), "b": _node(tmp_path, "b")}
     barrier = threading.Barrier(2, timeout=20)
     for name, node in nodes.items():
@@ -67,9 +67,15 @@ def test_two_nodes_missing_one_file_at_once_get_each_others_blocks(tmp_path, mon
     replies: dict[str, list] = {}
     errors: list[BaseException] = []
 
-    def read_on(name: str) -> None:  # a reader of node ``name`` misses both blocks
+    def read_on(name: str) -> None:  # a reader of node ``name`` misses both blocks, and
+        node, conn = nodes[name], object()  # fills those it is leased, as a client does
         try:
-            replies[name] = nodes[name].lease_many(items, conn=object())
+            replies[name] = got = node.lease_many(items, conn=conn)
+            for i, reply in enumerate(got):
+                if reply[0] == "fill":
+                    stored = node.tier(reply[1]).stage(KEYS[i], DATA[i], reply[2],
+                                                       tag=url_tag(URL))
+                    node.filled(KEYS[i], reply[1], stored, conn, reply[2])
         except BaseException as exc:
             errors.append(exc)
 
@@ -80,12 +86,17 @@ def test_two_nodes_missing_one_file_at_once_get_each_others_blocks(tmp_path, mon
         for t in threads:
             t.join(30)
         assert not errors, errors
-        # each node's own block: filled by its owner's serve of the other node's call, so
-        # present here; the other node's block: its bytes, from its owner (was: "fallback")
-        assert replies["a"] == [("present", "dram"), ("data", DATA[1])], replies["a"]
-        assert replies["b"] == [("data", DATA[0]), ("present", "dram")], replies["b"]
-        for node in nodes.values():
+        # the other node's block: its bytes, from its owner (was: "fallback", after the
+        # owner's lease wait); each node's own: filled by its serve of the other's call
+        # (present), or leased to its reader (fill), whichever came first
+        assert replies["a"][1] == ("data", DATA[1]), replies["a"]
+        assert replies["b"][0] == ("data", DATA[0]), replies["b"]
+        assert replies["a"][0][:2] in (("present", "dram"), ("fill", "dram")), replies["a"]
+        assert replies["b"][1][:2] in (("present", "dram"), ("fill", "dram")), replies["b"]
+        for i, name in enumerate(nodes):
+            node = nodes[name]
             assert node.counters["peer_fallbacks"] == 0 and not node._inflight
+            assert node.read_local(KEYS[i], BS) == DATA[i]
     finally:
         for node in nodes.values():
             node.close(wait=5)
