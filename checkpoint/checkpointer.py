@@ -306,8 +306,9 @@ class Checkpointer:
             log.warning("step %d is committed in %s, but its 'latest' could not be written: "
                         "%s", step, tier.location.url, exc)
         keep = self._only_copy_test() if tier is self.fast else None
+        theirs = self._another_savers if tier is self.fast else None
         try:
-            removed = tier.retain(keep_last, just_committed=name, keep=keep)
+            removed = tier.retain(keep_last, just_committed=name, keep=keep, theirs=theirs)
         except Exception as exc:  # noqa: BLE001 - the next save's retention tries again
             log.warning("step %d is committed in %s; retention there failed: %s", step,
                         tier.location.url, exc)
@@ -322,17 +323,18 @@ class Checkpointer:
         found: list = []
 
         def only_copy(entry: Entry) -> bool:
-            # another saver's copy on this node (a second Checkpointer of the root, whose
-            # process lives): its own to retire; removed here, its drain from it failed
-            # (review ckpt6)
-            if entry.name not in self._saved and self.fast.written_by_another_live_process(entry.name):
-                return True
             if not found:
                 found.append(only_copies(self.root, self.fast, self.config.keep_last,
                                          self.config.fast_keep_last))
             return entry.name in found[0]
 
         return only_copy
+
+    def _another_savers(self, entry: Entry) -> bool:
+        """``retain``'s ``theirs`` for the fast tier: a copy of another saver on this node (a
+        second Checkpointer of the root, whose process lives), its own to retire; removed
+        here, its drain from it failed (review ckpt6)."""
+        return entry.name not in self._saved and self.fast.written_by_another_live_process(entry.name)
 
     def _cleanup(self, name: str | None) -> None:
         """Remove what a failed save left uncommitted (best effort; the root by the coordinator only)."""

@@ -163,14 +163,16 @@ class CheckpointDir:
             return None
 
     def retain(self, keep_last: int | None, just_committed: str | None = None,
-               keep: Callable[[Entry], bool] | None = None) -> list[str]:
+               keep: Callable[[Entry], bool] | None = None,
+               theirs: Callable[[Entry], bool] | None = None) -> list[str]:
         """Delete committed checkpoints beyond the newest ``keep_last`` steps; return their names.
 
         Also drops older duplicates of one step. The checkpoint of the highest step and the
         one ``just_committed`` are never deleted, whatever ``keep_last`` says: a run restarted
         into a root that holds higher steps (a rerun, a resume from an older step) keeps
         its own saves, which would otherwise go as soon as they are published. Nor is the
-        newest of a step for which ``keep`` (asked only of those about to go) says True.
+        newest of a step for which ``keep`` (asked only of those about to go) says True,
+        nor any for which ``theirs`` does (another saver's, its own to retire).
         """
         entries = self.committed()
         if not entries:
@@ -183,7 +185,8 @@ class CheckpointDir:
             keep_steps = keep_steps[-max(1, keep_last):]
         kept = {newest_per_step[s].name for s in keep_steps} | {entries[-1].name, just_committed}
         doomed = [e.name for e in entries if e.name not in kept
-                  and (keep is None or e is not newest_per_step[e.step] or not keep(e))]
+                  and (keep is None or e is not newest_per_step[e.step] or not keep(e))
+                  and (theirs is None or not theirs(e))]
         for name in doomed:
             # Uncommit first, so a half-deleted directory is never mistaken for a checkpoint.
             self.location.remove_file(f"{name}/{MANIFEST_NAME}")

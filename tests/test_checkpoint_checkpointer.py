@@ -248,7 +248,7 @@ def test_a_fast_tier_copy_of_another_live_saver_is_left_to_it(tmp_path):
         theirs = committed_dirs(fast)
         assert len(theirs) == 1
         with Checkpointer(str(root), fast_root=str(fast), keep_last=3, fast_keep_last=1) as ck:
-            for step in (1, 2, 3):
+            for step in (0, 1, 2, 3):  # step 0 too: theirs is then an older copy of a step
                 ck.save(step, {"t": torch.zeros(1000)}).wait(60)
             assert theirs[0] in committed_dirs(fast)  # left to its live saver
             other.kill()
