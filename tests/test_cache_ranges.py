@@ -106,3 +106,36 @@ def test_range_read_of_large_file_fetches_only_touched_blocks(range_fs, tmp_path
     stats = range_fs.stats()
     assert stats["misses"] == 2
     assert stats["bytes_from_source"] == 2 * BS
+
+
+@pytest.mark.timeout(120)
+def test_numpy_offsets_read_the_bytes_asked(range_fs, tmp_path):
+    """Offsets read from an index file are numpy integers: an unsigned one (uint64, uint32)
+    wrapped round in the block arithmetic, and a range across a block boundary came back
+    short, without an error; numpy integers also reached the counters, whose report failed
+    at exit, and the daemon, whose lease failed (review api7)."""
+    import json
+    import os
+
+    import numpy as np
+
+    path = str(tmp_path / "index.bin")
+    data = os.urandom(5 * BS + 123)
+    with open(path, "wb") as f:
+        f.write(data)
+    ranges = [(5, 3 * BS), (BS - 7, BS + 9), (4 * BS, None), (-100, None), (0, 2 * BS)]
+    for kind in (np.uint64, np.uint32, np.int64, np.int32):
+        for start, end in ranges:
+            s = None if start is None else (kind(start) if start >= 0 else np.int64(start))
+            e = None if end is None else kind(end)
+            assert range_fs.cat_file(path, start=s, end=e) == data[start:end], (kind, start, end)
+        got = range_fs.cat_ranges([path, path], [kind(BS - 7), kind(5)], [kind(BS + 9), kind(3 * BS)])
+        assert got == [data[BS - 7:BS + 9], data[5:3 * BS]]
+        with range_fs.open(path) as f:
+            f.seek(kind(2 * BS - 3))
+            assert f.read(kind(10)) == data[2 * BS - 3:2 * BS + 7]
+    with pytest.raises(TypeError):
+        range_fs.cat_file(path, start=5.0)
+    range_fs.client.flush()
+    json.dumps(range_fs.stats())  # every count a plain int
+    assert range_fs.stats()["fill_errors"] == 0

@@ -35,7 +35,7 @@ from .. import trace as tracing
 from ..config import CacheOptions, DaemonConfig, freeze_gc_in_workers, keep_heap_in_workers
 from ..keys import block_count, block_key
 from .metadata import MetadataCache
-from .openfile import BytesFile, CachedFile, clip
+from .openfile import BytesFile, CachedFile, clip, offset
 from .ranges import read_ranges
 from .reader import BlockReader
 from .silence import ReadCall
@@ -204,6 +204,7 @@ class CacheFileSystem(_Base):
         the new version whole rather than the old one's cached blocks around new ones (the
         read that met it dropped what was known of the file: metadata.moved_on)."""
         path = self._strip_protocol(path)
+        start, end = offset(start), offset(end)
         with ReadCall(self.client.timeout):  # one daemon_timeout of waits in all (silence.py)
             try:
                 return self._read_path(path, start, end)
@@ -457,7 +458,7 @@ class CacheFileSystem(_Base):
                 gone.append(path)
                 continue
             if not self._reads_to_end(meta):  # (those are read uncached: nothing to place)
-                start, end = clip(start, end, meta.size)
+                start, end = clip(offset(start), offset(end), meta.size)
                 items.extend(self.reader.announce_items(meta, start, end))
         if gone and not self._warned_gone:
             self._warned_gone = True

@@ -2,6 +2,7 @@
 pinned to the version it was opened at) and ``BytesFile`` (a file read whole on open)."""
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import time
@@ -16,6 +17,15 @@ from ..keys import block_key, block_length
 
 if TYPE_CHECKING:  # fs.py opens these files: a type only, no import at run time
     from .fs import CacheFileSystem
+
+
+def offset(value):
+    """A read's ``start`` or ``end`` as given by a caller (None, or any integer: a numpy
+    one, as offsets read from an index file are) as a Python int. A numpy unsigned one,
+    kept as given, wrapped round in ``start - base`` and a read across a block boundary
+    came back short, without an error (review api7). A float is a TypeError, as a file's
+    seek makes it."""
+    return None if value is None else operator.index(value)
 
 
 def clip(start, end, size):
@@ -114,6 +124,8 @@ class CachedFile(AbstractBufferedFile):
         return super().seek(loc, whence)
 
     def read(self, length=-1):
+        if type(length) is not int and length is not None:
+            length = operator.index(length)  # a numpy integer: see offset
         # The fast path: a read inside one cached block (after close, nothing is open).
         loc = self.loc
         if length is not None and length > 0:

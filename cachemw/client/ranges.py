@@ -19,7 +19,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from . import fanout
-from .openfile import clip
+from .openfile import clip, offset
 from .silence import ReadCall
 from ..tiers.source import ChangedSourceError
 
@@ -43,6 +43,7 @@ def _read_all_ranges(fs: CacheFileSystem, paths, starts, ends, on_error: str) ->
         ends = [ends] * len(paths)
     if len(starts) != len(paths) or len(ends) != len(paths):
         raise ValueError("cat_ranges: paths, starts and ends must have the same length")
+    starts, ends = [offset(s) for s in starts], [offset(e) for e in ends]
     out: list = [None] * len(paths)
     by_path: dict[str, list[int]] = {}
     for i, p in enumerate(paths):
