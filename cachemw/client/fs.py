@@ -43,7 +43,7 @@ from ..tiers.fork_safe import ForkSafe
 from ..store_errors import store_errors, store_failed
 from ..tiers.source import PAGE_SIZE, ChangedSourceError, SourceTier
 from .urls import TargetPaths, own_options, url_path, with_client_kwargs
-from .writer import InvalidatingWriter
+from .writer import InvalidatingWriter, moved_to, reached_by
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +370,8 @@ class CacheFileSystem(_Base):
 
     def rm(self, path, recursive=False, maxdepth=None):
         paths = self._strip_protocol(path)
-        with self._then_forget(paths, "tree"):
+        reached = reached_by(self.target, self._strip_protocol, paths, recursive, maxdepth)
+        with self._then_forget((paths if isinstance(paths, list) else [paths]) + reached, "tree"):
             self.target.rm(paths, recursive=recursive, maxdepth=maxdepth)
 
     def mkdir(self, path, create_parents=True, **kwargs):
@@ -396,7 +397,8 @@ class CacheFileSystem(_Base):
     def mv(self, path1, path2, recursive=False, maxdepth=None, **kwargs):
         p1, p2 = self._strip_protocol(path1), self._strip_protocol(path2)
         both = (p1 if isinstance(p1, list) else [p1]) + (p2 if isinstance(p2, list) else [p2])
-        with self._then_forget(both, "tree"):
+        moved = reached_by(self.target, self._strip_protocol, p1, recursive, maxdepth)
+        with self._then_forget(both + moved + moved_to(both[:-1], moved, both[-1]), "tree"):
             self.target.mv(p1, p2, recursive=recursive, maxdepth=maxdepth, **kwargs)
 
     def put_file(self, lpath, rpath, callback=fsspec.callbacks.DEFAULT_CALLBACK, mode="overwrite",
@@ -495,3 +497,4 @@ def _omit_unless_store_failed(exc: BaseException) -> None:
     store failed (store_errors.py store_failed)."""
     if store_failed(exc):
         raise exc
+

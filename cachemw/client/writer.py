@@ -1,6 +1,9 @@
-"""The writable file of a ``cachemw`` filesystem: the target's own, which the cache lets
-go of once it is closed (client/fs.py: writes go straight to the target)."""
+"""Writes through a ``cachemw`` filesystem (client/fs.py: they go straight to the target):
+the writable file, the target's own, which the cache lets go of once it is closed (and
+again when a transaction commits it), and what a removal or a move reaches."""
 from __future__ import annotations
+
+import posixpath
 
 from ..store_errors import store_errors
 
@@ -35,6 +38,16 @@ class InvalidatingWriter:
         finally:
             self._on_close()
 
+    def commit(self):
+        """A write of a transaction (``fs.transaction``, ``autocommit=False``) reaches the
+        store here, after close: the cache is invalidated again, or a read between close
+        and commit cached the old bytes for good (review api7)."""
+        try:
+            with store_errors(self._target, self._path):
+                self._f.commit()
+        finally:
+            self._on_close()
+
     def __enter__(self):
         return self
 
@@ -50,3 +63,35 @@ class InvalidatingWriter:
                 self.close()
         except Exception:  # a finaliser: nothing may escape it (modules half gone at exit)
             pass
+
+
+def reached_by(target, strip, paths, recursive: bool, maxdepth) -> list[str]:
+    """What a removal or move of ``paths`` (globs, directories) reaches on ``target``, before
+    it does (``strip``: the cache's path form): each file another process of the node read
+    (a process's own records are not all the node knows) must be dropped by its own path
+    (review api7: a rm -r, a mv -r, a rm of a glob left the removed files readable from the
+    cache). What the target cannot expand (a path gone) is the operation's to say."""
+    try:
+        found = target.expand_path(paths, recursive=recursive, maxdepth=maxdepth)
+    except Exception:  # noqa: BLE001 - the operation itself raises what it meets
+        return []
+    return [strip(p) for p in found]
+
+
+def moved_to(sources: list[str], moved: list[str], dest: str) -> list[str]:
+    """Where a move of ``sources`` (``moved``: what they expanded to) to ``dest`` may put
+    each file, without listing ``dest``: under ``dest`` itself, or, into a directory there,
+    under ``dest/<name of its source>`` (review api7: a mv into a directory left the mover
+    reading the old file it replaced)."""
+    dest = dest.rstrip("/")
+    out = []
+    for src in sources:
+        src = src.rstrip("/")
+        name = posixpath.basename(src)
+        for p in moved:
+            if p == src:
+                out += [dest, f"{dest}/{name}"]
+            elif p.startswith(src + "/"):
+                rel = p[len(src) + 1:]
+                out += [f"{dest}/{rel}", f"{dest}/{name}/{rel}"]
+    return out
