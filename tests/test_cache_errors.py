@@ -82,6 +82,22 @@ def test_unknown_option_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="block_size"):  # (False is no 0)
         fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True,
                           block_size=False)
+    with pytest.raises(ValueError, match="unknown cachemw option.*: file"):  # the target's
+        fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True,
+                          file={"auto_mkdir": True})  # own protocol, other options
+
+
+def test_another_filesystems_options_are_left_to_it(tmp_path):
+    """One ``storage_options`` for ``cachemw::s3://`` and ``cachemw:///`` URLs alike: fsspec
+    hands the options of a protocol the chain has no hop for to its first hop, and
+    simplecache ignores them; cachemw refused them (review api7)."""
+    path = tmp_path / "f.txt"
+    path.write_bytes(b"x" * 29)
+    options = {"s3": {"anon": True}, "cachemw": {"runtime_dir": str(tmp_path / "rt"),
+                                                 "autostart": False}}
+    for url in (f"cachemw::file://{path}", f"cachemw://{path}"):
+        with fsspec.open(url, "rb", **options) as f:
+            assert f.read() == b"x" * 29
 
 
 def test_what_callers_hand_every_filesystem_is_taken_as_fsspec_takes_it(tmp_path):

@@ -70,7 +70,9 @@ class CacheFileSystem(_Base):
             raise ValueError(f"fs: must be an fsspec filesystem, got {fs!r}")
         target_options = with_client_kwargs(target_protocol, dict(target_options or {}),
                                             kwargs.pop("client_kwargs", None))
-        kwargs = own_options(kwargs, target_options)
+        protocols = fs.protocol if fs is not None else (target_protocol or "file")
+        kwargs = own_options(kwargs, target_options,
+                             {protocols} if isinstance(protocols, str) else set(protocols))
         super().__init__(**kwargs)
         if type(block_size) is int and block_size == 0:
             # fsspec's "no read-ahead" (HF datasets opens archives with it), not a cache

@@ -275,18 +275,24 @@ def _unstrip(fs: AbstractFileSystem) -> Callable[[str], str]:
     return url
 
 
-def own_options(kwargs: dict, target_options: dict) -> dict:
+def own_options(kwargs: dict, target_options: dict, target_protocols=()) -> dict:
     """The options of fsspec's base class among ``kwargs``; unknown ones are a ValueError,
-    except a file's open arguments (``OPEN_ARGUMENTS``, ignored) and copies of the target's
-    options: HF datasets hands its flat ``storage_options`` to every hop of a chained URL,
-    so the cachemw hop gets the target's options too, as themselves or as
-    ``{protocol: {...}}`` under the protocol datasets takes a ``cachemw::`` hop for
-    (``file``)."""
+    except a file's open arguments (``OPEN_ARGUMENTS``, ignored), another filesystem's
+    options (``{protocol: {...}}`` for a protocol the target is not: fsspec hands those a
+    chain has no hop for to its first one, and simplecache ignores them too: one
+    ``storage_options`` for ``cachemw::s3://`` and ``cachemw:///`` URLs alike, review
+    api7) and copies of the target's options: HF datasets hands its flat
+    ``storage_options`` to every hop of a chained URL, so the cachemw hop gets the target's
+    options too, as themselves or as ``{protocol: {...}}`` under the protocol datasets takes
+    a ``cachemw::`` hop for (``file``)."""
     unknown = []
     for name, value in kwargs.items():
         if name in FSSPEC_BASE_OPTIONS or name in OPEN_ARGUMENTS:
             continue
         if name in target_options and target_options[name] == value:
+            continue
+        if (isinstance(value, dict) and name not in target_protocols
+                and name in fsspec.available_protocols() and name != "cachemw"):
             continue
         if (name in fsspec.available_protocols() and isinstance(value, dict)
                 and all(k in target_options and target_options[k] == v
