@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import numbers
+import os
+import socket
 import threading
 import time
 import traceback
@@ -71,6 +73,11 @@ class Checkpointer:
         if not self.coord.enable_front(self.fast is not None) and self.fast is not None:
             log.warning("fast tier %s disabled: not every rank has one", fast_root)
             self.fast, fast_root = None, None
+        # the processes of this saver on this host (its ranks here): a fast-tier copy one of
+        # them wrote, by this Checkpointer or an earlier one, is ours to retire
+        here = socket.gethostname()
+        self._ours = frozenset(pid for host, pid in self.coord.all_gather((here, os.getpid()))
+                               if host == here) if self.fast is not None else frozenset()
         self.fast_saver = None if self.fast is None else FastSaver(
             self.fast, self.root, self.coord, chunk_bytes=self.config.chunk_bytes,
             thread_count=self.config.thread_count, in_place=in_place)
@@ -334,7 +341,7 @@ class Checkpointer:
         """``retain``'s ``theirs`` for the fast tier: a copy of another saver on this node (a
         second Checkpointer of the root, whose process lives), its own to retire; removed
         here, its drain from it failed (review ckpt6)."""
-        return entry.name not in self._saved and self.fast.written_by_another_live_process(entry.name)
+        return entry.name not in self._saved and self.fast.written_live_by_another(entry.name, self._ours)
 
     def _cleanup(self, name: str | None) -> None:
         """Remove what a failed save left uncommitted (best effort; the root by the coordinator only)."""

@@ -237,11 +237,12 @@ class CheckpointDir:
         except (FileNotFoundError, json.JSONDecodeError):
             return None
 
-    def written_by_another_live_process(self, name: str) -> bool:
-        """The process that wrote ``name`` here is another one of this host, and lives."""
+    def written_live_by_another(self, name: str, ours: frozenset[int]) -> bool:
+        """The process that wrote ``name`` here is one of this host that lives and is none
+        of ``ours`` (pids)."""
         owner = self._owner(name)
         return (owner is not None and owner.get("host") == socket.gethostname()
-                and int(owner.get("pid", 0)) != os.getpid()
+                and int(owner.get("pid", 0)) not in ours
                 and process_alive(int(owner.get("pid", 0)), owner.get("pid_start") or None))
 
     def writer_gone(self, name: str) -> bool:

@@ -35,7 +35,7 @@ def _rank_main(rank, world, rdv, root, action, out_dir):
     from cachemw.checkpoint import Checkpointer
 
     result = {"rank": rank}
-    fast_root = root + "-fast" if action == "fast" or (action == "fast-on-rank0" and rank == 0) else None
+    fast_root = root + "-fast" if action in ("fast", "second-fast") or (action == "fast-on-rank0" and rank == 0) else None
     ck = Checkpointer(root, collective_timeout_s=8, chunk_bytes=256 << 10, fast_root=fast_root)
     result["fast"] = ck.fast is not None
     if action.startswith("fast"):  # two saves through a shared node-local fast tier, then a load
@@ -50,6 +50,14 @@ def _rank_main(rank, world, rdv, root, action, out_dir):
         expected = replicated_state()
         result["ok"] = bool(torch.equal(state["w"], expected["w"]) and torch.equal(state["b"], expected["b"])
                             and state["meta"] == expected["meta"])
+    elif action == "second-fast":  # a second Checkpointer of the same ranks (another fit())
+        ck.save(1, replicated_state()).wait(60)
+        ck.close()
+        ck = Checkpointer(root, collective_timeout_s=8, chunk_bytes=256 << 10, fast_root=fast_root)
+        for step in (2, 3):
+            ck.save(step, replicated_state()).wait(60)
+        result["fast_steps"] = sorted(p for p in os.listdir(fast_root)
+                                      if os.path.exists(os.path.join(fast_root, p, "cachemw-manifest.json")))
     elif action == "save":
         handle = ck.save(7, replicated_state())
         handle.wait(60)
@@ -232,6 +240,17 @@ def test_two_ranks_snapshot_their_own_share_into_a_shared_fast_tier(tmp_path):
     dcp.load(plain, checkpoint_id=results[0]["path"], no_dist=True)  # DCP's own reader, at the root
     expected = replicated_state()
     assert torch.equal(plain["w"], expected["w"]) and torch.equal(plain["b"], expected["b"])
+
+
+@pytest.mark.timeout(180)
+def test_copies_an_earlier_checkpointer_of_the_same_ranks_left_in_a_shared_fast_tier_are_retired(tmp_path):
+    """A copy written by another live process is another saver's, left to it (review
+    ckpt6); but one written by a rank of this saver, through an earlier Checkpointer of the
+    same processes, is ours: kept, the fast tier would grow by one per Checkpointer made."""
+    results = run_ranks(tmp_path, 2, tmp_path / "ckpt", "second-fast")
+    assert len(results) == 2
+    for r in results.values():
+        assert [name.split("-")[0] for name in r["fast_steps"]] == ["step_000000000003"], results
 
 
 @pytest.mark.timeout(180)
