@@ -442,3 +442,73 @@ def test_a_reader_shares_metadata_through_a_new_daemon_s_table(tmp_path, runtime
     finally:
         for proc in service_procs(runtime_dir):
             proc.kill()
+
+
+@pytest.mark.parametrize("form", ["glob", "list of dirs", "dir, not recursive"])
+def test_every_form_of_a_move_drops_the_files_it_replaces(make_cache_fs, form):
+    """A mv of a glob into a directory, of a list of directories (fsspec flattens it into
+    dest/<name>), of a directory without recursive=True (the local target moves its tree
+    all the same): the files it replaced kept their old bytes for another reader
+    (diffrev-9). Forms the target itself takes (memory: globs and lists; local: a
+    directory's tree)."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    root = f"/cachemw-test-mv-{os.getpid()}-{form.replace(' ', '-').replace(',', '')}"
+    if form == "dir, not recursive":
+        import tempfile
+
+        target = LocalFileSystem()
+        root = tempfile.mkdtemp(prefix="cachemw-test-mv-")
+    else:
+        target = MemoryFileSystem()
+    old, new = b"o" * (BS + 5), b"N" * (BS + 5)
+    replaced = f"{root}/data/x.bin"
+    target.makedirs(f"{root}/data", exist_ok=True)
+    target.pipe_file(replaced, old)
+    reader = make_cache_fs(validate="ttl", ttl=3600, block_size=BS, fs=target)
+    writer = make_cache_fs(validate="ttl", ttl=3600, block_size=BS, fs=target)
+    try:
+        assert reader.cat_file(replaced) == old
+        if form == "glob":
+            target.makedirs(f"{root}/staging", exist_ok=True)
+            target.pipe_file(f"{root}/staging/x.bin", new)
+            writer.mv(f"{root}/staging/*.bin", f"{root}/data/")
+        elif form == "list of dirs":
+            target.makedirs(f"{root}/staging/sub", exist_ok=True)
+            target.pipe_file(f"{root}/staging/sub/x.bin", new)
+            writer.mv([f"{root}/staging"], f"{root}/data", recursive=True)
+        else:  # a directory whose tree replaces data/ (moved into a new name)
+            target.makedirs(f"{root}/staging", exist_ok=True)
+            target.pipe_file(f"{root}/staging/x.bin", new)
+            assert reader.cat_file(f"{root}/staging/x.bin") == new
+            shutil.rmtree(f"{root}/data")
+            writer.mv(f"{root}/staging", f"{root}/data")
+            with pytest.raises(FileNotFoundError):  # moved away
+                reader.cat_file(f"{root}/staging/x.bin")
+        assert target.cat_file(replaced) == new
+        assert reader.cat_file(replaced) == new
+    finally:
+        target.rm(root, recursive=True)
+
+
+def test_a_recursive_rm_asks_the_daemon_only_about_files_the_node_knew(make_cache_fs, src):
+    """Every file a rm -r reaches is dropped node-wide, but the daemon is asked only about
+    those the node had read: each file through the whole single-file drop made a rm -r of
+    1,000 files never read 8 s (diffrev-9)."""
+    reader = make_cache_fs(validate="ttl", ttl=3600, block_size=BS)
+    writer = make_cache_fs(validate="ttl", ttl=3600, block_size=BS)
+    d = src / "many"
+    d.mkdir()
+    files = [str(d / f"f{i:03d}") for i in range(200)]
+    for p in files:
+        write(p, b"x" * 100)
+    for p in files[:10]:
+        assert reader.cat_file(p) == b"x" * 100
+    asked = []
+    invalidate = writer.client.invalidate
+    writer.client.invalidate = lambda url: asked.append(url) or invalidate(url)
+    writer.rm(str(d), recursive=True)
+    assert len(asked) == 11  # the 10 read, and the directory
+    for p in files[:10] + files[-3:]:
+        with pytest.raises(FileNotFoundError):
+            reader.cat_file(p)

@@ -82,9 +82,11 @@ def test_unknown_option_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="block_size"):  # (False is no 0)
         fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True,
                           block_size=False)
-    with pytest.raises(ValueError, match="unknown cachemw option.*: file"):  # the target's
-        fsspec.filesystem("cachemw", target_protocol="file", skip_instance_cache=True,
-                          file={"auto_mkdir": True})  # own protocol, other options
+    for protocol, key in (("file", "file"), ("local", "file"), (None, "local")):
+        # the target's own protocol, under any of its names (diffrev-9), other options
+        with pytest.raises(ValueError, match=f"unknown cachemw option.*: {key}"):
+            fsspec.filesystem("cachemw", target_protocol=protocol, skip_instance_cache=True,
+                              **{key: {"auto_mkdir": True}})
 
 
 def test_another_filesystems_options_are_left_to_it(tmp_path):

@@ -33,7 +33,6 @@ from .fills import drain_all
 from .link import DaemonClient
 from .. import trace as tracing
 from ..config import CacheOptions, DaemonConfig, freeze_gc_in_workers, keep_heap_in_workers
-from ..keys import block_count, block_key
 from .metadata import MetadataCache
 from .openfile import BytesFile, CachedFile, clip, offset
 from .ranges import read_ranges
@@ -42,8 +41,8 @@ from .silence import ReadCall
 from ..tiers.fork_safe import ForkSafe
 from ..store_errors import store_errors, store_failed
 from ..tiers.source import PAGE_SIZE, ChangedSourceError, SourceTier
-from .urls import TargetPaths, own_options, url_path, with_client_kwargs
-from .writer import InvalidatingWriter, moved_to, reached_by
+from .urls import TargetPaths, own_options, protocols_of, url_path, with_client_kwargs
+from .writer import InvalidatingWriter, delete_blocks, drop_reached, moved_to, reached_by
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class CacheFileSystem(_Base):
             raise ValueError(f"fs: must be an fsspec filesystem, got {fs!r}")
         target_options = with_client_kwargs(target_protocol, dict(target_options or {}),
                                             kwargs.pop("client_kwargs", None))
-        protocols = fs.protocol if fs is not None else (target_protocol or "file")
+        protocols = fs.protocol if fs is not None else protocols_of(target_protocol or "file")
         kwargs = own_options(kwargs, target_options,
                              {protocols} if isinstance(protocols, str) else set(protocols))
         super().__init__(**kwargs)
@@ -317,14 +316,7 @@ class CacheFileSystem(_Base):
         lease (client/adopt.py) whose lease comes after the cancel sees the mark.
         """
         self.reader.fills.drain()  # no fill of the old bytes may land after this
-        known = self.meta.known(path)
-        if known is not None:
-            bs = self.options.block_size
-            keys = [block_key(known.url, known.version, i, bs)
-                    for i in range(block_count(known.size, bs))]
-            for tier in self.client.tiers():
-                for key in keys:
-                    tier.delete(key)
+        delete_blocks(self, self.meta.known(path))
         self.meta.forget_tree(path)
         self.client.invalidate(self.meta.url(path))
 
@@ -335,30 +327,37 @@ class CacheFileSystem(_Base):
         whatever the file's size (node/superseded.py)."""
         self.client.superseded(old.url, old.version, old.size, self.options.block_size)
 
-    def _written_tree(self, path: str) -> None:
+    def _written_tree(self, path: str) -> set[str]:
+        """_written for ``path`` and what the process knows under it; returns those paths."""
         prefix = path.rstrip("/") + "/"
-        for p in [p for p in self.meta.known_paths() if p == path or p.startswith(prefix)]:
+        done = {p for p in self.meta.known_paths() if p == path or p.startswith(prefix)}
+        for p in done:
             self._written(p)
         self._written(path)
+        return done | {path}
 
     @contextlib.contextmanager
-    def _then_forget(self, paths, how: str = "file"):
+    def _then_forget(self, paths, how: str = "file", reached: list[str] = ()):
         """Run a write on the target, then, even if it failed part-way, forget what the
         cache knew of ``paths``: a file's blocks and metadata (``"file"``), everything
-        under a path too (``"tree"``), or only metadata (``"meta"``: directories). A store
-        client's own failure is raised as an OSError (store_errors.py)."""
+        under a path too (``"tree"``), or only metadata (``"meta"``: directories); and of
+        each file in ``reached`` (writer.drop_reached). A store client's own failure is raised as
+        an OSError (store_errors.py)."""
         first = paths[0] if isinstance(paths, list) and paths else paths
         try:
             with store_errors(self.target, first):
                 yield
         finally:
+            done: set[str] = set()
             for p in paths if isinstance(paths, list) else [paths]:
                 if how == "meta":
                     self.meta.forget_tree(p)
                 elif how == "tree":
-                    self._written_tree(p)
+                    done |= self._written_tree(p)
                 else:
                     self._written(p)
+            if reached:
+                drop_reached(self, [p for p in reached if p not in done])
 
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         path = self._strip_protocol(path)
@@ -373,7 +372,7 @@ class CacheFileSystem(_Base):
     def rm(self, path, recursive=False, maxdepth=None):
         paths = self._strip_protocol(path)
         reached = reached_by(self.target, self._strip_protocol, paths, recursive, maxdepth)
-        with self._then_forget((paths if isinstance(paths, list) else [paths]) + reached, "tree"):
+        with self._then_forget(paths if isinstance(paths, list) else [paths], "tree", reached):
             self.target.rm(paths, recursive=recursive, maxdepth=maxdepth)
 
     def mkdir(self, path, create_parents=True, **kwargs):
@@ -399,8 +398,9 @@ class CacheFileSystem(_Base):
     def mv(self, path1, path2, recursive=False, maxdepth=None, **kwargs):
         p1, p2 = self._strip_protocol(path1), self._strip_protocol(path2)
         both = (p1 if isinstance(p1, list) else [p1]) + (p2 if isinstance(p2, list) else [p2])
-        moved = reached_by(self.target, self._strip_protocol, p1, recursive, maxdepth)
-        with self._then_forget(both + moved + moved_to(both[:-1], moved, both[-1]), "tree"):
+        # a directory's whole tree, recursive or not: some targets (local) move it all
+        moved = reached_by(self.target, self._strip_protocol, p1, True, maxdepth)
+        with self._then_forget(both, "tree", moved + moved_to(both[:-1], moved, both[-1])):
             self.target.mv(p1, p2, recursive=recursive, maxdepth=maxdepth, **kwargs)
 
     def put_file(self, lpath, rpath, callback=fsspec.callbacks.DEFAULT_CALLBACK, mode="overwrite",

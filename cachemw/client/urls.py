@@ -275,6 +275,16 @@ def _unstrip(fs: AbstractFileSystem) -> Callable[[str], str]:
     return url
 
 
+def protocols_of(protocol: str) -> tuple:
+    """Every name of ``protocol``'s filesystem (file and local, s3 and s3a, gs and gcs):
+    options under any of them are the target's own (own_options; diffrev-9)."""
+    try:
+        names = fsspec.get_filesystem_class(protocol).protocol
+    except (ImportError, ValueError):  # said where the target is made
+        return (protocol,)
+    return (names,) if isinstance(names, str) else tuple(names) + (protocol,)
+
+
 def own_options(kwargs: dict, target_options: dict, target_protocols=()) -> dict:
     """The options of fsspec's base class among ``kwargs``; unknown ones are a ValueError,
     except a file's open arguments (``OPEN_ARGUMENTS``, ignored), another filesystem's
