@@ -341,8 +341,8 @@ class CacheFileSystem(_Base):
         """Run a write on the target, then, even if it failed part-way, forget what the
         cache knew of ``paths``: a file's blocks and metadata (``"file"``), everything
         under a path too (``"tree"``), or only metadata (``"meta"``: directories); and of
-        each file in ``reached`` (writer.drop_reached). A store client's own failure is raised as
-        an OSError (store_errors.py)."""
+        each file in ``reached`` (writer.drop_reached). A store client's own failure is
+        raised as an OSError (store_errors.py)."""
         first = paths[0] if isinstance(paths, list) and paths else paths
         try:
             with store_errors(self.target, first):
@@ -499,4 +499,3 @@ def _omit_unless_store_failed(exc: BaseException) -> None:
     store failed (store_errors.py store_failed)."""
     if store_failed(exc):
         raise exc
-
