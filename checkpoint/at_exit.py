@@ -40,7 +40,10 @@ def track(checkpointer) -> None:
 
 def _finish() -> None:
     for ck in list(_live):
-        pending = ck._pending_steps()
+        try:
+            pending = ck._pending_steps()
+        except Exception:  # noqa: BLE001 - one made half-way (its constructor raised)
+            continue
         if not pending:
             continue
         log.warning("exiting: waiting for the checkpoint of step(s) %s to commit (call "

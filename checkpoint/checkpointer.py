@@ -88,10 +88,10 @@ class Checkpointer:
                                           initializer=run_at, initargs=(self._background,))
         self._handles: list[SaveHandle] = []
         self._saved: set[str] = set()  # our saves' step directories (_only_copy_test)
-        at_exit.track(self)
         self._loader = StepLoader(self.root, self.fast, self.coord, self.config.thread_count,
                                   self._drain_left)
         self._lock = threading.Lock()
+        at_exit.track(self)
         self._channel = watch_channel.channel_dir(self.root.location.url, fast_root)
         with self._store_errors():
             if self.coord.is_coordinator:
