@@ -60,8 +60,8 @@ def held_by_another_host(runtime_dir: str) -> str | None:
     directory is on a filesystem the nodes share (where locks are seen across nodes); else
     None. Nothing of such a directory is this node's to stop or remove."""
     holder = lock_holder(runtime_dir) or {}
-    host = holder.get("host")
-    if not host or host == socket.gethostname():
+    host = _other_host(holder)
+    if host is None:
         return None
     return (f"the cachemw {holder.get('kind', '')} daemon of host {host} (pid "
             f"{holder.get('pid', '?')}) serves {runtime_dir}: the runtime dir is on a "
@@ -70,13 +70,17 @@ def held_by_another_host(runtime_dir: str) -> str | None:
             f"{{node_id}} in it)").replace("  ", " ")
 
 
+def _other_host(holder: dict) -> str | None:
+    """The host a lock file's holder runs on if it is not this one (None: this one, or a
+    holder that did not say)."""
+    host = holder.get("host")
+    return host if host and host != socket.gethostname() else None
+
+
 def holder_alive(holder: dict) -> bool:
     """Is the process a lock file names still that process? Never one of another host (a
     runtime dir on a filesystem the nodes share): its pid here is some other process."""
-    host = holder.get("host")
-    if host and host != socket.gethostname():
-        return False
-    return process_alive(holder.get("pid"), holder.get("start"))
+    return _other_host(holder) is None and process_alive(holder.get("pid"), holder.get("start"))
 
 
 def _options_key(options: dict | None) -> str:

@@ -54,6 +54,7 @@ from .writer import CachemwStorageWriter
 
 log = logging.getLogger(__name__)
 
+
 class Checkpointer:
     """Asynchronous, distributed, tiered checkpoints of a training state under ``root``."""
 
@@ -87,7 +88,6 @@ class Checkpointer:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cachemw-ckpt",
                                           initializer=run_at, initargs=(self._background,))
         self._handles: list[SaveHandle] = []
-        self._saved: set[str] = set()  # our saves' step directories (_only_copy_test)
         self._loader = StepLoader(self.root, self.fast, self.coord, self.config.thread_count,
                                   self._drain_left)
         self._lock = threading.Lock()
@@ -229,7 +229,6 @@ class Checkpointer:
                 name = prepared.name
             else:
                 name = self.coord.broadcast(step_dir_name(step, uuid.uuid4().hex))
-            self._saved.add(name)
             handle.path = self.root.location.child(name).url
             self._write(step, name, staged, handle, prepared.pool if prepared is not None else None)
             handle._set_durable()
@@ -340,8 +339,9 @@ class Checkpointer:
     def _another_savers(self, entry: Entry) -> bool:
         """``retain``'s ``theirs`` for the fast tier: a copy of another saver on this node (a
         second Checkpointer of the root, whose process lives), its own to retire; removed
-        here, its drain from it failed (review ckpt6)."""
-        return entry.name not in self._saved and self.fast.written_live_by_another(entry.name, self._ours)
+        here, its drain from it failed (review ckpt6). Every copy of ours was written by
+        one of ``_ours``."""
+        return self.fast.written_live_by_another(entry.name, self._ours)
 
     def _cleanup(self, name: str | None) -> None:
         """Remove what a failed save left uncommitted (best effort; the root by the coordinator only)."""

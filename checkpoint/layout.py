@@ -215,13 +215,14 @@ class CheckpointDir:
         A directory with a manifest is committed, even if that manifest is damaged or of a
         newer format (then it is not loaded, and kept: its chunks may still be sound)."""
         removed = []
-        host, now = socket.gethostname(), time.time()
+        now = time.time()
         for _, name in self.step_dirs():
             if self.is_committed(name):
                 continue
             owner = self._owner(name)
-            if owner is not None and owner.get("host") == host:
-                dead = not process_alive(int(owner.get("pid", 0)), owner.get("pid_start") or None)
+            writer = _local_writer(owner)
+            if writer is not None:
+                dead = not writer[1]
             else:
                 started = owner.get("started") if owner else self.location.mtime(name)
                 dead = started is not None and now - float(started) > stale_after_s
@@ -240,18 +241,24 @@ class CheckpointDir:
     def written_live_by_another(self, name: str, ours: frozenset[int]) -> bool:
         """The process that wrote ``name`` here is one of this host that lives and is none
         of ``ours`` (pids)."""
-        owner = self._owner(name)
-        return (owner is not None and owner.get("host") == socket.gethostname()
-                and int(owner.get("pid", 0)) not in ours
-                and process_alive(int(owner.get("pid", 0)), owner.get("pid_start") or None))
+        writer = _local_writer(self._owner(name))
+        return writer is not None and writer[1] and writer[0] not in ours
 
     def writer_gone(self, name: str) -> bool:
         """The process that wrote ``name`` here ran on this host and is gone: whatever it
         left undone for the step (its drain to the root) nobody else is doing."""
-        owner = self._owner(name)
-        return (owner is not None and owner.get("host") == socket.gethostname()
-                and not process_alive(int(owner.get("pid", 0)), owner.get("pid_start") or None))
+        writer = _local_writer(self._owner(name))
+        return writer is not None and not writer[1]
 
     def remove(self, name: str) -> None:
         self.location.remove_file(f"{name}/{MANIFEST_NAME}")
         self.location.remove_tree(name)
+
+
+def _local_writer(owner: dict | None) -> tuple[int, bool] | None:
+    """(pid, alive) of the writer an owner record (``begin``) names, if it ran on this
+    host; None otherwise: another host's pid says nothing here."""
+    if owner is None or owner.get("host") != socket.gethostname():
+        return None
+    pid = int(owner.get("pid", 0))
+    return pid, process_alive(pid, owner.get("pid_start") or None)

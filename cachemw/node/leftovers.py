@@ -37,9 +37,9 @@ class LeftoverSweep:
 class LeftoverSweeping:
     """The part of NodeCache (node/cache.py) that removes left-over fill files."""
 
-    def sweep_leftovers(self, now: float | None = None) -> int:
+    def sweep_leftovers(self) -> int:
         """One step: the next sub-directory of every tier, if it is due. Returns the files
-        removed. ``now`` (time.time()) is for tests; the pace is monotonic."""
+        removed."""
         sweep = self._leftovers
         clock = time.monotonic()
         if clock < sweep.due:
@@ -47,7 +47,7 @@ class LeftoverSweeping:
         sweep.due = clock + SUB_EVERY
         sub = FANOUT[sweep.next_sub]
         sweep.next_sub = (sweep.next_sub + 1) % len(FANOUT)
-        before = (time.time() if now is None else now) - ORPHAN_AGE
+        before = time.time() - ORPHAN_AGE
         removed = 0
         for name in self._order:
             ts = self._tiers[name]
