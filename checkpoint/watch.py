@@ -5,7 +5,8 @@ per-root directory under /tmp); the coordinator sends one small datagram to ever
 there after each commit. The watcher blocks on its socket, so it learns of a commit at once
 without touching the PFS; a slow fallback poll of the checkpoint directories (default every
 30 s) covers lost datagrams and savers on other nodes. Dead watchers' sockets are removed by
-the next notification that finds nobody listening.
+the next notification that finds nobody listening; the last watcher to close removes the
+directory (one per checkpoint root under /tmp would otherwise stay for good).
 """
 from __future__ import annotations
 
@@ -60,11 +61,22 @@ class Listener:
     """One watcher's socket; ``receive`` returns the next message or None after ``timeout``."""
 
     def __init__(self, directory: str) -> None:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self.directory = directory
         self.path = os.path.join(directory, f"{os.getpid()}-{uuid.uuid4().hex[:8]}.sock")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        os.chmod(self.path, 0o600)
+        try:
+            for attempt in range(3):
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+                try:
+                    self.sock.bind(self.path)
+                    break
+                except FileNotFoundError:  # the last watcher before us removed it: again
+                    if attempt == 2:
+                        raise
+            os.chmod(self.path, 0o600)
+        except BaseException:
+            self.sock.close()
+            raise
 
     def receive(self, timeout: float | None) -> dict | None:
         self.sock.settimeout(timeout)
@@ -82,6 +94,10 @@ class Listener:
         try:
             os.unlink(self.path)
         except FileNotFoundError:
+            pass
+        try:
+            os.rmdir(self.directory)  # only when no other watcher's socket is left in it
+        except OSError:
             pass
 
     def __enter__(self) -> "Listener":

@@ -352,6 +352,22 @@ def test_watch_is_told_of_each_commit(tmp_path):
     assert seen[-1][2] - committed < 5  # told at once, not after the 30 s fallback poll
     producer.close()
     consumer.close()
+    assert not os.path.exists(consumer._channel)  # the last watcher took its directory along
+
+
+def test_watch_channel_directory_goes_with_its_last_watcher(tmp_path):
+    from cachemw.checkpoint import watch as channel
+
+    where = str(tmp_path / "channel")
+    first, second = channel.Listener(where), channel.Listener(where)
+    first.close()
+    assert channel.notify(where, {"step": 1}) == 1  # the second still listens
+    assert second.receive(5) == {"step": 1}
+    second.close()
+    assert not os.path.exists(where)
+    with channel.Listener(where) as again:  # a new watcher makes it anew
+        assert channel.notify(where, {"step": 2}) == 1 and again.receive(5) == {"step": 2}
+    assert not os.path.exists(where)
 
 
 @pytest.mark.parametrize("url", ["memory://cachemw-test-ckpt", "file://{tmp}/ckpt"])
