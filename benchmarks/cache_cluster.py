@@ -7,7 +7,9 @@ Figures: remote-hit throughput into one reader process (batched through ``fs.cat
 median, min and max of several passes, each pass followed by this machine's own ceiling for
 the pattern, benchmarks/transport_ceiling.py, so the ratio shares the pass's noise) next to
 the same reader's local-hit throughput and Ray's in the same run; owner lookup cost per
-block; and the cached fraction after one epoch against min(1, N*C/S).
+block; the cached fraction after one epoch against min(1, N*C/S); and the slowest of the
+reads of new multi-block files read by one reader on each node at once (each node misses
+blocks the others own, and asks their owners for them).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64, help="files per fs.cat call")
     ap.add_argument("--rounds", type=int, default=7,
                     help="passes over the remote files (each followed by the ceiling)")
+    ap.add_argument("--cold-files", type=int, default=60,
+                    help="new 1 MB files (4 blocks) read on every node at once")
     ap.add_argument("--profile", action="store_true",
                     help="print a cProfile of the reader during the remote-hit passes")
     args = ap.parse_args()
@@ -159,6 +163,7 @@ def main() -> int:
         print(f"|   (Ray alone, {per_call >> 20} MiB numpy arrays from another node, 4 in flight: "
               f"{raw / 1e9:.2f} GB/s; cachemw remote / Ray alone = {med / raw:.2f}) | | | |")
         print(f"|   (remote hits one cat_file at a time: {single / 1e9:.2f} GB/s) | | | |")
+        cold_reads(args.cold_files, os.path.join(work, "cold"), template)
         print(f"\nremote passes GB/s: {' '.join(f'{r / 1e9:.2f}' for r in remote_rates)}; "
               f"ceiling: {' '.join(f'{c / 1e9:.2f}' for c in ceilings)}")
     finally:
@@ -170,6 +175,44 @@ def main() -> int:
         c.shutdown()
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def cold_reads(n_files: int, where: str, template: str) -> None:
+    """One reader per node reads the same new files at once, in the same order: 1 MB each
+    in 256 KiB blocks, so every file has blocks owned by each node, and each reader's
+    misses wait on the other owners' fetches. Prints the median and slowest read."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from cache_node import make_files
+
+    paths = make_files(where, n_files, 1_000_000)
+
+    @ray.remote(num_cpus=0)
+    class Reader:
+        def __init__(self) -> None:
+            import fsspec
+            node = ray.get_runtime_context().get_node_id()
+            self.fs = fsspec.filesystem("cachemw", runtime_dir=template.format(node_id=node),
+                                        autostart=False, skip_instance_cache=True,
+                                        block_size="256KiB")
+
+        def read(self, paths: list[str]) -> list[float]:
+            times = []
+            for p in paths:
+                t = time.perf_counter()
+                self.fs.cat_file(p)
+                times.append(time.perf_counter() - t)
+            return times
+
+    readers = [Reader.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n["NodeID"], soft=False)).remote() for n in ray.nodes() if n["Alive"]]
+    times = sorted(t for got in ray.get([r.read.remote(paths) for r in readers]) for t in got)
+    slowest = times[-1]
+    print(f"| cold 1 MB files (4 blocks) read by one reader per node at once: median / slowest "
+          f"read ({len(times)} reads) | {statistics.median(times) * 1e3:.0f} / "
+          f"{slowest * 1e3:.0f} ms | slowest < 500 ms | {'PASS' if slowest < 0.5 else 'FAIL'} |",
+          flush=True)
 
 
 if __name__ == "__main__":

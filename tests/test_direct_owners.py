@@ -440,8 +440,8 @@ def test_a_daemon_told_an_owner_is_silent_fails_its_calls_at_once():
 
     def peer_set():
         calls = []
-        handle = SimpleNamespace(serve_blocks=SimpleNamespace(
-            remote=lambda requests: calls.append(requests) or object()))
+        remote = SimpleNamespace(remote=lambda requests: calls.append(requests) or [object()])
+        handle = SimpleNamespace(serve_blocks=SimpleNamespace(options=lambda **_: remote))
         peers = PeerSet("me", timeout=timeout, vnodes=64)
         peers._ray = HungRay()
         peers._names = {"me": "me", "x": "x"}

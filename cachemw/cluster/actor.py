@@ -105,8 +105,9 @@ class DaemonActor:
         return stats
 
     def serve_blocks(self, requests: list[tuple]):
-        """Blocks this node owns, for a peer: one packed array (zero-copy in Ray) + lengths."""
-        return pack(serve_blocks(self.service.node, requests))
+        """Blocks this node owns, for a peer: their lengths, then their bytes in pieces
+        Ray sends inline (peers.pack; the caller asks for 1 + pieces_for(requests))."""
+        return pack(serve_blocks(self.service.node, requests), requests)
 
     def ping(self) -> str:
         return self.node_id

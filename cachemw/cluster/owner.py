@@ -35,9 +35,11 @@ OWNER_LEASE_WAIT = 3.0  # well under a peer's timeout: a slow fill must not evic
 # dead: a prefetch pass's hundreds of blocks in one call, served by an owner that lacks
 # them, ran past it over a store with latency, the healthy owner left the ring and every
 # block was read from the source again. A call this size costs its owner about one source
-# latency (SERVE_CONCURRENCY reads side by side), as a reader's miss call does.
+# latency (SERVE_CONCURRENCY reads side by side), as a reader's miss call does. Its reply
+# travels inline in Ray's answer (peers.py, PIECE), which Ray keeps under 10 MiB a reply
+# (task_rpc_inlined_bytes_limit): past that it puts the rest in its object store.
 BATCH_BLOCKS = 16
-BATCH_BYTES = 16 << 20
+BATCH_BYTES = 8 << 20
 CALLS_IN_FLIGHT = 4
 SERVE_CONCURRENCY = 16  # source reads an owner runs side by side for one call's blocks
 # Replicas asked for by one pass of the copier: the rest are asked again at their next hit.

@@ -20,8 +20,6 @@ import logging
 import threading
 import time
 
-import numpy as np
-
 from ..ring import HashRing, ring_names
 from .names import NAMESPACE, actor_name
 
@@ -30,6 +28,14 @@ log = logging.getLogger(__name__)
 # Bytes per second a call to a peer is given, on top of ``timeout``, for the blocks it asks
 # for (the rate client/direct.py gives a reader's direct fetch).
 TRANSFER_RATE = 50e6
+
+# An owner's blocks come back in the call's reply, cut in pieces that Ray sends inline (its
+# max_direct_call_object_size is 100 KiB): a reply of one array went through Ray's object
+# store, and its pull across nodes stalled about 1 s, or a multiple of it, now and then
+# (Ray 2.60, simulated nodes: 2-8 of 40 calls of one 256 KiB block, 58-70 of 120 with three
+# callers per node; in pieces none of 120, median 2.5 against 13 ms). Readers missing one
+# multi-block file on several nodes at once waited it out (review nodes6).
+PIECE = 96 << 10
 
 
 class PeerSet:
@@ -226,43 +232,65 @@ class PeerSet:
                                      f"{self.timeout} s")
                 out[owner] = None
                 continue
-            refs[owner] = handle.serve_blocks.remote(requests)
+            refs[owner] = handle.serve_blocks.options(
+                num_returns=1 + pieces_for(requests)).remote(requests)
             self.counters["remote_requests"] += 1
         started = time.monotonic()
         for owner, ref in refs.items():
             deadline = started + self.timeout + sum(
                 max(0, int(r[1])) for r in by_owner[owner]) / TRANSFER_RATE
             try:
-                packed, lengths = self._ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
+                lengths, *pieces = self._ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
             except Exception as exc:  # anything: else owner.RemoteReads.fetch strands its flights
                 if type(exc).__name__ == "GetTimeoutError":
                     try:
-                        self._ray.cancel(ref)
+                        self._ray.cancel(ref[0])  # the call (any of its returns)
                     except Exception:  # best effort: the peer is marked suspect anyway
                         pass
                 self._suspect(owner, type(exc).__name__)
                 out[owner] = None
                 continue
-            out[owner] = _unpack(packed, lengths)
+            try:
+                out[owner] = unpack(lengths, pieces, by_owner[owner])
+            except ValueError as exc:  # not what was asked: a peer of another version
+                self._suspect(owner, f"an answer that does not fit the request ({exc})")
+                out[owner] = None
+                continue
             self.counters["remote_blocks"] += sum(1 for n in lengths if n >= 0)
-            self.counters["remote_bytes"] += int(packed.nbytes)
+            self.counters["remote_bytes"] += sum(n for n in lengths if n > 0)
         return out
 
 
-def pack(blocks: list[bytes | None]) -> tuple[np.ndarray, list[int]]:
-    """Blocks into one uint8 array (one zero-copy object in Ray) plus lengths (-1 = none)."""
-    lengths = [-1 if b is None else len(b) for b in blocks]
-    out = np.empty(sum(n for n in lengths if n > 0), dtype=np.uint8)
-    pos = 0
-    for b in blocks:
-        if b:
-            out[pos:pos + len(b)] = np.frombuffer(b, dtype=np.uint8)
-            pos += len(b)
-    return out, lengths
+def pieces_for(requests: list[tuple]) -> int:
+    """How many pieces the reply to ``requests`` (key, length, ...) comes in (PIECE): both
+    sides count them from the lengths asked for, as Ray needs the number of a call's
+    returns when it is made."""
+    return max(1, -(-sum(max(0, int(r[1])) for r in requests) // PIECE))
 
 
-def _unpack(packed: np.ndarray, lengths: list[int]) -> list[bytes | None]:
-    view = memoryview(packed).cast("B") if packed.size else memoryview(b"")
+def pack(blocks: list[bytes | None], requests: list[tuple]) -> tuple:
+    """An owner's answer to ``requests``: (lengths, piece, piece, ...), a length -1 for a
+    block not given (also one whose length is not the one asked for: another version), the
+    given blocks' bytes one after another, cut into ``pieces_for(requests)`` pieces."""
+    given = [b if b is not None and len(b) == int(r[1]) else None
+             for b, r in zip(blocks, requests)]
+    lengths = [-1 if b is None else len(b) for b in given]
+    joined = b"".join(b for b in given if b)
+    count = pieces_for(requests)
+    return (lengths, *(joined[i * PIECE:(i + 1) * PIECE] for i in range(count)))
+
+
+def unpack(lengths: list[int], pieces: list[bytes], requests: list[tuple]) -> list[bytes | None]:
+    """The blocks of an owner's answer (pack); ValueError if it does not fit ``requests``."""
+    if len(lengths) != len(requests) or any(
+            n not in (-1, int(r[1])) for n, r in zip(lengths, requests)):
+        raise ValueError("lengths differ from those asked for")
+    joined = b"".join(pieces)
+    if len(joined) != sum(n for n in lengths if n > 0):
+        raise ValueError("bytes differ from the lengths given")
+    if sum(n >= 0 for n in lengths) == 1:  # one block given: its bytes as they came
+        return [joined if n >= 0 else None for n in lengths]
+    view = memoryview(joined)
     out, pos = [], 0
     for n in lengths:
         if n < 0:
