@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import fsspec
 
+from .client import finding
 from .client.metadata import FileMeta
 from .client.wire import DaemonUnavailable
 from .config import WarmConfig
@@ -127,7 +128,9 @@ def open_url(url: str, runtime_dir: str | None = None):
 def ensure_daemon(fs) -> None:
     """A daemon to warm into. One this process autostarted would end with it (and free its
     DRAM tier): with none running, start one that outlives the warm (it exits after 10
-    idle minutes, as one started by a DataLoader worker does)."""
+    idle minutes, as one started by a DataLoader worker does), and so is any that replaces
+    it during the warm."""
+    finding.daemons_outlive_this_process()
     runtime_dir = fs.options.runtime_dir
     if fs.options.autostart and lock_holder(runtime_dir) is None:
         address = lookup(runtime_dir)

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import fsspec
 import pytest
@@ -212,3 +213,49 @@ def test_a_clean_stop_keeps_the_dram_blocks_on_nvme_for_the_next_daemon(runtime_
                               autostart=False)
     assert all(fresh.cat_file(p) == d for p, d in files.items())
     assert fresh.stats()["bytes_from_source"] == 0 and fresh.stats()["hits"] == 24
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_replacing_the_warm_s_own_outlives_the_warm(tmp_path, runtime_dir, reap_daemons):
+    """The daemon a warm started is lost during the warm (OOM killer, kill -9): the read
+    that follows starts another, which outlived the warm as the first would have. It was
+    started as the warm process's own, ended with the warm and freed its DRAM tier, after
+    the warm had reported every block cached (review ops6)."""
+    from conftest import gone
+    from cachemw.launch import stop_local
+    from cachemw.protocol import lock_holder
+
+    reap_daemons(runtime_dir)
+    src = tmp_path / "f.bin"
+    src.write_bytes(os.urandom(1 << 20))
+    script = f"""
+import os, signal, time
+import fsspec
+from cachemw import warm
+from cachemw.protocol import lock_holder
+rt = {runtime_dir!r}
+fs = fsspec.filesystem("cachemw", runtime_dir=rt, skip_instance_cache=True)
+warm.ensure_daemon(fs)
+first = lock_holder(rt)["pid"]
+os.kill(first, signal.SIGKILL)
+deadline = time.monotonic() + 30
+while lock_holder(rt) is not None and time.monotonic() < deadline:
+    time.sleep(0.05)
+assert fs.cat_file({str(src)!r}) == open({str(src)!r}, "rb").read()
+print(first, lock_holder(rt)["pid"], flush=True)
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=90)
+        assert out.returncode == 0, out.stderr
+        first, second = map(int, out.stdout.split())
+        assert second != first and gone(first)
+        holder = None
+        for _ in range(30):  # a daemon whose starter is gone notices it within a second
+            time.sleep(0.1)
+            holder = lock_holder(runtime_dir)
+        assert holder is not None and holder["pid"] == second and not gone(second)
+        with open(f"/proc/{second}/cmdline", "rb") as f:
+            assert b"--parent-pid" not in f.read()
+    finally:
+        stop_local(runtime_dir)

@@ -57,12 +57,25 @@ def released(runtime_dir: str, pid: int, wait: float) -> bool:
         time.sleep(0.02)
 
 
+_outliving = False  # daemons_outlive_this_process() was called
+
+
+def daemons_outlive_this_process() -> None:
+    """Every daemon this process starts from now on outlives it (and exits once idle), as
+    one a DataLoader worker starts does: for a process whose purpose is to leave the cache
+    warm (``cachemw warm``). A daemon started as its own and lost under it was replaced
+    by one that ended with the warm and freed what it had warmed, after the warm had
+    reported every block cached (review ops6)."""
+    global _outliving
+    _outliving = True
+
+
 def start(runtime_dir: str, daemon_config: dict) -> DaemonAddress | None:
     """No daemon lives: start one, as a process of its own (never threads in the trainer,
     which would fight it for the GIL). Started by a main process, it ends with that
-    process; started by a DataLoader worker (a dataset of plain cachemw:: URLs), it
-    outlives the worker and exits once idle."""
-    parent = os.getpid() if is_main_process() else None
+    process; started by a DataLoader worker (a dataset of plain cachemw:: URLs), or by a
+    process whose daemons outlive it, it exits once idle."""
+    parent = os.getpid() if is_main_process() and not _outliving else None
     return spawn_detached(runtime_dir, daemon_config, parent_pid=parent, wait=START_WAIT)
 
 
