@@ -176,8 +176,8 @@ class DaemonConfig:
     ) -> "DaemonConfig":
         """Build from keyword arguments, falling back to CACHEMW_* and then to defaults.
 
-        Defaults: a DRAM tier in the runtime dir (/dev/shm) of 25% of physical memory;
-        no NVMe tier unless a directory is given.
+        Defaults: a DRAM tier in the runtime dir (/dev/shm) of 25% of physical memory, at
+        most half the filesystem it is on; no NVMe tier unless a directory is given.
         """
         if unknown:
             raise ValueError(f"unknown daemon option(s): {', '.join(sorted(unknown))}")
@@ -208,7 +208,7 @@ class DaemonConfig:
         metrics_host, _ = pick(metrics_host, "metrics_host")
         trace, trace_name = pick(trace_dir, "trace_dir")
         trace = check_trace_dir(trace, trace_name)
-        tiers = [_tier("dram", dram_dir, _default_dram_capacity() if dram_capacity is None
+        tiers = [_tier("dram", dram_dir, _default_dram_capacity(dram_dir) if dram_capacity is None
                        else dram_capacity, dram_name)]
         if nvme_dir:
             if nvme_capacity is None:
@@ -261,14 +261,39 @@ def _tier(name: str, path: str, capacity, what: str) -> TierConfig:
         raise ValueError(text) from None
 
 
-def _default_dram_capacity() -> int:
-    """A quarter of physical memory. From sysconf, not psutil: every filesystem a reader
-    makes (each DataLoader worker's) checks the daemon settings it would start, and
-    importing psutil for that cost a new process 10-90 ms."""
+def _default_dram_capacity(dram_dir: str) -> int:
+    """A quarter of physical memory, and at most half of the filesystem ``dram_dir`` is on
+    (its nearest existing directory): a container's /dev/shm is often far smaller than the
+    machine's memory (Docker's and Kubernetes' 64 MiB, a Slurm job's tmpfs), and a tier
+    sized past its filesystem ran out of space with nothing to evict (its used bytes under
+    its capacity): it stopped caching for good (review ops6). Half, as /dev/shm is half of
+    memory by default: the rest for the node's other users (Ray's object store, the
+    trainer's shared memory, the metadata tables). From sysconf and statvfs, not psutil:
+    every filesystem a reader makes (each DataLoader worker's) checks the daemon settings
+    it would start, and importing psutil for that cost a new process 10-90 ms."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+        quarter = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
     except (ValueError, OSError, AttributeError):  # pragma: no cover - no such sysconf name
-        return 4 << 30
+        quarter = 4 << 30
+    size = filesystem_size(dram_dir)
+    return max(1 << 20, min(quarter, size // 2)) if size else quarter
+
+
+def filesystem_size(path: str) -> int | None:
+    """The total size of the filesystem ``path`` (or its nearest existing ancestor) is on;
+    None if it cannot be told."""
+    path = os.path.abspath(path)
+    while True:
+        try:
+            st = os.statvfs(path)
+            return st.f_blocks * st.f_frsize or None
+        except FileNotFoundError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+        except OSError:
+            return None
 
 
 @dataclass(frozen=True)

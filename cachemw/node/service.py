@@ -19,7 +19,8 @@ import threading
 import time
 
 from .. import trace
-from ..config import DaemonConfig
+from ..config import DaemonConfig, filesystem_size
+from ..config_values import format_size
 from ..launch import clear_failure, free_dram, held_by_another_host, note_freed
 from ..metrics import MetricsServer
 from ..processes import process_start, process_state
@@ -102,6 +103,13 @@ class NodeService:
             raise
         trace.open_now()  # started: its trace file is there from now (none for a failed start)
         log.info("cachemw %s daemon for node %s serving %s", kind, config.node_id, sock)
+        for tier in config.tiers:
+            room = filesystem_size(tier.path)
+            if room is not None and tier.capacity > room:  # it fills the disk, then admits nothing
+                log.warning("%s tier %s: its capacity (%s) is more than its filesystem holds "
+                            "(%s): once that is full it admits nothing more; give a capacity "
+                            "within it", tier.name, tier.path, format_size(tier.capacity),
+                            format_size(room))
 
     def orphaned(self) -> bool:
         """The runtime dir (or its lock) was removed under us: no client, tool or successor
