@@ -69,6 +69,7 @@ PING = "ping"
 SHUTDOWN = "shutdown"
 CHECKPOINT = "checkpoint"
 PEER_SILENT = "peer_silent"
+PEER_REFUSED = "peer_refused"
 SUPERSEDED = "superseded"
 BUSY = "busy"  # sent by the daemon, never by a client (see above)
 
@@ -78,7 +79,8 @@ ANNOUNCE_STREAMS = "announce-streams"  # ANNOUNCE's (group, rank, ranks, first, 
 DROP_IN_TIER = "drop-in-tier"  # DROP's third argument: the tier whose copy failed
 PEER_SILENT_NOTE = "peer-silent"  # PEER_SILENT is understood
 SUPERSEDED_NOTE = "superseded"  # SUPERSEDED is understood
-FEATURES = (ANNOUNCE_STREAMS, DROP_IN_TIER, PEER_SILENT_NOTE, SUPERSEDED_NOTE)
+PEER_REFUSED_NOTE = "peer-refused"  # PEER_REFUSED is understood
+FEATURES = (ANNOUNCE_STREAMS, DROP_IN_TIER, PEER_SILENT_NOTE, SUPERSEDED_NOTE, PEER_REFUSED_NOTE)
 
 OPS: dict[str, Op] = {
     HELLO: Op(True, "client pid[, keepalive seconds: how often to say BUSY]",
@@ -114,6 +116,10 @@ OPS: dict[str, Op] = {
                            "answer a direct transfer within the peer timeout; the daemon's "
                            "calls to it fail at once for that long (its time is spent: one "
                            "timeout, not two); sent to a daemon naming PEER_SILENT_NOTE", "-"),
+    PEER_REFUSED: Op(False, "owner (its name in the RING directory): nothing listens at its "
+                            "block server's address (its daemon restarted on another port); "
+                            "the daemon asks it for its address again; sent to a daemon "
+                            "naming PEER_REFUSED_NOTE", "-"),
 }
 
 ANSWERED = frozenset(name for name, op in OPS.items() if op.answered)

@@ -27,6 +27,7 @@ class _Directory:
         self.timeout = 5.0  # the client's daemon_timeout
         self.counted: dict[str, int] = {}
         self.silent: list[str] = []  # owners named to the daemon as silent (peer_silent)
+        self.refused: list[str] = []  # owners whose block server refused (peer_refused)
 
     def ring(self):
         members = ["reader", *self.servers]
@@ -42,6 +43,10 @@ class _Directory:
 
     def peer_silent(self, owner: str) -> bool:
         self.silent.append(owner)
+        return True
+
+    def peer_refused(self, owner: str) -> bool:
+        self.refused.append(owner)
         return True
 
 
@@ -210,6 +215,8 @@ def test_a_hung_owner_is_named_to_the_daemon_and_not_asked_again_at_once(two_own
         assert set(reads.fetch(items)) == a_keys
         assert directory.silent == ["b", "b"]
         # a failure that is no timeout (refused: a daemon restarted elsewhere) is not named
+        # silent; it is named refused, and the daemon asks that owner where it listens now
+        assert directory.refused == []
         closed = socket.socket()
         closed.bind(("127.0.0.1", 0))
         directory.servers["b"] = SimpleNamespace(address=closed.getsockname())
@@ -217,6 +224,7 @@ def test_a_hung_owner_is_named_to_the_daemon_and_not_asked_again_at_once(two_own
         reads = DirectReads(directory, timeout=timeout)
         assert set(reads.fetch(items)) == a_keys
         assert directory.silent == ["b", "b"] and directory.counted["direct_failures"] == 3
+        assert directory.refused == ["b"]
     finally:
         hung.close()
 
@@ -512,3 +520,40 @@ def test_a_thread_waiting_for_another_s_first_ring_ask_spends_its_read_call_s_si
     finally:
         answer.set()
         first.join(10)
+
+
+def test_a_peer_s_block_server_is_asked_again_where_it_listens_once_a_reader_is_refused():
+    """Ray restarts a killed daemon actor in place, its block server on a new port. The
+    other daemons learned a peer's address once, so their readers were refused there and
+    every remote hit on that node went through Ray for the rest of the job (review ops6).
+    A reader refused says so (ops PEER_REFUSED), and the daemon asks the peer again."""
+    from cachemw.cluster.peers import PeerSet
+
+    port = [7001]
+    handle = SimpleNamespace(address=SimpleNamespace(remote=lambda: {"blocks": ["10.0.0.2", port[0]]}),
+                             ping=SimpleNamespace(remote=lambda: "x"))
+
+    class Ray:
+        def nodes(self):
+            return [{"NodeID": n, "Alive": True, "NodeManagerHostname": h}
+                    for n, h in (("me", "host-a"), ("x", "host-b"))]
+
+        def get_actor(self, name, namespace):
+            return handle
+
+        def get(self, ref, timeout):
+            return ref
+
+    peers = PeerSet("me", timeout=1.0, vnodes=64, secret="00" * 32)
+    peers._ray = Ray()
+    peers.refresh()
+    assert peers.directory()["blocks"]["host-b"] == ["10.0.0.2", 7001]
+    port[0] = 7002  # its daemon restarted
+    peers.refresh()
+    assert peers.directory()["blocks"]["host-b"] == ["10.0.0.2", 7001]  # learned once
+    peers.refused("host-a")  # itself, or a name not in the ring: nothing to do
+    peers.refused("nobody")
+    peers.refused("host-b")
+    assert "host-b" not in peers.directory()["blocks"]  # readers go through the daemon
+    peers.refresh()
+    assert peers.directory()["blocks"]["host-b"] == ["10.0.0.2", 7002]

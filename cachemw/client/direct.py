@@ -269,6 +269,8 @@ class DirectReads:
         if silent and isinstance(exc, TimeoutError):  # for the whole timeout: hung, or gone
             self._silent[owner] = time.monotonic() + self.timeout
             self.client.peer_silent(owner)  # before the lease of its blocks (same connection)
+        elif isinstance(exc, ConnectionRefusedError):  # its daemon restarted on another port
+            self.client.peer_refused(owner)
         if not self._warned:
             log.warning("direct block transfer from node %s failed (%s); reading through "
                         "the daemon instead", owner, exc)

@@ -112,6 +112,14 @@ class DaemonClient(DaemonConnection, reporting.Reporter):
             return False
         return self._send(ops.PEER_SILENT, owner)
 
+    def peer_refused(self, owner: str) -> bool:
+        """Tell the daemon that nothing listens at the block server address it gave for
+        ``owner``: a daemon restarted (Ray restarts a killed one) listens on another port,
+        which the daemon then asks it for (ops PEER_REFUSED). True if sent."""
+        if self._connect() is None or ops.PEER_REFUSED_NOTE not in self._features:
+            return False
+        return self._send(ops.PEER_REFUSED, owner)
+
     def invalidate(self, url: str) -> bool:
         """Drop every cached block of ``url`` node-wide; False if the daemon is unreachable."""
         return self._call(ops.INVALIDATE, url) is not None

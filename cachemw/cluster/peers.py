@@ -149,8 +149,9 @@ class PeerSet:
         if not self.secret:
             return None
         ring, _, names = self._route
+        blocks = dict(self._blocks)  # (a copy: the refresh and refused() change it meanwhile)
         return {"self": names[self.self_id], "members": list(ring.nodes), "vnodes": self.vnodes,
-                "blocks": {names[n]: list(a) for n, a in self._blocks.items() if n in names},
+                "blocks": {names[n]: list(a) for n, a in blocks.items() if n in names},
                 "secret": self.secret, "timeout": self.timeout, "alive": self.alive}
 
     @property
@@ -193,6 +194,19 @@ class PeerSet:
         log.info("a reader's direct transfer from peer %s timed out (%s s): calls to it fail "
                  "at once for as long", node_id, self.timeout)
         self._silent_until[node_id] = time.monotonic() + self.timeout
+
+    def refused(self, name: str) -> None:
+        """A reader of this node found nothing listening at the block server address
+        given for the member named ``name``: its daemon restarted (Ray restarts a killed
+        actor in place, its block server on a new port). The address is asked for again
+        at the next refresh; until then readers go through this daemon. It was learned
+        once, so every remote hit on that node went through Ray for the rest of the job
+        (review ops6)."""
+        node_id = self._route[1].get(name)
+        if node_id is not None and node_id != self.self_id and \
+                self._blocks.pop(node_id, None) is not None:
+            log.info("the block server of peer %s refused a reader: asking it where it "
+                     "listens now", node_id)
 
     def _suspect(self, node_id: str, why: str) -> None:
         log.warning("peer %s failed (%s); reading its blocks from the source for now", node_id, why)

@@ -212,6 +212,8 @@ class SocketServer:
             ops.SHUTDOWN: lambda conn, link: ("ok",),
             ops.CHECKPOINT: lambda conn, link, record: node.checkpoints.note(record),
             ops.PEER_SILENT: lambda conn, link, owner: node.peer_silent(owner),
+            ops.PEER_REFUSED: lambda conn, link, owner: (
+                node.remote is not None and node.remote.router.refused(owner)),
         }
 
     def _loop(self, conn: Connection) -> None:
