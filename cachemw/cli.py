@@ -178,6 +178,10 @@ def cmd_stats(args) -> int:
         silent = _silent_daemon(rt)
         if silent:
             print(silent, file=sys.stderr)
+        elif address is not None and lock_holder(rt) is None and address.kind == "ray":
+            print(f"no cachemw daemon answers in {rt}: the daemon (pid {address.pid}) died; "
+                  f"Ray restarts it (`cachemw start` placed it: readers wait for the new one "
+                  f"a few seconds, then read from the source until it answers)", file=sys.stderr)
         elif address is not None and lock_holder(rt) is None:
             print(f"no cachemw daemon answers in {rt}: the daemon (pid {address.pid}) died; "
                   f"the next process that reads through the cache starts another, "

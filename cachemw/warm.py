@@ -40,7 +40,7 @@ from .client.wire import DaemonUnavailable
 from .config import WarmConfig
 from .config_values import format_size
 from .keys import block_count, block_key, block_length
-from .launch import START_WAIT, spawn_detached
+from .launch import START_WAIT, await_address, spawn_detached
 from .protocol import lock_holder, lookup
 from .ring import HashRing
 from .store_errors import store_failed
@@ -132,11 +132,23 @@ def ensure_daemon(fs) -> None:
     it during the warm."""
     finding.daemons_outlive_this_process()
     runtime_dir = fs.options.runtime_dir
-    if fs.options.autostart and lock_holder(runtime_dir) is None:
+    restarting = None  # a Ray-managed daemon that died: Ray restarts it (in about a second)
+    if lock_holder(runtime_dir) is None:
         address = lookup(runtime_dir)
-        if address is None or address.kind != "ray":  # a Ray-managed one is Ray's to restart
+        if address is not None and address.kind == "ray":
+            restarting = address
+            deadline = time.monotonic() + START_WAIT
+            while lock_holder(runtime_dir) is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            await_address(runtime_dir, max(0.0, deadline - time.monotonic()))
+        elif fs.options.autostart:
             spawn_detached(runtime_dir, fs.client.daemon_config, wait=START_WAIT)
     if not fs.client.connected():
+        if restarting is not None:
+            raise WarmError(f"no cachemw daemon answers in {runtime_dir}: the one `cachemw "
+                            f"start` placed here (pid {restarting.pid}) is gone, and Ray has "
+                            f"not restarted it within {START_WAIT:.0f} s (see `cachemw status` "
+                            f"and the daemon's log)")
         raise WarmError(f"no cachemw daemon answers in {runtime_dir}: a warm without one "
                         f"caches nothing (start one with `cachemw start`, or inside a Slurm "
                         f"job use slurm/cachemw-job.sh)")

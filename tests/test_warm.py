@@ -259,3 +259,31 @@ print(first, lock_holder(rt)["pid"], flush=True)
             assert b"--parent-pid" not in f.read()
     finally:
         stop_local(runtime_dir)
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_waits_for_ray_to_restart_the_daemon_it_placed(tmp_path, runtime_dir, reap_daemons):
+    """In the second or so after a daemon `cachemw start` placed dies, before Ray has
+    restarted it, a warm waits for the new one (it said "start one with `cachemw start`"
+    and exited 2, review ops6). Here the dead daemon's address says "ray" and a daemon
+    takes the runtime dir over a second later, as Ray's restart does."""
+    import threading
+
+    from cachemw.launch import stop_local
+    from cachemw.protocol import DaemonAddress, ensure_private_dir, publish
+
+    reap_daemons(runtime_dir)
+    ensure_private_dir(runtime_dir)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout
+    publish(runtime_dir, DaemonAddress(node_id="n", pid=int(dead), socket="/nonexistent",
+                                       secret="00", tiers=(), meta_dir="/nonexistent", kind="ray"))
+    fs = fsspec.filesystem("cachemw", runtime_dir=runtime_dir, skip_instance_cache=True)
+    restart = threading.Timer(1.0, spawn_detached, (runtime_dir, fs.client.daemon_config))
+    restart.start()
+    try:
+        warm.ensure_daemon(fs)  # no WarmError: the new daemon answers
+        assert fs.client.connected()
+    finally:
+        restart.join()
+        stop_local(runtime_dir)
