@@ -136,7 +136,8 @@ _SMALL_TMPFS = """
 import json, os, fsspec
 from cachemw.config import DaemonConfig
 from cachemw.launch import stop_local
-from conftest import daemon_stats
+from cachemw.client.fills import drain_all
+from cachemw.client.link import DaemonClient
 rt = os.path.join({mnt!r}, "rt")
 out = {{"default": DaemonConfig.build(runtime_dir=rt).tiers[0].capacity}}
 fs = fsspec.filesystem("cachemw", runtime_dir=rt, skip_instance_cache=True, block_size="1MiB")
@@ -147,7 +148,8 @@ try:
         for name in names:
             with open(os.path.join(src, name), "rb") as f:
                 assert fs.cat_file(os.path.join(src, name)) == f.read()
-    dram = daemon_stats(rt)["tiers"]["dram"]
+    drain_all(timeout=30)
+    dram = DaemonClient(rt, autostart=False, timeout=10.0).daemon_stats()["tiers"]["dram"]
     out.update(admitting=dram["admitting"], used=dram["used_bytes"], hits=fs.stats()["hits"])
 finally:
     stop_local(rt)
