@@ -138,10 +138,11 @@ class Checkpointer:
                 if prepared.pool is not None:
                     self.stager.close()  # buffers of an earlier fallback save (done by now) would be a 2nd copy
                 return self._submit(step, prepared.staged, prepared, started)
-            if busy and policy == "refuse":
-                if not self.coord.no_dist:  # still take part in the vote, so the others refuse too
-                    self._worker.submit(self._run, step, None, SaveHandle(step))
-                raise CheckpointBusyError(f"save of step {step} refused: step {busy[-1].step} is still writing")
+            if policy == "refuse":  # every rank refuses, or none (review ckpt7)
+                busy_ranks = self.coord.busy_ranks(bool(busy))
+                if busy_ranks:
+                    raise CheckpointBusyError(f"save of step {step} refused: the previous save is "
+                                              f"still writing on rank(s) {busy_ranks}")
             for h in busy:
                 h._durable.wait()
             try:
@@ -210,19 +211,15 @@ class Checkpointer:
 
     def _run(self, step: int, staged: dict | None, handle: SaveHandle, prepared: FastSnapshot | None = None,
              failure: tuple | None = None) -> None:
-        """The background half of a save; ``staged`` None: this rank refused (busy) or failed (``failure``)."""
+        """The background half of a save; ``staged`` None: this rank's snapshot failed
+        (``failure``), and it votes so, that the others fail too."""
         name = None
         try:
             if prepared is None and not self.coord.no_dist:
-                gathered = self.coord.all_gather(("ok" if staged is not None else failure or "busy",
-                                                  step))
+                gathered = self.coord.all_gather(("ok" if staged is not None else failure, step))
                 votes = [v for v, _ in gathered]
                 self.coord.raise_if_failed([v if isinstance(v, tuple) else None for v in votes], None)
                 check_same_step(step, [s for _, s in gathered])
-                refused = [r for r, v in enumerate(votes) if v == "busy"]
-                if refused:
-                    raise CheckpointBusyError(f"save of step {step} refused on rank(s) {refused}: "
-                                              "the previous save was still writing there")
             if staged is None:
                 return
             if prepared is not None:  # named by save() on the front group

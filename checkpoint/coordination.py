@@ -192,9 +192,20 @@ class Coordinator:
             return [obj]
         if self.front is None:
             raise RuntimeError("front collectives need enable_front() first")
+        return self._front_gather(obj)
+
+    def busy_ranks(self, busy: bool) -> list[int]:
+        """The ranks whose previous save is still writing, agreed on from the thread calling
+        ``save`` (on the front group, which every rank has, as a save without a fast tier
+        refusing when busy needs: every rank refuses, or none)."""
+        if self.no_dist:
+            return [0] if busy else []
+        return [r for r, b in enumerate(self._front_gather(busy)) if b]
+
+    def _front_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         with self.collective():
-            dist.all_gather_object(out, obj, group=self.front)
+            dist.all_gather_object(out, obj, group=self._front)
         return out
 
     def broadcast(self, obj: Any) -> Any:

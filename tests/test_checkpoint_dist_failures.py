@@ -388,3 +388,47 @@ def test_a_rank_killed_mid_save_fails_the_others_saying_what_it_means(tmp_path, 
     assert res["save2"] != "ok", res
     assert "a collective with the other ranks failed (a rank died" in res["save2"], res
     assert res["after"] < 40, res
+
+
+def _refuse_main(rank, world, rdv, root, _, out_dir):
+    """Rank 0's previous save is still writing (a handle not done), rank 1's is not."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    from cachemw.checkpoint import Checkpointer
+    from cachemw.checkpoint.handle import SaveHandle
+
+    ck = Checkpointer(root, collective_timeout_s=10, chunk_bytes=256 << 10, if_busy="refuse")
+    res = {"rank": rank}
+    ck.save(1, state(1.0)).wait(60)
+    writing = SaveHandle(1)
+    if rank == 0:
+        ck._handles.append(writing)
+    try:
+        handle = ck.save(2, state(2.0))
+        res["save2"] = "returned"
+        try:
+            handle.wait(60)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            res["wait2"] = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        res["save2"] = f"{type(exc).__name__}: {exc}"
+    writing._set_durable()
+    ck.save(3, state(3.0))
+    ck.wait(60)  # raises nothing more: the refusal was said by save()
+    res["steps"] = ck.steps()
+    ck.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(150)
+def test_a_save_refused_because_one_rank_is_busy_is_refused_by_save_on_every_rank(tmp_path):
+    """if_busy="refuse" without a fast tier: the busy rank's save() raised, the others' returned
+    a handle that failed later, and their final wait() raised it again (review ckpt7)."""
+    results = run_ranks(tmp_path, 2, tmp_path / "ckpt", "refuse", target=_refuse_main)
+    assert sorted(results) == [0, 1], results
+    for res in results.values():
+        assert res["save2"].startswith("CheckpointBusyError") and "rank(s) [0]" in res["save2"], res
+        assert res["steps"] == [1, 3], res
