@@ -21,7 +21,6 @@ import os
 import socket
 import threading
 import time
-import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -40,7 +39,7 @@ from .fast_save import FastSaver, FastSnapshot
 from .file_pool import sweep_pools
 from .choosing import adopt_root, counted_entries, only_copies
 from .errors import CheckpointBusyError, CheckpointNotFoundError
-from .handle import SaveHandle
+from .handle import SaveHandle, without_frames
 from .layout import CheckpointDir, Entry, step_dir_name
 from .loading import StepLoader
 from .notes import note_begin, note_end
@@ -178,7 +177,7 @@ class Checkpointer:
 
     def _submit(self, step: int, staged: dict, prepared: FastSnapshot | None, started: float) -> SaveHandle:
         handle = SaveHandle(step)
-        self._handles = [h for h in self._handles if not h.done() or h.exception() is not None] + [handle]
+        self._handles = [h for h in self._handles if not h.done() or h._error is not None] + [handle]
         stall = time.perf_counter() - started  # what save() blocked the training loop for
         self._worker.submit(self._persist, step, staged, handle, prepared, started, stall)
         return handle
@@ -205,9 +204,14 @@ class Checkpointer:
                 raise TimeoutError(f"checkpoint of step {h.step} not committed within {timeout} s")
         with self._lock:
             self._handles = [h for h in self._handles if h not in handles]
-        errors = [h.exception() for h in handles if h.exception() is not None]
+        errors = [h.exception() for h in handles if h._error is not None]
         if errors:
             raise errors[0]
+
+    def _unreported(self) -> list[SaveHandle]:
+        """Saves that failed without a ``wait()`` having raised it (at_exit.py, close)."""
+        with self._lock:
+            return [h for h in self._handles if h._error is not None and not h._reported]
 
     def _run(self, step: int, staged: dict | None, handle: SaveHandle, prepared: FastSnapshot | None = None,
              failure: tuple | None = None) -> None:
@@ -246,7 +250,7 @@ class Checkpointer:
             self._cleanup(name)
         finally:
             location = self.root.location
-            handle._fail(_without_frames(client_error(location.fs, location.path, exc) or exc, exc))
+            handle._fail(without_frames(client_error(location.fs, location.path, exc) or exc, exc))
 
     def _write(self, step: int, name: str, staged: dict, handle: SaveHandle, pool: Any = None) -> None:
         first = self.fast or self.root
@@ -451,6 +455,17 @@ class Checkpointer:
         self._worker.submit(lambda: None).result()
 
     def close(self) -> None:
+        """Wait for pending saves, free what saving holds, and raise the first failure no
+        ``wait()`` has raised: a script ending with ``close()`` (or a ``with`` block) lost
+        its last checkpoint without a word (review ckpt7)."""
+        self._close()
+        failed = self._unreported()
+        for h in failed:
+            h._reported = True
+        if failed:
+            raise failed[0]._error
+
+    def _close(self) -> None:
         self.wait_quietly()
         self._worker.shutdown(wait=True)
         self.stager.close()
@@ -463,22 +478,9 @@ class Checkpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        if exc[0] is None:
+            self.close()
+            return
+        self._close()  # the block's own exception goes on; a save's failure is logged
+        at_exit.log_unreported(self)
 
-
-def _without_frames(error: BaseException, cause: BaseException) -> BaseException:
-    """``error`` (``cause`` itself, or what it is told as, chained to it) as a handle keeps
-    it until ``wait()``: its traceback as text (a note), not as frames. The frames lead up
-    the worker's stack to the save's staged snapshot, which the stager cannot reuse while
-    they live: with saves failing on a full disk, every save would otherwise hold one more
-    copy of the state."""
-    if error is not cause:
-        error.__cause__ = cause
-    text = "".join(traceback.format_exception(error))
-    seen, link = set(), error
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        link.__traceback__ = None
-        link = link.__cause__ or link.__context__
-    error.add_note("in the checkpoint's background save:\n" + text.rstrip())
-    return error

@@ -7,6 +7,7 @@ events and is raised by every ``wait``, so a waiter never blocks on a save that 
 from __future__ import annotations
 
 import threading
+import traceback
 
 
 class SaveHandle:
@@ -18,6 +19,7 @@ class SaveHandle:
         self._durable = threading.Event()
         self._error: BaseException | None = None
         self._fast_ok = False
+        self._reported = False  # its failure raised by a wait(), or asked for (exception())
 
     def __repr__(self) -> str:
         state = "failed" if self._error else "durable" if self.durable else "in memory" if self.in_memory else "writing"
@@ -38,6 +40,7 @@ class SaveHandle:
         return self._durable.is_set()
 
     def exception(self) -> BaseException | None:
+        self._reported = True
         return self._error
 
     def wait(self, timeout: float | None = None) -> None:
@@ -49,12 +52,14 @@ class SaveHandle:
         if not self._fast.wait(timeout):
             raise TimeoutError(f"checkpoint of step {self.step} not in memory within {timeout} s")
         if not self._fast_ok and self._error is not None:
+            self._reported = True
             raise self._error
 
     def _wait(self, event: threading.Event, timeout: float | None) -> None:
         if not event.wait(timeout):
             raise TimeoutError(f"checkpoint of step {self.step} not committed within {timeout} s")
         if self._error is not None:
+            self._reported = True
             raise self._error
 
     # -- set by the checkpointer's worker ------------------------------------------------------
@@ -71,3 +76,21 @@ class SaveHandle:
         self._error = error
         self._fast.set()
         self._durable.set()
+
+
+def without_frames(error: BaseException, cause: BaseException) -> BaseException:
+    """``error`` (``cause`` itself, or what it is told as, chained to it) as a handle keeps
+    it until ``wait()``: its traceback as text (a note), not as frames. The frames lead up
+    the worker's stack to the save's staged snapshot, which the stager cannot reuse while
+    they live: with saves failing on a full disk, every save would otherwise hold one more
+    copy of the state."""
+    if error is not cause:
+        error.__cause__ = cause
+    text = "".join(traceback.format_exception(error))
+    seen, link = set(), error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    error.add_note("in the checkpoint's background save:\n" + text.rstrip())
+    return error

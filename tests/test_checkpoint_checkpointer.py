@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -325,6 +326,37 @@ def test_full_disk_fails_the_handle_not_the_training(tiny_disk):
         assert ck.load(out) == 1 and torch.equal(out["t"], small["t"])
         ck.save(3, small).wait(60)  # and the next save works
         assert ck.steps() == [1, 3]
+
+
+@pytest.mark.parametrize("end", ["close", "with", "exit"])
+def test_a_failed_save_nobody_waited_for_is_raised_by_close_or_said_at_exit(tiny_disk, end):
+    """A save that failed before the script's end, with no wait() after it: close() and the
+    end of a with block raise its failure, and the exit logs it. Each ended without a word
+    and exit status 0 (review ckpt7)."""
+    script = f"""
+import time, torch
+from cachemw.checkpoint import Checkpointer
+end = {end!r}
+ck = Checkpointer({str(tiny_disk)!r})
+handle = ck.save(1, {{"t": torch.randn(1024, 1024)}})  # 4 MiB > 2 MiB disk
+while not handle.done():
+    time.sleep(0.05)
+if end == "close":
+    ck.close()
+elif end == "with":
+    with ck:
+        pass
+print("ended quietly", flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    if end == "exit":
+        assert out.returncode == 0 and "ended quietly" in out.stdout
+        assert "the checkpoint of step 1 failed, and no wait() reported it" in out.stderr, out.stderr
+        assert "No space left" in out.stderr
+    else:
+        assert out.returncode == 1 and "ended quietly" not in out.stdout
+        assert "OSError" in out.stderr and "No space left" in out.stderr, out.stderr
+        assert "no wait() reported it" not in out.stderr  # raised once, not logged again
 
 
 def test_watch_is_told_of_each_commit(tmp_path):
