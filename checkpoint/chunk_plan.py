@@ -107,17 +107,32 @@ def plan_spread(
 
     An item present on several ranks is replicated: any of its holders may write any of its
     chunks. An item present on one rank (a shard) stays with that rank and counts towards its
-    load before the replicated chunks are handed out.
+    load before the replicated chunks are handed out. A replicated tensor whose shape differs
+    between its holders is a ValueError: planned on the first holder's shape, the others'
+    rows past it were dropped, and the save said durable could not be loaded back into the
+    state it came from (review ckpt7).
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     world = len(local_items)
     holders: dict[str, list[int]] = {}
     specs: dict[str, ItemSpec] = {}
+    shapes: dict[str, dict[tuple[int, ...], list[int]]] = {}
     for rank, items in enumerate(local_items):
         for item in items:
             holders.setdefault(item.key, []).append(rank)
             specs.setdefault(item.key, item)
+            if item.splittable:
+                shapes.setdefault(item.key, {}).setdefault(tuple(item.shape), []).append(rank)
+    differ = {key: by_shape for key, by_shape in shapes.items() if len(by_shape) > 1}
+    if differ:
+        key, by_shape = sorted(differ.items())[0]
+        told = "; ".join(f"{list(shape)} on rank(s) {ranks}" for shape, ranks in by_shape.items())
+        name = key.rpartition("@")[0] or key  # (planner.item_key: fqn@offsets)
+        raise ValueError(f"the tensor {name!r} has another shape on each rank ({told}): a "
+                         f"tensor under a key every rank saves is taken to be replicated; a "
+                         f"value of each rank's own goes under a key of its own"
+                         + (f" ({len(differ) - 1} more such tensor(s))" if len(differ) > 1 else ""))
 
     load = [0] * world
     per_rank: list[list[ChunkSpec]] = [[] for _ in range(world)]

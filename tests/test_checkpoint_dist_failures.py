@@ -432,3 +432,38 @@ def test_a_save_refused_because_one_rank_is_busy_is_refused_by_save_on_every_ran
     for res in results.values():
         assert res["save2"].startswith("CheckpointBusyError") and "rank(s) [0]" in res["save2"], res
         assert res["steps"] == [1, 3], res
+
+
+def _shapes_main(rank, world, rdv, root, fast, out_dir):
+    """Rank 1's tensor under the shared key "x" is longer than rank 0's."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    from cachemw.checkpoint import Checkpointer
+
+    ck = Checkpointer(root, collective_timeout_s=10, chunk_bytes=256 << 10,
+                      fast_root=root + f"-fast{rank}" if fast == "fast" else None)
+    res = {"rank": rank}
+    ck.save(1, {"x": torch.ones(1000)}).wait(60)
+    try:
+        ck.save(2, {"x": torch.ones(1000 + 500 * rank)}).wait(60)
+        res["save2"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        res["save2"] = f"{type(exc).__name__}: {exc}"
+    res["steps"] = ck.steps()
+    ck.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fast", ["fast", "root-only"])
+def test_a_shared_key_whose_tensor_differs_in_shape_by_rank_fails_the_save_on_every_rank(tmp_path, fast):
+    """It was saved as durable with the longer rank's extra rows dropped, and could not be
+    loaded back into the state it came from (review ckpt7)."""
+    results = run_ranks(tmp_path, 2, tmp_path / "ckpt", fast, target=_shapes_main)
+    assert sorted(results) == [0, 1], results
+    for res in results.values():
+        assert res["save2"].startswith("ValueError") and "'x' has another shape" in res["save2"], res
+        assert res["steps"] == [1], res
