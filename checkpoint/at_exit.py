@@ -76,6 +76,10 @@ def _finish(why: str = "exiting") -> None:
                         "wait() to wait yourself; Ctrl-C abandons it)", why, pending)
             try:
                 ck.wait()
+            except KeyboardInterrupt:  # the save's threads may still end it: whole, or not at all
+                log.error("Ctrl-C: no longer waiting for the checkpoint of step(s) %s (what is "
+                          "already writing may still commit it before the process ends; a "
+                          "step is committed whole or not at all)", pending)
             except BaseException as exc:
                 log.error("the checkpoint of step(s) %s was not committed: %s", pending, exc)
         log_unreported(ck)
