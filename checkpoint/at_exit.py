@@ -80,6 +80,8 @@ def _finish(why: str = "exiting") -> None:
                 log.error("Ctrl-C: no longer waiting for the checkpoint of step(s) %s (what is "
                           "already writing may still commit it before the process ends; a "
                           "step is committed whole or not at all)", pending)
+                if why != "exiting":  # in destroy_process_group: the script's to handle
+                    raise
             except BaseException as exc:
                 log.error("the checkpoint of step(s) %s was not committed: %s", pending, exc)
         log_unreported(ck)

@@ -127,23 +127,22 @@ class Checkpointer:
         step = int(step)  # (a numpy integer too)
         with self._lock:
             busy = [h for h in self._handles if not h.done()]
+            if policy == "wait":
+                for h in busy:
+                    h._durable.wait()
             if self.fast_saver is not None:
-                if policy == "wait":
-                    for h in busy:
-                        h._durable.wait()
                 with trace.span("snapshot", trace.CHECKPOINT, step=step):
                     prepared = self.fast_saver.prepare(step, lambda: to_state_dict(state),
                                                        policy == "refuse" and bool(busy), self._stage)
                 if prepared.pool is not None:
                     self.stager.close()  # buffers of an earlier fallback save (done by now) would be a 2nd copy
                 return self._submit(step, prepared.staged, prepared, started)
-            if policy == "refuse":  # every rank refuses, or none (review ckpt7)
-                busy_ranks = self.coord.busy_ranks(bool(busy))
-                if busy_ranks:
-                    raise CheckpointBusyError(f"save of step {step} refused: the previous save is "
-                                              f"still writing on rank(s) {busy_ranks}")
-            for h in busy:
-                h._durable.wait()
+            # every rank refuses, or none (review ckpt7); every save votes, whatever its
+            # policy, so that ranks given different ones stay in step (diffrev-10)
+            busy_ranks = self.coord.busy_ranks(policy == "refuse" and bool(busy))
+            if busy_ranks:
+                raise CheckpointBusyError(f"save of step {step} refused: the previous save is "
+                                          f"still writing on rank(s) {busy_ranks}")
             try:
                 with trace.span("snapshot", trace.CHECKPOINT, step=step):
                     staged = self._stage(to_state_dict(state))
@@ -246,6 +245,12 @@ class Checkpointer:
         OSErrors) raised past the handle, the worker thread dropped it, and ``wait()``
         waited for good (review ckpt4). A store client's own failure is kept as the OSError
         it is (``store_errors``), as the cache's reads raise it."""
+        if self.coord.destroyed():  # the errors of the dead groups name internals
+            told = RuntimeError(f"the process group was destroyed while the save of step "
+                                f"{handle.step} was still writing: call ck.wait() before "
+                                f"dist.destroy_process_group()")
+            told.__cause__ = exc
+            exc = told
         try:
             self._cleanup(name)
         finally:

@@ -194,10 +194,15 @@ class Coordinator:
             raise RuntimeError("front collectives need enable_front() first")
         return self._front_gather(obj)
 
+    def destroyed(self) -> bool:
+        """The default process group was destroyed under us (``destroy_process_group``
+        takes the Checkpointer's groups along)."""
+        return not self.no_dist and not dist.is_initialized()
+
     def busy_ranks(self, busy: bool) -> list[int]:
-        """The ranks whose previous save is still writing, agreed on from the thread calling
-        ``save`` (on the front group, which every rank has, as a save without a fast tier
-        refusing when busy needs: every rank refuses, or none)."""
+        """The ranks that refuse a save (their previous one still writing), agreed on from
+        the thread calling ``save`` (on the front group, which every rank has: a save
+        without a fast tier refused on one rank is refused on every rank)."""
         if self.no_dist:
             return [0] if busy else []
         return [r for r, b in enumerate(self._front_gather(busy)) if b]

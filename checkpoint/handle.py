@@ -40,7 +40,8 @@ class SaveHandle:
         return self._durable.is_set()
 
     def exception(self) -> BaseException | None:
-        self._reported = True
+        if self._error is not None:  # (asked while still writing, a later failure is not seen)
+            self._reported = True
         return self._error
 
     def wait(self, timeout: float | None = None) -> None:

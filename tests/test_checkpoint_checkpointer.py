@@ -359,6 +359,18 @@ print("ended quietly", flush=True)
         assert "no wait() reported it" not in out.stderr  # raised once, not logged again
 
 
+def test_a_handle_asked_for_its_exception_while_writing_still_reports_a_later_failure():
+    """Only a failure seen counts as reported (diffrev-10): asked while the save was still
+    writing, a later failure was taken as seen, and close() and the exit said nothing."""
+    from cachemw.checkpoint.handle import SaveHandle
+
+    handle = SaveHandle(1)
+    assert handle.exception() is None and not handle._reported
+    handle._fail(OSError(28, "No space left on device"))
+    assert not handle._reported
+    assert isinstance(handle.exception(), OSError) and handle._reported
+
+
 def test_watch_is_told_of_each_commit(tmp_path):
     root = tmp_path / "root"
     producer = Checkpointer(str(root))

@@ -317,7 +317,11 @@ def _load_failure_main(rank, world, rdv, root, mode, out_dir):
     out = state(0.0)
     res["load"] = ck.load(out)  # the collectives are in step: the next load goes through
     res["value"] = float(out["w"][0, 0])
-    ck.close()
+    try:
+        ck.close()
+        res["close"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        res["close"] = f"{type(exc).__name__}: {exc}"
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
@@ -339,7 +343,14 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank_at_once(tmp_path, mod
         assert res["seconds"] < 10, res  # not the collective timeout
         if mode == "save":
             assert res["load2"] == 2 and res["load"] == 2 and res["value"] == 2.0, res
+            # rank 1 raised the failure from save(); rank 0's handle failed with nobody
+            # waiting, and close() raises it there (each rank is told once)
+            if res["rank"] == 0:
+                assert res["close"].startswith("TypeError") and "rank(s) [1]" in res["close"], res
+            else:
+                assert res["close"] == "ok", res
             continue
+        assert res["close"] == "ok", res
         assert res["load2"].startswith(kind), res
         if mode == "state":
             assert "rank(s) [1]" in res["load2"], res
@@ -390,8 +401,9 @@ def test_a_rank_killed_mid_save_fails_the_others_saying_what_it_means(tmp_path, 
     assert res["after"] < 40, res
 
 
-def _refuse_main(rank, world, rdv, root, _, out_dir):
-    """Rank 0's previous save is still writing (a handle not done), rank 1's is not."""
+def _refuse_main(rank, world, rdv, root, mode, out_dir):
+    """Rank 0's previous save is still writing (a handle not done), rank 1's is not;
+    ``mixed``: rank 1's save asks to wait, not to refuse."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
@@ -405,7 +417,7 @@ def _refuse_main(rank, world, rdv, root, _, out_dir):
     if rank == 0:
         ck._handles.append(writing)
     try:
-        handle = ck.save(2, state(2.0))
+        handle = ck.save(2, state(2.0), if_busy="wait" if mode == "mixed" and rank == 1 else None)
         res["save2"] = "returned"
         try:
             handle.wait(60)
@@ -424,10 +436,13 @@ def _refuse_main(rank, world, rdv, root, _, out_dir):
 
 
 @pytest.mark.timeout(150)
-def test_a_save_refused_because_one_rank_is_busy_is_refused_by_save_on_every_rank(tmp_path):
+@pytest.mark.parametrize("mode", ["refuse", "mixed"])
+def test_a_save_refused_because_one_rank_is_busy_is_refused_by_save_on_every_rank(tmp_path, mode):
     """if_busy="refuse" without a fast tier: the busy rank's save() raised, the others' returned
-    a handle that failed later, and their final wait() raised it again (review ckpt7)."""
-    results = run_ranks(tmp_path, 2, tmp_path / "ckpt", "refuse", target=_refuse_main)
+    a handle that failed later, and their final wait() raised it again (review ckpt7). A rank
+    whose save asks to wait takes part in the vote too: ranks out of step waited for the
+    collective timeout (diffrev-10)."""
+    results = run_ranks(tmp_path, 2, tmp_path / "ckpt", mode, target=_refuse_main)
     assert sorted(results) == [0, 1], results
     for res in results.values():
         assert res["save2"].startswith("CheckpointBusyError") and "rank(s) [0]" in res["save2"], res

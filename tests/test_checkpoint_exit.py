@@ -15,17 +15,21 @@ pytestmark = [pytest.mark.torch]
 
 RANK = r"""
 import os, sys, torch, torch.distributed as dist
+from torch.distributed import destroy_process_group  # bound before cachemw: not wrapped
 from cachemw.checkpoint import Checkpointer
 root, fast, rank, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 if world > 1:
     dist.init_process_group("gloo", init_method="file://" + sys.argv[5], rank=rank, world_size=world)
 ck = Checkpointer(root, keep_last=3, fast_root=None if fast == "-" else fast)
-state = {"w": torch.full((1 << 20,), float(rank)), "step": 0}
+size = 16 << 20 if sys.argv[6] == "destroy-imported" else 1 << 20  # 64 MiB: still writing
+state = {"w": torch.full((size,), float(rank)), "step": 0}
 ck.save(1, state).wait(120)
 state["step"] = 2
 ck.save(2, state)  # and the script ends here
 if sys.argv[6] == "destroy":  # or with this, as torchrun scripts end
     dist.destroy_process_group()
+elif sys.argv[6] == "destroy-imported":  # as the DDP tutorial imports it
+    destroy_process_group()
 """
 
 
@@ -71,6 +75,20 @@ def test_a_save_pending_at_exit_commits_before_the_process_ends(tmp_path, world,
     state = {"w": torch.zeros(1 << 20), "step": 0}
     assert ck.load(state) == 2 and state["step"] == 2 and state["w"][0] == 0.0
     ck.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_save_lost_to_a_destroy_bound_before_cachemw_says_why_at_exit(tmp_path):
+    """``from torch.distributed import destroy_process_group`` before cachemw is imported
+    binds the function cachemw cannot wrap: the pending save fails with its groups. The
+    exit says which step and why, not the dead groups' internals (diffrev-10)."""
+    from cachemw.checkpoint import Checkpointer
+
+    for r in _run_ranks(tmp_path, 2, False, "destroy-imported"):
+        assert "the process group was destroyed while the save of step 2 was still writing" \
+            in r.stderr, r.stderr[-3000:]
+        assert "no wait() reported it" in r.stderr, r.stderr[-3000:]
+    assert Checkpointer(str(tmp_path / "root"), fast_root=None).steps() == [1]
 
 
 @pytest.mark.timeout(120)
