@@ -153,6 +153,9 @@ def test_an_owner_s_blocks_come_back_in_pieces_ray_sends_inline():
     answer = pack(blocks[:2], requests[:2])  # an answer to another call
     assert peers.fetch_many({"x": requests}) == {"x": None}
     assert peers.counters["peer_failures"] == 1
+    from cachemw.cluster.peers import INLINE_MOST
+    big = [("k" * 32, INLINE_MOST + 1, None, None)]  # past Ray's inline share: one piece
+    assert pieces_for(big) == 1 and pieces_for([("k" * 32, INLINE_MOST, None, None)]) > 1
 
 
 def _full_node(tmp_path) -> NodeCache:

@@ -36,6 +36,11 @@ TRANSFER_RATE = 50e6
 # callers per node; in pieces none of 120, median 2.5 against 13 ms). Readers missing one
 # multi-block file on several nodes at once waited it out (review nodes6).
 PIECE = 96 << 10
+# A reply past this goes as one piece: Ray puts what a reply holds past 10 MiB in its object
+# store anyway, and there many 96 KiB objects cost more than one (a 32 MiB block: 315 ms
+# against 100-119 ms, diffrev-10). Calls stay under it (owner.BATCH_BYTES) unless one block
+# is larger.
+INLINE_MOST = 8 << 20
 
 
 class PeerSet:
@@ -276,10 +281,11 @@ class PeerSet:
 
 
 def pieces_for(requests: list[tuple]) -> int:
-    """How many pieces the reply to ``requests`` (key, length, ...) comes in (PIECE): both
-    sides count them from the lengths asked for, as Ray needs the number of a call's
-    returns when it is made."""
-    return max(1, -(-sum(max(0, int(r[1])) for r in requests) // PIECE))
+    """How many pieces the reply to ``requests`` (key, length, ...) comes in (PIECE, one
+    past INLINE_MOST): both sides count them from the lengths asked for, as Ray needs the
+    number of a call's returns when it is made."""
+    total = sum(max(0, int(r[1])) for r in requests)
+    return 1 if total > INLINE_MOST else max(1, -(-total // PIECE))
 
 
 def pack(blocks: list[bytes | None], requests: list[tuple]) -> tuple:
