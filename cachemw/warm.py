@@ -128,9 +128,8 @@ def open_url(url: str, runtime_dir: str | None = None):
 def ensure_daemon(fs) -> None:
     """A daemon to warm into. One this process autostarted would end with it (and free its
     DRAM tier): with none running, start one that outlives the warm (it exits after 10
-    idle minutes, as one started by a DataLoader worker does), and so is any that replaces
-    it during the warm."""
-    finding.daemons_outlive_this_process()
+    idle minutes, as one started by a DataLoader worker does); one that replaces it during
+    the warm outlives it too (_warm runs under finding.daemons_outlive)."""
     runtime_dir = fs.options.runtime_dir
     restarting = None  # a Ray-managed daemon that died: Ray restarts it (in about a second)
     if lock_holder(runtime_dir) is None:
@@ -329,6 +328,11 @@ def run(urls: list[str], config: WarmConfig, *, progress=None,
 
 def _warm(opened: list, config: WarmConfig, progress) -> Report:
     """``run`` of the opened URLs."""
+    with finding.daemons_outlive():
+        return _warm_outliving(opened, config, progress)
+
+
+def _warm_outliving(opened: list, config: WarmConfig, progress) -> Report:
     fs0 = opened[0][1]
     if config.local_task > 0:  # one task per node does the node's work
         return Report(socket.gethostname(), config.nodes, skipped=(

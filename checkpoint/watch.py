@@ -36,7 +36,7 @@ def notify(directory: str, message: dict) -> int:
     except FileNotFoundError:
         return 0
     payload = json.dumps(message).encode()
-    sent = 0
+    sent = gone = 0
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.setblocking(False)
         for name in names:
@@ -47,6 +47,7 @@ def notify(directory: str, message: dict) -> int:
                 sock.sendto(payload, path)
                 sent += 1
             except (ConnectionRefusedError, FileNotFoundError):
+                gone += 1
                 try:
                     os.unlink(path)  # its watcher is gone
                 except FileNotFoundError:
@@ -54,6 +55,11 @@ def notify(directory: str, message: dict) -> int:
             except OSError as exc:  # a full queue: the watcher will see it on its next poll
                 if exc.errno not in (errno.EAGAIN, errno.ENOBUFS):
                     raise
+    if gone and not sent:  # the last watchers were killed (no close): the directory goes too
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass
     return sent
 
 

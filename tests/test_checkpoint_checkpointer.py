@@ -412,6 +412,11 @@ def test_watch_channel_directory_goes_with_its_last_watcher(tmp_path):
     with channel.Listener(where) as again:  # a new watcher makes it anew
         assert channel.notify(where, {"step": 2}) == 1 and again.receive(5) == {"step": 2}
     assert not os.path.exists(where)
+    killed = channel.Listener(where)
+    killed.sock.close()  # its process killed: the socket file stays, nobody listens
+    assert os.listdir(where) == [os.path.basename(killed.path)]
+    assert channel.notify(where, {"step": 3}) == 0
+    assert not os.path.exists(where)  # the next notification takes both away
 
 
 @pytest.mark.parametrize("url", ["memory://cachemw-test-ckpt", "file://{tmp}/ckpt"])

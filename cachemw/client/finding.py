@@ -3,6 +3,7 @@ when it has none: the daemon connection's (connection.py) questions to the runti
 state of the link's own."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
@@ -57,17 +58,23 @@ def released(runtime_dir: str, pid: int, wait: float) -> bool:
         time.sleep(0.02)
 
 
-_outliving = False  # daemons_outlive_this_process() was called
+_outliving = 0  # how many daemons_outlive() blocks are under way
 
 
-def daemons_outlive_this_process() -> None:
-    """Every daemon this process starts from now on outlives it (and exits once idle), as
-    one a DataLoader worker starts does: for a process whose purpose is to leave the cache
-    warm (``cachemw warm``). A daemon started as its own and lost under it was replaced
-    by one that ended with the warm and freed what it had warmed, after the warm had
-    reported every block cached (review ops6)."""
+@contextlib.contextmanager
+def daemons_outlive():
+    """While in this block, a daemon this process starts outlives it (and exits once idle),
+    as one a DataLoader worker starts does: for a warm, whose purpose is to leave the cache
+    warm. A daemon started as the warm's own and lost under it was replaced by one that
+    ended with the warm and freed what it had warmed, after the warm had reported every
+    block cached (review ops6). A block, not for good: the warm may be a call of the Python
+    API in a trainer, whose later daemons are its own (diffrev-10)."""
     global _outliving
-    _outliving = True
+    _outliving += 1
+    try:
+        yield
+    finally:
+        _outliving -= 1
 
 
 def start(runtime_dir: str, daemon_config: dict) -> DaemonAddress | None:
