@@ -299,3 +299,91 @@ def test_a_server_that_sends_no_content_length_is_read_whole_uncached(make_cache
         server.shutdown()
         server.server_close()
         thread.join(10)
+
+
+class _Ranges(BaseHTTPRequestHandler):
+    """Files of ``root`` with a strong ETag and Range; ``mode`` "shift": a range answered
+    one byte later than asked, saying so in its Content-Range (a buggy server or proxy);
+    "cap": ranges answered up to ``CAP`` bytes (some CDNs and gateways cap them)."""
+
+    protocol_version = "HTTP/1.1"
+    root = ""
+    mode = ""
+    CAP = 10_000
+
+    def log_message(self, *args):
+        pass
+
+    def _serve(self):
+        path = os.path.join(self.root, self.path.lstrip("/"))
+        data = open(path, "rb").read()
+        st = os.stat(path)
+        etag = f'"{st.st_ino}-{st.st_mtime_ns}"'
+        rng = self.headers.get("Range")
+        status, start, end = 200, 0, len(data)
+        if rng and self.command == "GET":
+            first, _, last = rng[len("bytes="):].partition("-")
+            start, end = int(first), min(int(last) + 1 if last else len(data), len(data))
+            if self.mode == "shift" and end < len(data):
+                start, end = start + 1, end + 1
+            elif self.mode == "cap":
+                end = min(end, start + self.CAP)
+            status = 206
+        self.send_response(status)
+        self.send_header("ETag", etag)
+        self.send_header("Accept-Ranges", "bytes")
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.send_header("Content-Length", str(end - start if self.command == "GET" else len(data)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(data[start:end])
+
+    do_GET = do_HEAD = _serve
+
+
+@pytest.fixture
+def ranges(tmp_path):
+    root = tmp_path / "www"
+    root.mkdir()
+    handler = type("Handler", (_Ranges,), {"root": str(root)})
+    server, thread, base = _serve(handler)
+    yield root, base, handler
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+
+
+@pytest.mark.timeout(60)
+def test_a_range_answered_with_another_range_is_an_error_and_never_cached(make_cache_fs, ranges):
+    """A 206 whose Content-Range is not the range asked (shifted by a byte, same length and
+    ETag) was kept as the block asked for, and served under every validate, by every
+    process, after the server was fixed (review loaders6)."""
+    import errno
+
+    root, base, handler = ranges
+    data = os.urandom(3 * BS + 100)
+    (root / "f.bin").write_bytes(data)
+    fs = make_cache_fs(target_protocol="http", block_size=BS, validate="always")
+    handler.mode = "shift"
+    with pytest.raises(OSError) as info:
+        fs.cat_file(f"{base}/f.bin")
+    assert info.value.errno == errno.EIO and "another range than asked" in str(info.value)
+    assert not isinstance(info.value, ChangedSourceError)
+    handler.mode = ""
+    assert fs.cat_file(f"{base}/f.bin") == data  # nothing wrong was kept
+    assert fs.cat_file(f"{base}/f.bin", BS - 5, 2 * BS + 5) == data[BS - 5:2 * BS + 5]
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_caps_ranges_is_read_in_several_gets(make_cache_fs, ranges):
+    """Every read of an unchanged file from a server that answers at most CAP bytes a
+    range failed as changed ("reopen the file"), whatever was asked (review loaders6)."""
+    root, base, handler = ranges
+    data = os.urandom(3 * BS + 100)
+    (root / "f.bin").write_bytes(data)
+    handler.mode = "cap"
+    fs = make_cache_fs(target_protocol="http", block_size=BS, validate="always")
+    assert fs.cat_file(f"{base}/f.bin", 0, 100) == data[:100]
+    assert fs.cat_file(f"{base}/f.bin") == data
+    assert fs.cat_file(f"{base}/f.bin", BS - 5, 2 * BS + 5) == data[BS - 5:2 * BS + 5]

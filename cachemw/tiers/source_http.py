@@ -3,9 +3,16 @@ session with ``If-Match`` on a strong ETag, the answer's status and ETag checked
 first GET of a cold file names its version (see source.py)."""
 from __future__ import annotations
 
+import errno
+import re
+
 from ..keys import version_fields
 from ..store_errors import http_request_error, http_status_error
 from .pinning import CONTENT_RANGE, NO_VERSION, FirstBlock, changed, check_after, sync
+
+_SENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")  # a 206's Content-Range
+#: GETs one range may take from a server that answers less than asked (capped ranges)
+MOST_PARTS = 256
 
 
 async def _http_get(fs, url: str, headers: dict):
@@ -17,11 +24,32 @@ async def _http_get(fs, url: str, headers: dict):
 
 
 def read_http(fs, path: str, start: int, end: int | None, version: str) -> bytes:
-    """One GET on fsspec's own session (its client options and request options): the
+    """GETs on fsspec's own session (its client options and request options): the
     response's status and ETag are checked here, which fsspec's ``cat_file`` does not
     show, so a server that ignores ``If-Match`` (or ``Range``) is still caught. Without
     an ETag to pin it to, the same GET (not fsspec's ``cat_file``, which takes the whole
-    body a server that ignores Range sends for the range it asked), checked afterwards."""
+    body a server that ignores Range sends for the range it asked), checked afterwards.
+
+    A 206's ``Content-Range`` must be the range asked for: another one (a server or proxy
+    shifting it) is an EIO, where its bytes were kept as the block asked for, under every
+    ``validate`` (review loaders6). One that stops short (a server capping range replies)
+    is followed by GETs of the rest, where every read of the file failed as changed."""
+    if end is None:
+        return _read_http_part(fs, path, start, end, version)[0]
+    parts, at = [], start
+    for _ in range(MOST_PARTS):
+        data, last = _read_http_part(fs, path, at, end, version)
+        parts.append(data)
+        if last is None or last + 1 >= end:  # all of it (a file shorter now: a 416 next)
+            return b"".join(parts)
+        at = last + 1
+    raise OSError(errno.EIO, f"{path}: the server answers ranges of {len(parts[0])} bytes at "
+                             f"most: {MOST_PARTS} GETs did not read [{start}, {end})")
+
+
+def _read_http_part(fs, path: str, start: int, end: int | None, version: str):
+    """One GET of ``[start, end)`` (see read_http): its bytes, and the last byte a 206
+    said it holds (None for all that was asked: a 200, or no Range sent)."""
     etag = version_fields(version).get("ETag")
     headers = dict(fs.kwargs.get("headers") or {})
     if etag and not etag.startswith("W/"):  # If-Match compares strong ETags only
@@ -36,13 +64,34 @@ def read_http(fs, path: str, start: int, end: int | None, version: str) -> bytes
     if status == 416:  # a range within the version's size: the file is shorter now (a
         # server that ignores If-Match, a weak ETag, which If-Match cannot name, or none)
         raise changed(path, version, detail="it is shorter now (HTTP 416)")
+    last = None
     if status == 200 and "Range" in headers:  # the server ignored Range: all of it came
         data = data[start:end]
+    elif status == 206 and "Range" in headers:
+        last = _sent_range(path, response.get("Content-Range"), start, end, len(data))
     elif status not in (200, 206):
         raise http_status_error(path, status)
     if not etag or got is None:  # no validator (or an ETag on HEAD but none on GET):
         check_after(fs, path, version)  # the version asked again after the read
-    return data
+    return data, last
+
+
+def _sent_range(path: str, header: str | None, start: int, end: int | None, got: int) -> int | None:
+    """The last byte a 206 holds, checked against the range asked for; None when it has no
+    Content-Range and holds what was asked (as taken before). An EIO for another range."""
+    if header is None:
+        if end is None or got == end - start:
+            return None
+        raise OSError(errno.EIO, f"{path}: the server answered {got} bytes for the "
+                                 f"{end - start} asked at {start}, without saying which")
+    found = _SENT_RANGE.match(header)
+    if found is None or int(found.group(1)) != start or int(found.group(2)) < start \
+            or (end is not None and int(found.group(2)) >= end) \
+            or int(found.group(2)) - start + 1 != got:
+        raise OSError(errno.EIO, f"{path}: the server answered another range than asked "
+                                 f"(Content-Range: {header}, {got} bytes, for bytes "
+                                 f"{start}-{'' if end is None else end - 1})")
+    return int(found.group(2))
 
 
 def http_request(fs, path: str, headers: dict):
