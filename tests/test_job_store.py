@@ -127,6 +127,30 @@ def test_ranges_etags_and_if_match_as_cachemw_pins_them(store_root):
 
 
 @pytest.mark.timeout(60)
+def test_a_file_that_shrinks_while_served_cuts_the_reply_short_at_once(store_root):
+    """The store had said the length in its headers, sent what was left and ended the reply
+    as if whole: the client waited for the rest until its own timeout (curl's; fsspec's
+    aiohttp session: 300 s, review loaders6). The connection is now cut."""
+    import http.client
+    import threading
+
+    big = store_root / "big.bin"
+    with EmulatedStore(str(store_root), StoreProfile(latency=0, bandwidth=4 << 20, meta_latency=0)) as s:
+        host, port = s.url.split("//")[1].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", "/big.bin")
+        reply = conn.getresponse()  # 4 MiB at 4 MiB/s: a second to send
+        assert reply.status == 200 and int(reply.headers["Content-Length"]) == 4 << 20
+        threading.Timer(0.3, lambda: os.truncate(big, 1 << 20)).start()
+        t = time.monotonic()
+        with pytest.raises(http.client.IncompleteRead):
+            reply.read()
+        assert time.monotonic() - t < 10  # not the client's timeout
+        conn.close()
+        assert s.stats()["requests"]["cut_short"] == 1
+
+
+@pytest.mark.timeout(60)
 def test_cachemw_lists_then_reads_an_http_store(store_root, runtime_dir):
     """A loader lists the dataset, then reads it (as the main job does): fsspec's HTTP
     listing names files without sizes, which cachemw took as their metadata and failed on

@@ -76,3 +76,28 @@ def test_pseudo_filesystem_told_by_its_type(tmp_path):
     assert not source.on_pseudo_fs(str(tmp_path / "missing"))
     assert not source.on_pseudo_fs(str(tmp_path))  # a directory is no file of one
     assert source.on_pseudo_fs(_sysfs_file())
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_with_no_writer_is_refused_not_waited_on(make_cache_fs, tmp_path):
+    """A FIFO given as a source path blocked its reader for good in open(), before the
+    check that refuses what is not a regular file could run (review loaders6)."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    script = f"""
+import errno, fsspec
+fs = fsspec.filesystem("cachemw", skip_instance_cache=True)
+for read in (lambda: fs.cat_file({str(fifo)!r}), lambda: fs.cat_file({str(fifo)!r}, 0, 10),
+             lambda: fs.open({str(fifo)!r}, "rb").read()):
+    try:
+        read()
+        print("read")
+    except OSError as exc:
+        print(errno.errorcode.get(exc.errno), "regular file" in str(exc))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=20, env=dict(os.environ, CACHEMW_RUNTIME_DIR=str(tmp_path / "rt")))
+    assert out.stdout.split("\n")[:3] == ["EINVAL True"] * 3, (out.stdout, out.stderr[-2000:])

@@ -279,11 +279,16 @@ def _read_local(fs, path: str, start: int, end: int | None, version: str) -> byt
     rewriting the file in place) set the file's times when it began, so both stats would
     show the new version while the read saw part of the old bytes: on filesystems whose
     SEEK_DATA waits for it (tmpfs, ext4, btrfs), an lseek first lets it end. A write that
-    begins during the read changes the times the second stat sees (the README's limits)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    begins during the read changes the times the second stat sees (the README's limits).
+    Opened without blocking: a FIFO with no writer blocked its open for good, before the
+    check below could refuse it (review loaders6)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         before = os.fstat(fd)
-        if stat.S_ISREG(before.st_mode) and _waits_for_writes(before.st_dev):
+        if not stat.S_ISREG(before.st_mode):  # a FIFO or device may never end
+            raise OSError(errno.EINVAL, f"{path}: not a regular file (a device, FIFO "
+                          f"or socket); read it directly, not through cachemw")
+        if _waits_for_writes(before.st_dev):
             try:
                 os.lseek(fd, 0, os.SEEK_DATA)
             except OSError:  # ENXIO: no data (empty); anything else: it did not wait
@@ -291,9 +296,6 @@ def _read_local(fs, path: str, start: int, end: int | None, version: str) -> byt
         if stat_token(before) != version:
             raise changed(path, version, stat_token(before))
         if end is None:
-            if not stat.S_ISREG(before.st_mode):  # a FIFO or device may never end
-                raise OSError(errno.EINVAL, f"{path}: not a regular file (a device, FIFO "
-                              f"or socket); read it directly, not through cachemw")
             chunks = []
             while True:
                 chunk = os.pread(fd, _READ_CHUNK, start)
