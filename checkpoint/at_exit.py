@@ -26,6 +26,7 @@ import weakref
 log = logging.getLogger(__name__)
 
 _live: weakref.WeakSet = weakref.WeakSet()  # the Checkpointers of the process
+_given_up = False  # a Ctrl-C stopped a wait (in destroy_process_group): the exit does not wait again
 
 
 def _forked() -> None:
@@ -66,14 +67,18 @@ def _guard_destroy() -> None:
 
 
 def _finish(why: str = "exiting") -> None:
+    global _given_up
     for ck in list(_live):
         try:
             pending = ck._pending_steps()
         except Exception:  # noqa: BLE001 - one made half-way (its constructor raised)
             continue
-        if pending:
+        if pending and _given_up:
+            log.warning("%s: not waiting for the checkpoint of step(s) %s (Ctrl-C stopped "
+                        "the wait before)", why, pending)
+        elif pending:
             log.warning("%s: waiting for the checkpoint of step(s) %s to commit first (call "
-                        "wait() to wait yourself; Ctrl-C abandons it)", why, pending)
+                        "wait() to wait yourself; Ctrl-C stops the wait)", why, pending)
             try:
                 ck.wait()
             except KeyboardInterrupt:  # the save's threads may still end it: whole, or not at all
@@ -81,6 +86,7 @@ def _finish(why: str = "exiting") -> None:
                           "already writing may still commit it before the process ends; a "
                           "step is committed whole or not at all)", pending)
                 if why != "exiting":  # in destroy_process_group: the script's to handle
+                    _given_up = True
                     raise
             except BaseException as exc:
                 log.error("the checkpoint of step(s) %s was not committed: %s", pending, exc)

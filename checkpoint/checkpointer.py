@@ -127,10 +127,10 @@ class Checkpointer:
         step = int(step)  # (a numpy integer too)
         with self._lock:
             busy = [h for h in self._handles if not h.done()]
-            if policy == "wait":
-                for h in busy:
-                    h._durable.wait()
             if self.fast_saver is not None:
+                if policy == "wait":
+                    for h in busy:
+                        h._durable.wait()
                 with trace.span("snapshot", trace.CHECKPOINT, step=step):
                     prepared = self.fast_saver.prepare(step, lambda: to_state_dict(state),
                                                        policy == "refuse" and bool(busy), self._stage)
@@ -138,11 +138,15 @@ class Checkpointer:
                     self.stager.close()  # buffers of an earlier fallback save (done by now) would be a 2nd copy
                 return self._submit(step, prepared.staged, prepared, started)
             # every rank refuses, or none (review ckpt7); every save votes, whatever its
-            # policy, so that ranks given different ones stay in step (diffrev-10)
+            # policy, so that ranks given different ones stay in step (diffrev-10), and
+            # before a rank that waits does (a refusing rank in the vote meanwhile: its
+            # collective timed out under a long save, diffrev-11)
             busy_ranks = self.coord.busy_ranks(policy == "refuse" and bool(busy))
             if busy_ranks:
                 raise CheckpointBusyError(f"save of step {step} refused: the previous save is "
                                           f"still writing on rank(s) {busy_ranks}")
+            for h in busy:
+                h._durable.wait()
             try:
                 with trace.span("snapshot", trace.CHECKPOINT, step=step):
                     staged = self._stage(to_state_dict(state))

@@ -156,6 +156,9 @@ def test_an_owner_s_blocks_come_back_in_pieces_ray_sends_inline():
     from cachemw.cluster.peers import INLINE_MOST
     big = [("k" * 32, INLINE_MOST + 1, None, None)]  # past Ray's inline share: one piece
     assert pieces_for(big) == 1 and pieces_for([("k" * 32, INLINE_MOST, None, None)]) > 1
+    block = os.urandom(INLINE_MOST + 1)  # the one piece holds all of it (diffrev-11)
+    answer = pack([block], big)
+    assert len(answer) == 2 and unpack(answer[0], list(answer[1:]), big) == [block]
 
 
 def _full_node(tmp_path) -> NodeCache:

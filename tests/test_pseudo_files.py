@@ -101,3 +101,39 @@ for read in (lambda: fs.cat_file({str(fifo)!r}), lambda: fs.cat_file({str(fifo)!
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=20, env=dict(os.environ, CACHEMW_RUNTIME_DIR=str(tmp_path / "rt")))
     assert out.stdout.split("\n")[:3] == ["EINVAL True"] * 3, (out.stdout, out.stderr[-2000:])
+
+
+@pytest.mark.timeout(60)
+def test_a_file_under_a_write_lease_is_read_once_the_lease_is_given_up(make_cache_fs, tmp_path):
+    """A file another process holds a write lease on (Samba's oplocks, an NFS server's
+    delegations): an open without blocking fails EAGAIN at once, where a blocking one
+    breaks the lease and waits. Opened without blocking only (for FIFOs), the read failed
+    with BlockingIOError (diffrev-11)."""
+    import fcntl
+    import subprocess
+    import sys
+
+    path = tmp_path / "sample.bin"
+    data = os.urandom(100_000)
+    path.write_bytes(data)
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, signal, time
+fd = os.open({str(path)!r}, os.O_RDWR)
+signal.signal(signal.SIGIO, lambda *a: (time.sleep(0.3), fcntl.fcntl(fd, {fcntl.F_SETLEASE}, fcntl.F_UNLCK)))
+try:
+    fcntl.fcntl(fd, {fcntl.F_SETLEASE}, fcntl.F_WRLCK)
+except OSError as exc:
+    print("no lease", exc, flush=True)
+else:
+    print("leased", flush=True)
+time.sleep(30)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        said = holder.stdout.readline().strip()
+        if said != "leased":
+            pytest.skip(f"no write lease on this filesystem: {said}")
+        fs = make_cache_fs()
+        assert fs.cat_file(str(path)) == data
+    finally:
+        holder.kill()
+        holder.wait()

@@ -387,3 +387,14 @@ def test_a_server_that_caps_ranges_is_read_in_several_gets(make_cache_fs, ranges
     assert fs.cat_file(f"{base}/f.bin", 0, 100) == data[:100]
     assert fs.cat_file(f"{base}/f.bin") == data
     assert fs.cat_file(f"{base}/f.bin", BS - 5, 2 * BS + 5) == data[BS - 5:2 * BS + 5]
+
+
+def test_a_content_range_s_unit_is_read_whatever_its_case():
+    """The unit of a Content-Range is case-insensitive (RFC 9110): "Bytes" is a range of
+    bytes like "bytes", not another range than asked (diffrev-11)."""
+    from cachemw.tiers.source_http import _sent_range
+
+    assert _sent_range("u", "Bytes 0-9/100", 0, 10, 10) == 9
+    assert _sent_range("u", "bytes 10-19/*", 10, 20, 10) == 19
+    with pytest.raises(OSError):
+        _sent_range("u", "bytes 11-20/100", 10, 20, 10)

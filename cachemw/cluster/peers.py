@@ -296,8 +296,9 @@ def pack(blocks: list[bytes | None], requests: list[tuple]) -> tuple:
              for b, r in zip(blocks, requests)]
     lengths = [-1 if b is None else len(b) for b in given]
     joined = b"".join(b for b in given if b)
-    count = pieces_for(requests)
-    return (lengths, *(joined[i * PIECE:(i + 1) * PIECE] for i in range(count)))
+    count = pieces_for(requests)  # (the last piece takes the rest: all of it, for one)
+    return (lengths, *(joined[i * PIECE:(i + 1) * PIECE if i + 1 < count else None]
+                       for i in range(count)))
 
 
 def unpack(lengths: list[int], pieces: list[bytes], requests: list[tuple]) -> list[bytes | None]:

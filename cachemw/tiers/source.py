@@ -281,13 +281,20 @@ def _read_local(fs, path: str, start: int, end: int | None, version: str) -> byt
     SEEK_DATA waits for it (tmpfs, ext4, btrfs), an lseek first lets it end. A write that
     begins during the read changes the times the second stat sees (the README's limits).
     Opened without blocking: a FIFO with no writer blocked its open for good, before the
-    check below could refuse it (review loaders6)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    check below could refuse it (review loaders6). A regular file's reads then block as
+    usual (O_NONBLOCK cleared: on Lustre it made lock requests non-waiting), and an open
+    a write lease holds up (EAGAIN: Samba, an NFS server's delegations) is made again,
+    waiting for it, as before (diffrev-11)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except BlockingIOError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode):  # a FIFO or device may never end
             raise OSError(errno.EINVAL, f"{path}: not a regular file (a device, FIFO "
                           f"or socket); read it directly, not through cachemw")
+        os.set_blocking(fd, True)
         if _waits_for_writes(before.st_dev):
             try:
                 os.lseek(fd, 0, os.SEEK_DATA)

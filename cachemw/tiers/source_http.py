@@ -10,7 +10,7 @@ from ..keys import version_fields
 from ..store_errors import http_request_error, http_status_error
 from .pinning import CONTENT_RANGE, NO_VERSION, FirstBlock, changed, check_after, sync
 
-_SENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")  # a 206's Content-Range
+_SENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)  # a 206's
 #: GETs one range may take from a server that answers less than asked (capped ranges)
 MOST_PARTS = 256
 
