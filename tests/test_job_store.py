@@ -135,13 +135,13 @@ def test_a_file_that_shrinks_while_served_cuts_the_reply_short_at_once(store_roo
     import threading
 
     big = store_root / "big.bin"
-    with EmulatedStore(str(store_root), StoreProfile(latency=0, bandwidth=4 << 20, meta_latency=0)) as s:
+    with EmulatedStore(str(store_root), StoreProfile(latency=0, bandwidth=2 << 20, meta_latency=0)) as s:
         host, port = s.url.split("//")[1].split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
         conn.request("GET", "/big.bin")
-        reply = conn.getresponse()  # 4 MiB at 4 MiB/s: a second to send
+        reply = conn.getresponse()  # 4 MiB at 2 MiB/s: two seconds to send
         assert reply.status == 200 and int(reply.headers["Content-Length"]) == 4 << 20
-        threading.Timer(0.3, lambda: os.truncate(big, 1 << 20)).start()
+        threading.Timer(0.2, lambda: os.truncate(big, 1 << 20)).start()
         t = time.monotonic()
         with pytest.raises(http.client.IncompleteRead):
             reply.read()
