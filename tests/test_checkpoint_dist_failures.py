@@ -25,6 +25,19 @@ from test_checkpoint_dist import run_ranks  # noqa: E402
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
+def join(rank: int, world: int, rdv: str, timeout_s: int = 30) -> None:
+    """A rank's start: one thread for torch, the gloo group over the rendezvous file."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def report(out_dir: str, rank: int, res: dict) -> None:
+    """What a rank saw, for the test in the parent (test_checkpoint_dist.run_ranks)."""
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
 def state(fill: float) -> dict:
     return {"w": torch.full((2048, 256), fill), "b": torch.full((4096,), fill), "meta": {"epoch": int(fill)}}
 
@@ -78,9 +91,7 @@ def _inject(mode: str, rank: int):
 
 
 def _rank_main(rank, world, rdv, root, mode, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    join(rank, world, rdv)
     from cachemw.checkpoint import Checkpointer
 
     fast_root = None if mode == "oom" else root + "-fast"
@@ -111,8 +122,7 @@ def _rank_main(rank, world, rdv, root, mode, out_dir):
     if mode.startswith("reserve"):
         res["layouts"] = len(layouts)
     ck.close()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    report(out_dir, rank, res)
     dist.destroy_process_group()
 
 
@@ -158,8 +168,7 @@ def _subgroup_main(rank, world, rdv, root, action, out_dir):
     res = {"rank": rank, "fast": ck.fast is not None, "load": ck.load(out),
            "ok": bool(torch.all(out["w"] == float(pair + 1)))}
     ck.close()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    report(out_dir, rank, res)
     dist.destroy_process_group()
 
 
@@ -188,9 +197,7 @@ def test_reserve_on_every_rank_lays_out_once_and_a_failure_on_one_is_raised_on_a
 
 def _steps_main(rank, world, rdv, root, fast, out_dir):
     """Ranks that pass different steps to one save: refused on every rank, nothing lost."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    join(rank, world, rdv)
     from cachemw.checkpoint import Checkpointer
 
     ck = Checkpointer(root, keep_last=1, collective_timeout_s=10, chunk_bytes=256 << 10,
@@ -210,8 +217,7 @@ def _steps_main(rank, world, rdv, root, fast, out_dir):
     res["load3"] = ck.load(out)
     res["ok3"] = bool(torch.all(out["w"] == 3.0))
     ck.close()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    report(out_dir, rank, res)
     dist.destroy_process_group()
 
 
@@ -230,9 +236,7 @@ def test_ranks_saving_different_steps_are_refused_on_every_rank(tmp_path, fast):
 
 def _absent_main(rank, world, rdv, root, _, out_dir):
     """Rank 1 fails before the save (caught, and lingers, as a stuck data loader would)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    join(rank, world, rdv)
     from cachemw.checkpoint import Checkpointer
 
     ck = Checkpointer(root, collective_timeout_s=4, chunk_bytes=256 << 10)
@@ -249,8 +253,7 @@ def _absent_main(rank, world, rdv, root, _, out_dir):
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             res["save2"] = f"{type(exc).__name__}: {exc}"
         res["after"] = time.monotonic() - started
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    report(out_dir, rank, res)
     os._exit(0)  # the groups are out of step: no orderly teardown
 
 
@@ -279,9 +282,7 @@ def _load_failure_main(rank, world, rdv, root, mode, out_dir):
     """Save steps 1 and 2 on every rank, break step 2 (``mode``), then load it by its step:
     a failure that rank 0 meets choosing the step (a damaged manifest or .metadata), or
     that one rank meets on its own state, must reach every rank, at once."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    join(rank, world, rdv, timeout_s=60)
     from cachemw.checkpoint import Checkpointer
     from cachemw.checkpoint.writer import MANIFEST_NAME
 
@@ -322,8 +323,7 @@ def _load_failure_main(rank, world, rdv, root, mode, out_dir):
         res["close"] = "ok"
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         res["close"] = f"{type(exc).__name__}: {exc}"
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    report(out_dir, rank, res)
     dist.destroy_process_group()
 
 
@@ -364,9 +364,7 @@ def _killed_mid_save_main(rank, world, rdv, root, action, out_dir):
     off mid-save, and rank 0's wait() must say what that means, not gloo's bare error."""
     import signal
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    join(rank, world, rdv)
     from cachemw.checkpoint import Checkpointer
 
     ck = Checkpointer(root, collective_timeout_s=10, chunk_bytes=64 << 10,
@@ -385,8 +383,7 @@ def _killed_mid_save_main(rank, world, rdv, root, action, out_dir):
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         res["save2"] = f"{type(exc).__name__}: {exc}"
     res["after"] = time.monotonic() - started
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    report(out_dir, rank, res)
     os._exit(0)  # the group lost a rank: no orderly teardown
 
 
@@ -404,9 +401,7 @@ def test_a_rank_killed_mid_save_fails_the_others_saying_what_it_means(tmp_path, 
 def _refuse_main(rank, world, rdv, root, mode, out_dir):
     """Rank 0's previous save is still writing (a handle not done), rank 1's is not;
     ``mixed``: rank 1's save asks to wait, not to refuse."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    join(rank, world, rdv)
     from cachemw.checkpoint import Checkpointer
     from cachemw.checkpoint.handle import SaveHandle
 
@@ -430,8 +425,7 @@ def _refuse_main(rank, world, rdv, root, mode, out_dir):
     ck.wait(60)  # raises nothing more: the refusal was said by save()
     res["steps"] = ck.steps()
     ck.close()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    report(out_dir, rank, res)
     dist.destroy_process_group()
 
 
@@ -451,9 +445,7 @@ def test_a_save_refused_because_one_rank_is_busy_is_refused_by_save_on_every_ran
 
 def _shapes_main(rank, world, rdv, root, fast, out_dir):
     """Rank 1's tensor under the shared key "x" is longer than rank 0's."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    join(rank, world, rdv)
     from cachemw.checkpoint import Checkpointer
 
     ck = Checkpointer(root, collective_timeout_s=10, chunk_bytes=256 << 10,
@@ -467,8 +459,7 @@ def _shapes_main(rank, world, rdv, root, fast, out_dir):
         res["save2"] = f"{type(exc).__name__}: {exc}"
     res["steps"] = ck.steps()
     ck.close()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    report(out_dir, rank, res)
     dist.destroy_process_group()
 
 

@@ -126,17 +126,22 @@ def failing():
     thread.join(10)
 
 
-@pytest.fixture
-def plain(tmp_path):
-    """(directory, base URL, handler class) of python's file server over a fresh dir."""
+def _serving_a_dir(tmp_path, kind):
+    """(directory, base URL, handler class) of a server of ``kind`` over a fresh dir."""
     root = tmp_path / "www"
     root.mkdir()
-    handler = type("Handler", (_Plain,), {"root": str(root)})
+    handler = type("Handler", (kind,), {"root": str(root)})
     server, thread, base = _serve(handler)
     yield root, base, handler
     server.shutdown()
     server.server_close()
     thread.join(10)
+
+
+@pytest.fixture
+def plain(tmp_path):
+    """(directory, base URL, handler class) of python's file server over a fresh dir."""
+    yield from _serving_a_dir(tmp_path, _Plain)
 
 
 def _http_fs(make_cache_fs):
@@ -344,14 +349,7 @@ class _Ranges(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def ranges(tmp_path):
-    root = tmp_path / "www"
-    root.mkdir()
-    handler = type("Handler", (_Ranges,), {"root": str(root)})
-    server, thread, base = _serve(handler)
-    yield root, base, handler
-    server.shutdown()
-    server.server_close()
-    thread.join(10)
+    yield from _serving_a_dir(tmp_path, _Ranges)
 
 
 @pytest.mark.timeout(60)
