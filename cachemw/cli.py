@@ -178,14 +178,13 @@ def cmd_stats(args) -> int:
         silent = _silent_daemon(rt)
         if silent:
             print(silent, file=sys.stderr)
-        elif address is not None and lock_holder(rt) is None and address.kind == "ray":
-            print(f"no cachemw daemon answers in {rt}: the daemon (pid {address.pid}) died; "
-                  f"Ray restarts it (`cachemw start` placed it: readers wait for the new one "
-                  f"a few seconds, then read from the source until it answers)", file=sys.stderr)
         elif address is not None and lock_holder(rt) is None:
+            then = ("Ray restarts it (`cachemw start` placed it: readers wait for the new one "
+                    "a few seconds, then read from the source until it answers)"
+                    if address.kind == "ray" else "the next process that reads through the "
+                    "cache starts another, `cachemw stop` clears what it left")
             print(f"no cachemw daemon answers in {rt}: the daemon (pid {address.pid}) died; "
-                  f"the next process that reads through the cache starts another, "
-                  f"`cachemw stop` clears what it left", file=sys.stderr)
+                  f"{then}", file=sys.stderr)
         else:
             print(f"no cachemw daemon answers in {rt}", file=sys.stderr)
         return 1
