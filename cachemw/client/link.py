@@ -90,17 +90,14 @@ class DaemonClient(DaemonConnection, reporting.Reporter):
         cannot tell (an earlier release), which would drop any copy. True if sent."""
         if tier is None:
             return self._send(ops.DROP, key, reason)
-        if self._connect() is None or ops.DROP_IN_TIER not in self._features:
-            return False
-        return self._send(ops.DROP, key, reason, tier)
+        return self._send_if_known(ops.DROP_IN_TIER, ops.DROP, key, reason, tier)
 
     def superseded(self, url: str, version: str, size: int, block_size: int) -> bool:
         """Tell the daemon that the source has moved on from ``version`` of ``url``: it
         drops the blocks of it it holds (node/superseded.py). Not sent to a daemon that
         does not know the note (an earlier release); True if sent."""
-        if self._connect() is None or ops.SUPERSEDED_NOTE not in self._features:
-            return False
-        return self._send(ops.SUPERSEDED, url, version, size, block_size)
+        return self._send_if_known(ops.SUPERSEDED_NOTE, ops.SUPERSEDED, url, version, size,
+                                   block_size)
 
     def peer_silent(self, owner: str) -> bool:
         """Tell the daemon that ``owner``'s block server (its name in the ring directory)
@@ -108,17 +105,20 @@ class DaemonClient(DaemonConnection, reporting.Reporter):
         that follows on this connection then does not wait on that peer again (ops
         PEER_SILENT). Not sent to a daemon that does not know the note (an earlier
         release); True if sent."""
-        if self._connect() is None or ops.PEER_SILENT_NOTE not in self._features:
-            return False
-        return self._send(ops.PEER_SILENT, owner)
+        return self._send_if_known(ops.PEER_SILENT_NOTE, ops.PEER_SILENT, owner)
 
     def peer_refused(self, owner: str) -> bool:
         """Tell the daemon that nothing listens at the block server address it gave for
         ``owner``: a daemon restarted (Ray restarts a killed one) listens on another port,
         which the daemon then asks it for (ops PEER_REFUSED). True if sent."""
-        if self._connect() is None or ops.PEER_REFUSED_NOTE not in self._features:
+        return self._send_if_known(ops.PEER_REFUSED_NOTE, ops.PEER_REFUSED, owner)
+
+    def _send_if_known(self, feature: str, op: str, *args) -> bool:
+        """``op`` sent only to a daemon naming ``feature`` in its features (one of an
+        earlier release would not understand it); True if sent."""
+        if self._connect() is None or feature not in self._features:
             return False
-        return self._send(ops.PEER_REFUSED, owner)
+        return self._send(op, *args)
 
     def invalidate(self, url: str) -> bool:
         """Drop every cached block of ``url`` node-wide; False if the daemon is unreachable."""

@@ -24,6 +24,7 @@ from ..keys import url_tag
 from ..node import replicas
 from ..reports import remote_hit
 from ..tiers.source import ChangedSourceError, source_for
+from .peers import INLINE_MOST
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ OWNER_LEASE_WAIT = 3.0  # well under a peer's timeout: a slow fill must not evic
 # travels inline in Ray's answer (peers.py, PIECE), which Ray keeps under 10 MiB a reply
 # (task_rpc_inlined_bytes_limit): past that it puts the rest in its object store.
 BATCH_BLOCKS = 16
-BATCH_BYTES = 8 << 20
+BATCH_BYTES = INLINE_MOST
 CALLS_IN_FLIGHT = 4
 SERVE_CONCURRENCY = 16  # source reads an owner runs side by side for one call's blocks
 # Replicas asked for by one pass of the copier: the rest are asked again at their next hit.
