@@ -161,9 +161,9 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
     address = own_address(address, runtime_dir)
     given = address  # --address, not the local cluster's nor RAY_ADDRESS's
     state = None
-    if address is not None and not local_ray.answers(address):  # ray.init would retry minutes
-        raise UnreachableCluster(f"no Ray cluster answers at {address} (the address "
-                                 f"given): check it, or leave --address out")
+    if address is not None:
+        _check_given(address, f"{address} (the address given)", "leave --address out",
+                     UnreachableCluster)
     if address is None:
         state = local_ray.read_state(runtime_dir)
         if state is None or not local_ray.alive(state):
@@ -175,9 +175,8 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
                 if address is None:
                     raise ConnectionError("no cachemw-managed Ray cluster runs; give --address "
                                           "(or set RAY_ADDRESS) or run `cachemw start`")
-                if not local_ray.answers(address):  # a stale variable: ray.init would retry minutes
-                    raise ConnectionError(f"no Ray cluster answers at RAY_ADDRESS={address}; "
-                                          f"unset it, or give --address")
+                _check_given(address, f"RAY_ADDRESS={address}", "unset it, or give --address",
+                             ConnectionError)
     if state is not None:
         address = state["address"]
         os.environ["RAY_AUTH_MODE"] = "token"
@@ -197,6 +196,27 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
                 f"`cachemw start` makes) admits only a process with its token "
                 f"(RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)") from exc
     return state or {"address": address, "started_by_cachemw": False}
+
+
+# How long an address given (--address, RAY_ADDRESS) may stay silent before it is refused:
+# ray.init at a listener that accepts and never answers retried for minutes (5 at least,
+# review ops6), where a GCS answers the probe within milliseconds, under load too.
+GIVEN_PATIENCE_S = 10.0
+
+
+def _check_given(address: str, where: str, advice: str, error: type) -> None:
+    """Raise ``error`` unless Ray's GCS answers at ``address`` (``where`` for the message):
+    ray.init at a port where nothing, another server, or a silent listener is would retry
+    for minutes, saying nothing."""
+    found = local_ray.probe(address, patience=GIVEN_PATIENCE_S)
+    if found == "grpc":
+        return
+    what = {"none": "nothing accepts a connection there",
+            "other": "the server there is not Ray's (it does not speak gRPC)",
+            "silent": f"a server accepts connections there but says nothing within "
+                      f"{GIVEN_PATIENCE_S:.0f} s (a stopped or hung Ray head, or another "
+                      f"kind of server)"}[found]
+    raise error(f"no Ray cluster answers at {where}: {what}; check it, or {advice}")
 
 
 class UnreachableCluster(ConnectionError):

@@ -231,33 +231,41 @@ def answers(address: str) -> bool:
     only a listener: ray.init at a port where another server listens (an HTTP server, a
     typo'd port) retried for good, and the command with it (review ops5); a gRPC server
     answers an HTTP/2 preface with its SETTINGS frame. A server that accepts and says
-    nothing within 2 s is taken as answering, as before (a GCS paused, or under load: the
-    cluster ``cachemw start`` made must not be taken for dead, diffrev-7); with TLS
-    (RAY_USE_TLS) the port listening is all that is asked."""
+    nothing within 2 s is taken as answering (a GCS paused, or under load: the cluster
+    ``cachemw start`` made must not be taken for dead, diffrev-7); with TLS (RAY_USE_TLS)
+    the port listening is all that is asked."""
+    return probe(address, patience=2.0) in ("grpc", "silent")
+
+
+def probe(address: str, patience: float) -> str:
+    """What listens at ``address``: "grpc" (a server answered the HTTP/2 preface with its
+    SETTINGS frame, as Ray's GCS does; also any form Ray resolves itself, and any listener
+    under TLS), "silent" (accepted, said nothing within ``patience`` s), "other" (said
+    something else, or closed) or "none" (nothing accepts)."""
     import socket
 
     host, _, port = address.rpartition(":")
     if not host or "://" in address or not port.isdigit():
-        return True
+        return "grpc"
     host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:6379
     try:
-        with socket.create_connection((host, int(port)), timeout=2) as sock:
+        with socket.create_connection((host, int(port)), timeout=patience) as sock:
             if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
-                return True
-            sock.settimeout(2)
+                return "grpc"
+            sock.settimeout(patience)
             sock.sendall(_H2_PREFACE)
             head = b""
             while len(head) < 9:
                 try:
                     chunk = sock.recv(9 - len(head))
-                except TimeoutError:  # silent: slow, not another kind of server
-                    return True
+                except TimeoutError:
+                    return "silent"
                 if not chunk:
-                    return False
+                    return "other"
                 head += chunk
-            return head[3] == 4  # a SETTINGS frame
+            return "grpc" if head[3] == 4 else "other"  # a SETTINGS frame
     except OSError:
-        return False
+        return "none"
 
 
 def names(state: dict | None, address: str) -> bool:
