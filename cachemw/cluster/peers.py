@@ -266,6 +266,8 @@ class PeerSet:
                         self._ray.cancel(ref[0])  # the call (any of its returns)
                     except Exception:  # best effort: the peer is marked suspect anyway
                         pass
+                else:
+                    self._collect(ref)
                 self._suspect(owner, type(exc).__name__)
                 out[owner] = None
                 continue
@@ -278,6 +280,17 @@ class PeerSet:
             self.counters["remote_blocks"] += sum(1 for n in lengths if n >= 0)
             self.counters["remote_bytes"] += sum(n for n in lengths if n > 0)
         return out
+
+
+    def _collect(self, refs: list) -> None:
+        """Get each return of a failed call: the error is in every one, and Ray logs an
+        "unhandled error" with its traceback for each one never got (one call, up to 86
+        tracebacks in the daemon's log for one failure)."""
+        for ref in refs:
+            try:
+                self._ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - the error already counted for the call
+                pass
 
 
 def pieces_for(requests: list[tuple]) -> int:
