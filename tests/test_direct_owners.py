@@ -557,3 +557,54 @@ def test_a_peer_s_block_server_is_asked_again_where_it_listens_once_a_reader_is_
     assert "host-b" not in peers.directory()["blocks"]  # readers go through the daemon
     peers.refresh()
     assert peers.directory()["blocks"]["host-b"] == ["10.0.0.2", 7002]
+
+
+@pytest.mark.timeout(60)
+def test_a_refresh_waits_one_timeout_for_all_its_silent_peers_together():
+    """A peer whose daemon is down (Ray restarting it, or its node hung) was asked where
+    its block server listens, or pinged as a suspect, one at a time, each call given 5 s:
+    every membership refresh took 5 s per such peer (diffrev-10). The refresh asks them
+    all at once, under one deadline; what answered in time counts as before."""
+    import time
+
+    import ray
+
+    from cachemw.cluster.peers import PeerSet
+
+    down = {"x", "y", "z"}
+
+    class Ray:
+        def nodes(self):
+            return [{"NodeID": n, "Alive": True, "NodeManagerHostname": f"host-{n}"}
+                    for n in ("me", "w", "x", "y", "z")]
+
+        def get_actor(self, name, namespace):
+            node = name.rsplit("-", 1)[-1]
+            return SimpleNamespace(
+                address=SimpleNamespace(remote=lambda: (node, {"blocks": [f"10.0.0.{ord(node)}", 7000]})),
+                ping=SimpleNamespace(remote=lambda: (node, "pong")))
+
+        def get(self, ref, timeout):
+            node, answer = ref
+            if node in down:  # a call to a stopped actor: its whole timeout, then this
+                time.sleep(timeout)
+                raise ray.exceptions.GetTimeoutError("timed out")
+            return answer
+
+    timeout = 1.5
+    peers = PeerSet("me", timeout=timeout, vnodes=64, secret="00" * 32)
+    peers._ray = Ray()
+    began = time.monotonic()
+    peers.refresh()
+    assert time.monotonic() - began < 2 * timeout  # one wait, not one per peer (3 of them)
+    assert set(peers.directory()["blocks"]) == {"host-w"}
+    assert set(peers.members) == {"me", "w", "x", "y", "z"}  # not suspected: only not learned
+    for node in ("x", "y"):
+        peers._suspect(node, "a call timed out")
+    peers._suspect_until = {n: 0.0 for n in peers._suspect_until}  # their time is up
+    down.discard("x")  # x answers again, y still does not
+    began = time.monotonic()
+    peers.refresh()
+    assert time.monotonic() - began < 2 * timeout
+    assert set(peers.members) == {"me", "w", "x", "z"}
+    assert set(peers.directory()["blocks"]) == {"host-w", "host-x"}

@@ -100,7 +100,7 @@ class PeerSet:
         self._names = ring_names({n["NodeID"]: n.get("NodeManagerHostname") or "" for n in nodes})
         self.alive = len(alive)
         now = time.monotonic()
-        members = []
+        handles = {}
         for node_id in alive:
             handle = self._handles.get(node_id)
             if handle is None:
@@ -110,12 +110,28 @@ class PeerSet:
                     handle = None
                 if handle is not None:
                     self._handles[node_id] = handle
-            if handle is None:
+            if handle is not None:
+                handles[node_id] = handle
+        # where each peer's block server listens, until it answers (it may still be
+        # starting), and whether each suspect whose time is up answers a ping: asked of all
+        # at once, under one deadline (one at a time, a peer down cost each refresh its
+        # own 5 s, and k of them 5k s)
+        asks = {}
+        for node_id, handle in handles.items():
+            if node_id == self.self_id:
                 continue
-            if node_id not in self._blocks:  # until it answers (it may still be starting)
-                self._learn_blocks(node_id, handle)
+            if self.secret and node_id not in self._blocks:
+                asks[node_id, "address"] = handle.address.remote()
+            if node_id in self._suspect_until and self._suspect_until[node_id] <= now:
+                asks[node_id, "ping"] = handle.ping.remote()
+        answers = self._answers(asks)
+        members = []
+        for node_id in handles:
+            address = answers.get((node_id, "address"))
+            if address and address.get("blocks"):
+                self._blocks[node_id] = tuple(address["blocks"])
             if node_id != self.self_id and node_id in self._suspect_until:
-                if self._suspect_until[node_id] > now or not self._answers(handle):
+                if (node_id, "ping") not in answers:
                     continue
                 del self._suspect_until[node_id]  # it answers again: back in the ring
                 self._silent_until.pop(node_id, None)
@@ -136,17 +152,6 @@ class PeerSet:
             self._blocks.pop(node_id, None)
         self._set_members(members)
 
-    def _learn_blocks(self, node_id: str, handle) -> None:
-        """Where a peer's block server listens (for readers fetching its blocks directly)."""
-        if node_id == self.self_id or not self.secret:
-            return
-        try:
-            address = self._ray.get(handle.address.remote(), timeout=min(self.timeout, 5.0))
-        except self._call_errors:
-            return
-        if address.get("blocks"):
-            self._blocks[node_id] = tuple(address["blocks"])
-
     def directory(self) -> dict | None:
         """What a reader needs to fetch blocks from their owners without Ray, and a warm to
         know its node's share: the ring by names, this node's name, each member's block
@@ -164,13 +169,17 @@ class PeerSet:
         """The ring over the members' names (see owner() for a key's node id)."""
         return self._route[0]
 
-    def _answers(self, handle) -> bool:
-        """A suspect peer rejoins only once it answers a ping within the timeout."""
-        try:
-            self._ray.get(handle.ping.remote(), timeout=min(self.timeout, 5.0))
-            return True
-        except self._call_errors:
-            return False
+    def _answers(self, asks: dict) -> dict:
+        """The answers to the calls ``asks`` (made already) that came within one deadline,
+        the timeout's (at most 5 s): a suspect rejoins only once it answers in time."""
+        deadline = time.monotonic() + min(self.timeout, 5.0)
+        answers = {}
+        for what, ref in asks.items():
+            try:
+                answers[what] = self._ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except self._call_errors:
+                continue
+        return answers
 
     def _set_members(self, members) -> None:
         """Rebuild the ring when its members or their names change: the ring over names,
