@@ -315,12 +315,16 @@ class _Ranges(BaseHTTPRequestHandler):
     root = ""
     mode = ""
     CAP = 10_000
+    etag = True  # False: no ETag (and no Last-Modified), as some servers send
+    requests = None  # a list (set by a test): the methods asked, in order
 
     def log_message(self, *args):
         pass
 
     def _serve(self):
         path = os.path.join(self.root, self.path.lstrip("/"))
+        if self.requests is not None:
+            self.requests.append(self.command)
         data = open(path, "rb").read()
         st = os.stat(path)
         etag = f'"{st.st_ino}-{st.st_mtime_ns}"'
@@ -335,7 +339,8 @@ class _Ranges(BaseHTTPRequestHandler):
                 end = min(end, start + self.CAP)
             status = 206
         self.send_response(status)
-        self.send_header("ETag", etag)
+        if self.etag:
+            self.send_header("ETag", etag)
         self.send_header("Accept-Ranges", "bytes")
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
@@ -385,6 +390,51 @@ def test_a_server_that_caps_ranges_is_read_in_several_gets(make_cache_fs, ranges
     assert fs.cat_file(f"{base}/f.bin", 0, 100) == data[:100]
     assert fs.cat_file(f"{base}/f.bin") == data
     assert fs.cat_file(f"{base}/f.bin", BS - 5, 2 * BS + 5) == data[BS - 5:2 * BS + 5]
+
+
+@pytest.mark.timeout(60)
+def test_a_capped_range_without_an_etag_is_checked_once_after_all_its_parts(
+        make_cache_fs, ranges):
+    """Without an ETag to pin a GET to the version, a read is checked after it by asking
+    the version again (a HEAD): a block read in several GETs from a server that caps
+    ranges asked it after every part (diffrev-11), 7 HEADs for a 64 KiB block."""
+    root, base, handler = ranges
+    data = os.urandom(BS)
+    (root / "f.bin").write_bytes(data)
+    handler.mode, handler.etag, handler.requests = "cap", False, []
+    fs = make_cache_fs(target_protocol="http", block_size=BS, validate="always")
+    fs.info(f"{base}/f.bin")
+    del handler.requests[:]
+    assert fs.cat_file(f"{base}/f.bin") == data
+    assert handler.requests.count("GET") == -(-BS // handler.CAP) == 7
+    assert handler.requests.count("HEAD") <= 2, handler.requests  # validate="always": one more
+    # the file is replaced (another size) between two parts of a read: the check after
+    # them all sees it, and no mix of the two versions is returned nor kept
+    (root / "g.bin").write_bytes(os.urandom(BS))
+    fs.info(f"{base}/g.bin")
+    handler.requests = _Replaced(root / "g.bin", after=3)
+    try:
+        got = fs.cat_file(f"{base}/g.bin", 0, BS)
+    except ChangedSourceError:
+        got = None
+    handler.requests = None
+    new = (root / "g.bin").read_bytes()
+    assert got in (None, new[:BS])
+    assert fs.cat_file(f"{base}/g.bin") == new
+
+
+class _Replaced(list):
+    """The methods a server was asked (see _Ranges.requests); the file is replaced by
+    another of another size once ``after`` GETs were answered."""
+
+    def __init__(self, path, after: int) -> None:
+        super().__init__()
+        self.path, self.after = path, after
+
+    def append(self, method) -> None:
+        super().append(method)
+        if method == "GET" and self.count("GET") == self.after + 1:
+            self.path.write_bytes(os.urandom(BS + 5))
 
 
 def test_a_content_range_s_unit_is_read_whatever_its_case():

@@ -34,22 +34,24 @@ def read_http(fs, path: str, start: int, end: int | None, version: str) -> bytes
     shifting it) is an EIO, where its bytes were kept as the block asked for, under every
     ``validate`` (review loaders6). One that stops short (a server capping range replies)
     is followed by GETs of the rest, where every read of the file failed as changed."""
-    if end is None:
-        return _read_http_part(fs, path, start, end, version)[0]
-    parts, at = [], start
-    for _ in range(MOST_PARTS):
-        data, last = _read_http_part(fs, path, at, end, version)
+    parts, at, unpinned = [], start, False
+    for _ in range(MOST_PARTS if end is not None else 1):
+        data, last, no_validator = _read_http_part(fs, path, at, end, version)
         parts.append(data)
-        if last is None or last + 1 >= end:  # all of it (a file shorter now: a 416 next)
-            return b"".join(parts)
+        unpinned = unpinned or no_validator
+        if end is None or last is None or last + 1 >= end:  # all of it (shorter now: a 416)
+            if unpinned:  # no validator (or an ETag on HEAD but none on GET): the version
+                check_after(fs, path, version)  # asked again after the read, once for all
+            return b"".join(parts)  # its parts (a HEAD each, diffrev-11)
         at = last + 1
     raise OSError(errno.EIO, f"{path}: the server answers ranges of {len(parts[0])} bytes at "
                              f"most: {MOST_PARTS} GETs did not read [{start}, {end})")
 
 
 def _read_http_part(fs, path: str, start: int, end: int | None, version: str):
-    """One GET of ``[start, end)`` (see read_http): its bytes, and the last byte a 206
-    said it holds (None for all that was asked: a 200, or no Range sent)."""
+    """One GET of ``[start, end)`` (see read_http): its bytes, the last byte a 206 said it
+    holds (None for all that was asked: a 200, or no Range sent), and whether nothing pinned
+    it to ``version`` (the read is then to be checked after)."""
     etag = version_fields(version).get("ETag")
     headers = dict(fs.kwargs.get("headers") or {})
     if etag and not etag.startswith("W/"):  # If-Match compares strong ETags only
@@ -71,9 +73,7 @@ def _read_http_part(fs, path: str, start: int, end: int | None, version: str):
         last = _sent_range(path, response.get("Content-Range"), start, end, len(data))
     elif status not in (200, 206):
         raise http_status_error(path, status)
-    if not etag or got is None:  # no validator (or an ETag on HEAD but none on GET):
-        check_after(fs, path, version)  # the version asked again after the read
-    return data, last
+    return data, last, not etag or got is None
 
 
 def _sent_range(path: str, header: str | None, start: int, end: int | None, got: int) -> int | None:
