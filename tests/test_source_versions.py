@@ -552,3 +552,35 @@ def test_a_local_file_rewritten_in_place_during_a_read_is_never_cached_torn(
         if where == "dev-shm":
             import shutil
             shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("status, content_range, whole", [
+    (206, None, False),  # a part, its range not said: its size is not the object's
+    (206, "bytes 0-9/*", False),  # the object's size not known
+    (206, "Bytes 0-9/100", True),  # the unit in another case: still bytes
+    (200, None, True),  # the store ignored Range: the whole object came
+])
+def test_an_s3_first_read_takes_a_size_only_from_what_names_it(monkeypatch, status, content_range, whole):
+    """The first GET of an S3 object names its version and size (source_s3.first_s3). A
+    part the store answered without a Content-Range (or with "*" for the total) was taken
+    for the whole object: its size, the part's, was the file's size, and every read of
+    the file stopped there (no error; an S3-compatible store or proxy sending such a 206).
+    Such an answer now sends the read to the object's info (HeadObject), as a missing ETag
+    does."""
+    from types import SimpleNamespace
+
+    from cachemw.tiers import source_s3
+
+    obj = bytes(range(100))
+    data = obj[:10] if status == 206 else obj
+    resp = {"ETag": '"e"', "ContentLength": len(data), "LastModified": "t",
+            "ResponseMetadata": {"HTTPStatusCode": status}}
+    if content_range:
+        resp["ContentRange"] = content_range
+    monkeypatch.setattr(source_s3, "sync", lambda fs, coroutine, *args: (resp, data))
+    fs = SimpleNamespace(split_path=lambda path: ("b", "k", None))
+    got = source_s3.first_s3(fs, "b/k", 0, 10)
+    if whole:
+        assert got.info["size"] == 100 and got.data == obj[:10]
+    else:
+        assert got is None

@@ -15,7 +15,9 @@ from ..keys import stat_token, version_token
 from ..store_errors import http_request_error, http_status_error, store_errors
 
 NO_VERSION = "no ETag"  # why a first GET named no version (see SourceTier.read_first)
-CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+)\s*$")
+# A 206's Content-Range: first and last byte, and the total ("*": not known). Its unit is
+# case-insensitive (RFC 9110: "Bytes" is "bytes", diffrev-11).
+CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 
 
 class FirstBlock(NamedTuple):

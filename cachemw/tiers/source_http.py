@@ -4,13 +4,11 @@ first GET of a cold file names its version (see source.py)."""
 from __future__ import annotations
 
 import errno
-import re
 
 from ..keys import version_fields
 from ..store_errors import http_request_error, http_status_error
 from .pinning import CONTENT_RANGE, NO_VERSION, FirstBlock, changed, check_after, sync
 
-_SENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)  # a 206's
 #: GETs one range may take from a server that answers less than asked (capped ranges)
 MOST_PARTS = 256
 
@@ -84,7 +82,7 @@ def _sent_range(path: str, header: str | None, start: int, end: int | None, got:
             return None
         raise OSError(errno.EIO, f"{path}: the server answered {got} bytes for the "
                                  f"{end - start} asked at {start}, without saying which")
-    found = _SENT_RANGE.match(header)
+    found = CONTENT_RANGE.match(header)
     if found is None or int(found.group(1)) != start or int(found.group(2)) < start \
             or (end is not None and int(found.group(2)) >= end) \
             or int(found.group(2)) - start + 1 != got:
@@ -121,8 +119,8 @@ def first_http(fs, path: str, start: int, end: int):
         return NO_VERSION
     if status == 206:
         found = CONTENT_RANGE.match(response.get("Content-Range", ""))
-        if found is None or int(found.group(1)) != start:
-            return None  # an unknown total ("*/..."), another range than asked
+        if found is None or int(found.group(1)) != start or found.group(3) == "*":
+            return None  # an unknown total, another range than asked
         size = int(found.group(3))
     else:  # the server ignored Range: the whole file came
         size = len(data)

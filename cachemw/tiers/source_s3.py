@@ -71,14 +71,15 @@ def first_s3(fs, path: str, start: int, end: int):
     if not resp.get("ETag"):
         return NO_VERSION
     found = CONTENT_RANGE.match(resp.get("ContentRange") or "")
+    status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
     if found is not None:
-        if int(found.group(1)) != start:
-            return None
+        if int(found.group(1)) != start or found.group(3) == "*":
+            return None  # another range than asked, an unknown total: the info path
         size = int(found.group(3))
-    elif resp.get("ContentLength") == len(data):  # the whole object came
+    elif status == 200 and resp.get("ContentLength") == len(data):  # the whole object came
         size, data = len(data), data[start:end]
-    else:
-        return None
+    else:  # a part without its range (the whole object's size unknown): the info path;
+        return None  # taken for the whole object, the part was the object's size
     return FirstBlock({"ETag": resp.get("ETag", ""), "LastModified": resp.get("LastModified", ""),
                        "size": size, "name": f"{bucket}/{key}", "type": "file",
                        "StorageClass": resp.get("StorageClass", "STANDARD"),
