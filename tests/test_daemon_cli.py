@@ -157,6 +157,33 @@ def test_a_start_that_fails_leaves_no_ray_behind(tmp_path):
     assert not (tmp_path / "rt" / "ray.json").exists() and not (tmp_path / "rt" / "ray-token").exists()
 
 
+@pytest.mark.timeout(300)
+def test_python_start_then_stop_in_one_process_stops_the_private_cluster_whole(tmp_path):
+    """``cachemw.start()`` then ``cachemw.stop()`` in one process (README, Daemons): the
+    stop found the process already in Ray, took that cluster for the driver's own, and
+    left the private cluster's GCS, raylet and dashboard running, ray.json with them
+    (review readme8)."""
+    env = dict(os.environ, CACHEMW_RUNTIME_DIR=str(tmp_path / "rt"))
+    env.pop("RAY_ADDRESS", None)
+    script = ("import json, os, cachemw\n"
+              "cachemw.start(dram_capacity='64MiB')\n"
+              "state = json.load(open(os.path.join(os.environ['CACHEMW_RUNTIME_DIR'], 'ray.json')))\n"
+              "print(state['temp_dir'])\n"
+              "print(cachemw.stop())\n")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=240, cwd="/")
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        temp_dir, stopped = r.stdout.split()[-2:]
+        assert stopped == "1"
+        assert not _ray_procs(temp_dir), [p.info["cmdline"] for p in _ray_procs(temp_dir)]
+        assert not (tmp_path / "rt" / "ray.json").exists()
+        assert not (tmp_path / "rt" / "ray-token").exists()
+    finally:
+        if (tmp_path / "rt" / "ray.json").exists():
+            _cli("stop", env=env)
+
+
 @pytest.mark.timeout(60)
 def test_cli_errors(tmp_path):
     env = dict(os.environ, CACHEMW_RUNTIME_DIR=str(tmp_path / "none"))

@@ -157,7 +157,7 @@ def connect(address: str | None = None, runtime_dir: str | None = None, *,
     runtime_dir = resolve_runtime_dir(runtime_dir)
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():  # a driver already connected: use its cluster
-        return {"address": address or "current", "started_by_cachemw": False}
+        return _connected(ray, address, runtime_dir)
     address = own_address(address, runtime_dir)
     given = address  # --address, not the local cluster's nor RAY_ADDRESS's
     state = None
@@ -217,6 +217,24 @@ def _check_given(address: str, where: str, advice: str, error: type) -> None:
                       f"{GIVEN_PATIENCE_S:.0f} s (a stopped or hung Ray head, or another "
                       f"kind of server)"}[found]
     raise error(f"no Ray cluster answers at {where}: {what}; check it, or {advice}")
+
+
+def _connected(ray, address: str | None, runtime_dir: str) -> dict:
+    """The cluster of a process already in Ray: the local one ``cachemw start`` made for
+    ``runtime_dir`` (its record, so that ``stop`` stops it whole) when that is where the
+    process is, as after ``cachemw.start()`` in it; else the driver's own. Taken for the
+    driver's own, ``cachemw.start()`` then ``cachemw.stop()`` in one process stopped the
+    daemon and left the private cluster's processes running (review readme8)."""
+    state = local_ray.read_state(runtime_dir) if own_address(address, runtime_dir) is None \
+        else None
+    if state is not None:
+        try:
+            current = ray.get_runtime_context().gcs_address
+        except Exception:  # noqa: BLE001 - not known: the driver's own, as before
+            current = None
+        if current and local_ray.names(state, current):
+            return state
+    return {"address": address or "current", "started_by_cachemw": False}
 
 
 class UnreachableCluster(ConnectionError):
