@@ -303,43 +303,102 @@ def write_block(path: str, data: bytes | memoryview, page_size: int = PAGE_SIZE,
     return len(data) + len(tail)
 
 
-def map_block(path: str, length: int, key: str | None = None) -> memoryview | None:
-    """The data of the whole block at ``path``, verified, as a view of the file mapped into
-    memory; None if absent. For joining blocks into one large read: their bytes go
-    from the page cache straight into the result, instead of through a fresh buffer per
-    block (a fresh 8 MiB buffer costs 2,048 page faults, more than the copy). The mapping
-    lasts as long as the view; the file is immutable under its name, so it holds the
-    verified bytes even if it is evicted meanwhile. The caller joins the view and releases
-    it within the same read: a file truncated in place during those microseconds (the daemon
-    never does; a user damaging the tier by hand might) would end the process with SIGBUS,
-    which is why open files, which keep their blocks for long, read them (OpenBlock). A file
-    with holes is not mapped either (a read through the mapping of a hole on a full tmpfs
-    is SIGBUS too): tiers write whole files, so one with holes is damage."""
+class HeldBlock:
+    """A whole block file held open for a read that joins blocks (``join_blocks``), its
+    tail checked: its bytes go from the page cache straight into the joined result,
+    instead of through a fresh buffer per block (a fresh 8 MiB buffer costs 2,048 page
+    faults, more than the copy). The descriptor keeps the file if the daemon evicts it
+    meanwhile (a block is immutable under its key). ``tier``: where the reader found it."""
+
+    __slots__ = ("fd", "path", "length", "dhash", "tier")
+
+    def __init__(self, fd: int, path: str, length: int, dhash: int) -> None:
+        self.fd, self.path, self.length, self.dhash, self.tier = fd, path, length, dhash, None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def hold_block(path: str, length: int, key: str | None = None) -> HeldBlock | None:
+    """The whole block at ``path``, held open with its tail checked (see HeldBlock); None if
+    absent. Its data is checked where it lands, in the joined result (``join_blocks``)."""
     try:
         fd = os.open(path, READ_FLAGS)
     except ABSENT:  # no file, or no directory for it (a tier directory made a file)
         return None
     try:
-        st = os.fstat(fd)
-        size = st.st_size
-        if size != stored_size(length) or length == 0:
-            raise CorruptBlock(f"{path}: {size} bytes, expected a block of {length}")
-        if not mappable(st):  # never written so by a tier; mapped, a full tmpfs kills us
-            raise CorruptBlock(f"{path}: a block file with holes (not one a tier wrote)")
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                       prot=mmap.PROT_READ)
-    finally:
+        _mappable_size(fd, path, length)
+        want = tail_size(length) + 1  # +1: detect trailing garbage
+        dhash = _check_tail(os.pread(fd, want, length), 0, length, PAGE_SIZE, path,
+                            _expected_key(path, key))
+    except BaseException:
         os.close(fd)
-    whole = memoryview(mm)
-    try:  # the tail as read_block checks it (the page table's own hash included)
-        dhash = _check_tail(whole, length, length, PAGE_SIZE, path, _expected_key(path, key))
-        view = whole[:length]
-        if _hash(view) != dhash:
-            view.release()
-            raise CorruptBlock(f"{path}: checksum mismatch")
+        raise
+    return HeldBlock(fd, path, length, dhash)
+
+
+def _mappable_size(fd: int, path: str, length: int) -> int:
+    """The size of the block file ``fd``, if it is one a tier wrote whole (else CorruptBlock):
+    a read through the mapping of a hole on a full tmpfs is SIGBUS, as is one past the end
+    of a file truncated in place."""
+    st = os.fstat(fd)
+    if st.st_size != stored_size(length) or length == 0:
+        raise CorruptBlock(f"{path}: {st.st_size} bytes, expected a block of {length}")
+    if not mappable(st):  # never written so by a tier; mapped, a full tmpfs kills us
+        raise CorruptBlock(f"{path}: a block file with holes (not one a tier wrote)")
+    return st.st_size
+
+
+def join_blocks(parts: list) -> tuple[bytes, dict[int, CorruptBlock]]:
+    """``parts`` (bytes, and HeldBlocks) joined, and what is wrong with each held block
+    whose bytes in the result are not the ones its tail records, by its index (corrupt:
+    the result is then not to be used). Each held block is mapped only for the join and closed with it, and checked
+    in the result, not before it is copied there: checked on the mapping and copied after
+    the read's misses were fetched (seconds, on a slow store), a block file damaged in
+    place meanwhile came back unchecked, and one truncated killed the reader with SIGBUS
+    (review faults7). A truncation within the copy itself still would (the daemon never
+    truncates a block file; a user damaging the tier by hand might), which is why open
+    files, which keep their blocks for long, read them (OpenBlock)."""
+    views, maps, bad = [], [], {}
+    try:
+        for i, part in enumerate(parts):
+            if type(part) is not HeldBlock:
+                views.append(part)
+                continue
+            try:
+                size = _mappable_size(part.fd, part.path, part.length)
+            except CorruptBlock as exc:  # damaged since it was held
+                bad[i] = exc
+                views.append(b"")
+                continue
+            mm = mmap.mmap(part.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ)
+            maps.append(mm)
+            views.append(memoryview(mm)[:part.length])
+        joined = b"".join(views)
     finally:
-        whole.release()  # the mapping is closed with the last view of it
-    return view
+        for view in views:
+            if type(view) is memoryview:
+                view.release()
+        for mm in maps:
+            mm.close()
+        for part in parts:
+            if type(part) is HeldBlock:
+                part.close()
+    if bad:
+        return joined, bad
+    whole, at = memoryview(joined), 0
+    for i, part in enumerate(parts):
+        if type(part) is HeldBlock and _hash(whole[at:at + part.length]) != part.dhash:
+            bad[i] = CorruptBlock(f"{part.path}: checksum mismatch")
+        at += len(part)
+    whole.release()
+    return joined, bad
 
 
 class OpenBlock:

@@ -192,8 +192,8 @@ def test_a_block_file_with_holes_on_a_full_tmpfs_is_corrupt_not_a_sigbus(small_t
         import json
         from cachemw import blockfile
         try:
-            blockfile.map_block({path!r}, {len(data)})
-            print(json.dumps("mapped"))
+            held = blockfile.hold_block({path!r}, {len(data)})
+            print(json.dumps("joined: " + str(blockfile.join_blocks([held, b""])[1])))
         except blockfile.CorruptBlock as exc:
             print(json.dumps("corrupt: " + str(exc)))
     """)

@@ -30,7 +30,7 @@ def test_a_block_under_a_directory_that_is_a_file_is_absent(tmp_path):
     path = tier.block_path(KEY)
     assert blockfile.read_block(path, 10_000) is None
     assert blockfile.read_range(path, 10_000, 5, 50) is None
-    assert blockfile.map_block(path, 10_000) is None
+    assert blockfile.hold_block(path, 10_000) is None
 
 
 @pytest.mark.timeout(120)

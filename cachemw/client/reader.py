@@ -33,7 +33,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .adopt import Adoptions, Adopted
-from ..blockfile import TIER_FAULTS, CorruptBlock
+from ..blockfile import TIER_FAULTS, CorruptBlock, HeldBlock, join_blocks
 from ..claims import Claims, claims_dir
 from .link import DaemonClient
 from .direct import DirectReads
@@ -110,36 +110,47 @@ class BlockReader(Misses):
             return data if data is not None else self._misses([piece])[0]
         return self.read_many([(meta, start, end)])[0]
 
-    def read_many(self, requests: list[tuple[FileMeta, int, int]]) -> list[bytes]:
-        """Many ranges at once: their misses go to the daemon (and on to owners) in one batch."""
+    def read_many(self, requests: list[tuple[FileMeta, int, int]], *,
+                  join_held: bool = True) -> list[bytes]:
+        """Many ranges at once: their misses go to the daemon (and on to owners) in one batch.
+        ``join_held``: a range's whole large blocks are held and joined from their files."""
         pieces: list[list[Piece]] = []
-        data: dict[tuple[int, int], bytes] = {}
+        data: dict[tuple[int, int], bytes | HeldBlock] = {}
         missing: list[tuple[tuple[int, int], Piece]] = []
-        for r, (meta, start, end) in enumerate(requests):
-            ps = self._pieces(meta, start, end) if end > start else []
-            pieces.append(ps)
-            joined = len(ps) > 1  # whole blocks of a joined read: views, copied once
-            for j, piece in enumerate(ps):
-                got = self._hit(piece, joined and piece.lo == 0 and piece.hi == piece.length)
-                if got is None:
-                    missing.append(((r, j), piece))
-                else:
-                    data[(r, j)] = got
-        if missing:
-            for (where, _), got in zip(missing, self._misses([p for _, p in missing])):
-                data[where] = got
-        out = []
-        for r, ps in enumerate(pieces):
-            parts = [data.pop((r, j)) for j in range(len(ps))]
-            out.append(parts[0] if len(parts) == 1 else b"".join(parts))
-            for part in parts:  # unmap at once (a view holds its block file's mapping)
-                if type(part) is memoryview:
-                    part.release()
-        return out
+        try:
+            for r, (meta, start, end) in enumerate(requests):
+                ps = self._pieces(meta, start, end) if end > start else []
+                pieces.append(ps)
+                joined = join_held and len(ps) > 1  # whole blocks of a joined read: copied once
+                for j, piece in enumerate(ps):
+                    got = self._hit(piece, joined and piece.lo == 0 and piece.hi == piece.length)
+                    if got is None:
+                        missing.append(((r, j), piece))
+                    else:
+                        data[(r, j)] = got
+            if missing:
+                for (where, _), got in zip(missing, self._misses([p for _, p in missing])):
+                    data[where] = got
+            out = []
+            for r, ps in enumerate(pieces):
+                parts = [data.pop((r, j)) for j in range(len(ps))]
+                if len(parts) == 1:
+                    out.append(parts[0])
+                    continue
+                whole, bad = join_blocks(parts)
+                for j, exc in bad.items():  # damaged: dropped, and the range read anew
+                    self._corrupt(ps[j], parts[j].tier, exc)
+                out.append(whole if not bad else
+                           self.read_many([requests[r]], join_held=False)[0])
+            return out
+        finally:
+            for part in data.values():  # held, and not joined (a failed read)
+                if type(part) is HeldBlock:
+                    part.close()
 
-    def _hit(self, piece: Piece, view: bool = False) -> bytes | memoryview | None:
-        """The piece from a tier (verified), or None. ``view``: a whole block may come as
-        a view of its mapped file, for a read that joins blocks (see blockfile.map_block)."""
+    def _hit(self, piece: Piece, view: bool = False) -> bytes | HeldBlock | None:
+        """The piece from a tier (verified), or None. ``view``: a whole block may come held
+        open, its data checked where the read joins it (see blockfile.join_blocks)."""
         client = self.client
         if piece.key in self.fills.pending:  # filled by this process, its file not landed
             pending = self.fills.pending_fill(piece.key)
@@ -149,20 +160,14 @@ class BlockReader(Misses):
         failed = None  # the first tier whose file of the block could not be read, and why
         for tier in client.tiers():
             try:
-                data = (tier.view(piece.key, piece.length) if view and piece.length >= VIEW_MIN
-                        else tier.get(piece.key, piece.length, piece.lo, piece.hi))
+                if view and piece.length >= VIEW_MIN:
+                    data = tier.view(piece.key, piece.length)
+                    if data is not None:
+                        data.tier = tier
+                else:
+                    data = tier.get(piece.key, piece.length, piece.lo, piece.hi)
             except CorruptBlock as exc:
-                if not self._warned_corrupt:  # a failing disk would log every block
-                    self._warned_corrupt = True
-                    log.warning("corrupt cached block of %s (block %d): %s; refetched (further "
-                                "ones counted as corrupt_repaired; logged once)",
-                                piece.meta.url, piece.index, exc)
-                client.count("corrupt_repaired")
-                tier.delete(piece.key)
-                client.drop(piece.key, "corrupt")
-                # answered before the refetch's lease, which may go on another connection
-                # (the fill writer's: see _fetch_claimed), so it is never granted "present"
-                client.ping()
+                self._corrupt(piece, tier, exc)
                 continue
             except OSError as exc:
                 if exc.errno not in TIER_FAULTS:  # this process's (EMFILE, ENOMEM): raised
@@ -177,6 +182,21 @@ class BlockReader(Misses):
         if failed is not None:
             self._unreadable(piece, *failed)
         return None
+
+    def _corrupt(self, piece: Piece, tier, exc: CorruptBlock) -> None:
+        """A damaged block file of ``tier``: dropped (refetched by the read that found it)."""
+        client = self.client
+        if not self._warned_corrupt:  # a failing disk would log every block
+            self._warned_corrupt = True
+            log.warning("corrupt cached block of %s (block %d): %s; refetched (further "
+                        "ones counted as corrupt_repaired; logged once)",
+                        piece.meta.url, piece.index, exc)
+        client.count("corrupt_repaired")
+        tier.delete(piece.key)
+        client.drop(piece.key, "corrupt")
+        # answered before the refetch's lease, which may go on another connection
+        # (the fill writer's: see _fetch_claimed), so it is never granted "present"
+        client.ping()
 
     def _pending_hit(self, piece: Piece, block: bytes, servable: bool) -> bytes:
         """A block this process fetched and has not landed yet (fills.py): its bytes from

@@ -101,10 +101,10 @@ class DirectoryTier:
             return blockfile.read_block(path, length, key=key)
         return blockfile.read_range(path, length, start, length if end is None else end, key=key)
 
-    def view(self, key: str, length: int) -> memoryview | None:
-        """The whole block of ``key``, verified, as a view of its mapped file (see
-        blockfile.map_block); None if absent."""
-        return blockfile.map_block(f"{self.path}/{key[:2]}/{key}", length, key)
+    def view(self, key: str, length: int) -> blockfile.HeldBlock | None:
+        """The whole block of ``key`` held open, its tail checked, for a read that joins it
+        with others (see blockfile.join_blocks, which checks its data); None if absent."""
+        return blockfile.hold_block(f"{self.path}/{key[:2]}/{key}", length, key)
 
     def put(self, key: str, data: bytes, tag: bytes = b"") -> int:
         return blockfile.write_block(self.block_path(key), data, tag=tag)
