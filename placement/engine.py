@@ -162,6 +162,14 @@ class Engine:
         """The ranks that have begun their order in ``group`` (its latest run), if any."""
         return frozenset(self._groups[group][1]) if group in self._groups else frozenset()
 
+    def withdraw(self, owner: Hashable) -> None:
+        """Take the places still ahead that ``owner`` announced out of the order: its reader
+        is gone (the node tells, cachemw/node/placer.py). A new order was laid after the
+        dead one's unread rest, further from the reads than they ever caught up, and
+        prefetch served the dead order first (review announce2)."""
+        if owner is not None:
+            self._withdraw(owner)
+
     def _withdraw(self, owner: Hashable) -> None:
         """Take ``owner``'s places at or after the cursor out of the order (anyone's if
         None); the next order is laid after the places left."""

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import os
 import time
 
 import fsspec
@@ -39,6 +40,42 @@ def test_prefetch_never_displaces_a_block_with_an_announced_read(tmp_path):
     assert placer.prefetch(1 << 20) == []
     placer.hit("b")  # b is done: its room goes to e
     assert kinds(placer.prefetch(1 << 20)) == [("Evict", "b"), ("Prefetch", "e")]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first_exits", [True, False])
+def test_the_order_of_a_trainer_that_exited_gives_way_to_the_next_trainer_s(tmp_path, first_exits):
+    """A trainer killed mid-epoch leaves its order's unread rest ahead; the next trainer (a
+    new process: another owner, so it cannot replace that order) had its order laid after
+    it, further from the reads than they ever caught up, and prefetch served the dead
+    order: no hits for 14 epochs (review announce2). The order of an owner whose
+    announcing processes have all exited is withdrawn when another order comes; a live
+    one's stays where it is."""
+    import subprocess
+    import sys
+
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        placer = placer_of(tmp_path, 4)
+        placer.announce([(f"old{i}", 100) for i in range(5000)],
+                        (None, 0, 1, 0, False, "pid-1:sampler"), pid=first.pid)
+        for i in range(100):  # the first trainer read a little of its order
+            placer.hit(f"old{i}") if i < 4 else placer.miss(f"old{i}", 100)
+        if first_exits:
+            first.kill()
+            first.wait()
+        placer.announce([(f"new{i}", 100) for i in range(8)],
+                        (None, 0, 1, 0, False, "pid-2:sampler"), pid=os.getpid())
+        policy = placer._engine.policy
+        if first_exits:  # laid where the reads are: prefetched first
+            assert policy.next_use("new0") == policy.cursor
+            fetched = [k for kind, k in kinds(placer.prefetch(1 << 20)) if kind == "Prefetch"]
+            assert fetched == [f"new{i}" for i in range(4)]
+        else:
+            assert policy.next_use("new0") == 5000
+    finally:
+        first.kill()
+        first.wait()
 
 
 def test_prefetch_skips_a_block_the_reader_already_missed(tmp_path):
@@ -297,3 +334,30 @@ def test_failing_prefetches_are_said_once_a_minute_with_a_count(monkeypatch, cap
     assert len(said) == 2 and "block 0 failed" in said[0] and "slow" in said[1]
     prefetch._say_failed("s3://b/k", 7, PermissionError("Unable to locate credentials"), 1061.0)
     assert "4 more prefetches failed" in caplog.records[-1].getMessage()
+
+
+@pytest.mark.timeout(60)
+def test_the_daemon_knows_which_process_is_at_the_other_end_of_a_connection(tmp_path):
+    """An announcement is remembered with the pid of the process that sent it, as the
+    daemon sees it (SO_PEERCRED: 0, not known, for another pid namespace's), so that its
+    order can be withdrawn once that process is gone."""
+    import subprocess
+    import sys
+    from multiprocessing.connection import Listener
+
+    from cachemw.node.server import peer_pid
+
+    address = str(tmp_path / "s.sock")
+    with Listener(address, family="AF_UNIX") as listener:
+        child = subprocess.Popen([sys.executable, "-c", (
+            "import sys, time\n"
+            "from multiprocessing.connection import Client\n"
+            f"c = Client({address!r}, family='AF_UNIX')\n"
+            "c.send('hi'); c.recv()\n")])
+        try:
+            with listener.accept() as conn:
+                assert conn.recv() == "hi"
+                assert peer_pid(conn) == child.pid
+                conn.send("bye")
+        finally:
+            child.wait(30)

@@ -463,17 +463,19 @@ class NodeCache(LeaseEnds, LeaseWaits, WaitingReads, MoveRunner, SupersededVersi
         for counters, accesses in reports.take_all(self.config.runtime_dir):
             self.report(counters, accesses)
 
-    def announce(self, items: list[tuple], stream: tuple | None = None) -> None:
+    def announce(self, items: list[tuple], stream: tuple | None = None,
+                 pid: int | None = None) -> None:
         """A sampler's next reads in order, (key, length, url, source) each: the engine
         plans prefetch from them; the maintenance thread fetches ahead of the reader.
-        ``stream``: one rank's order among the node's ranks (Placer.announce)."""
+        ``stream``: one rank's order among the node's ranks; ``pid``: the announcing
+        process, as this daemon sees it (Placer.announce)."""
         order = []
         with self._lock:
             for key, length, url, source in items:
                 if source is not None:  # else its reader fetches it (nothing to prefetch by)
                     self._sources[key] = (length, url, source)
                 order.append((key, blockfile.stored_size(length)))
-        self.placer.announce(order, stream)
+        self.placer.announce(order, stream, pid)
         self._wake.set()
 
     # -- stats ---------------------------------------------------------------------

@@ -10,6 +10,7 @@ announces its order, it switches to the clairvoyant policy, keeping what it has.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -37,6 +38,9 @@ class Placer:
         # group -> until when prefetch waits for the rest of its ranks (None: all came, or
         # given up); which ranks came is the engine's (Engine.ranks_begun); see _hold_for
         self._holds: dict = {}
+        # owner -> the pids (as this daemon sees them) of the processes that announced its
+        # orders: an owner whose processes have all exited is withdrawn (_withdraw_gone)
+        self._announcers: dict = {}
 
     @property
     def policy_name(self) -> str:
@@ -98,10 +102,12 @@ class Placer:
             self._sizes.pop(key, None)
             self._engine.drop(key)
 
-    def announce(self, order: list[tuple[str, int]], stream: tuple | None = None) -> None:
+    def announce(self, order: list[tuple[str, int]], stream: tuple | None = None,
+                 pid: int | None = None) -> None:
         """A sampler's next reads, in order; switches to the clairvoyant policy. ``stream``:
         (group, rank, ranks, first[, replace, owner]) of a rank's order among the node's
-        ranks, and whether it replaces what its owner announced ahead (Engine.announce)."""
+        ranks, and whether it replaces what its owner announced ahead (Engine.announce).
+        ``pid``: the announcing process, as this daemon sees it (None: not known)."""
         group, rank, ranks, first, *rest = stream if stream is not None else (None, 0, 1, 0)
         replace = bool(rest[0]) if rest else False
         owner = rest[1] if len(rest) > 1 else None
@@ -112,10 +118,32 @@ class Placer:
                     self._specs, "clairvoyant", announced=True,
                     placement={k: (t, self._sizes[k]) for k, t in current.items()})
                 self.announced = True
+            self._withdraw_gone(owner)
             self._engine.announce(order, group=group, rank=rank, ranks=ranks, first=first,
                                   replace=replace, owner=owner)
+            if owner is not None and pid:
+                self._announcers.setdefault(owner, set()).add(pid)
+                while len(self._announcers) > self.OWNERS:  # the oldest owners
+                    del self._announcers[next(iter(self._announcers))]
             if group is not None and ranks > 1:  # (once the engine took it as valid)
                 self._hold_for(group, rank, ranks, first)
+
+    #: owners whose announcing processes are remembered (the latest ones)
+    OWNERS = 256
+
+    def _withdraw_gone(self, announcing) -> None:
+        """Withdraw the orders of owners whose announcing processes have all exited (a
+        trainer killed mid-epoch: its order's unread rest stayed ahead of every later
+        order, which a restarted trainer, a new pid and so another owner, could not
+        replace: the next trainer's order was never reached, and prefetch served the dead
+        one's, 0 hits in 14 epochs, review announce2). A pid reused since is taken as
+        alive (the order stays, as it did)."""
+        for owner, pids in list(self._announcers.items()):
+            if owner != announcing and not any(map(_alive, pids)):
+                del self._announcers[owner]
+                log.info("the processes that announced order %s have exited: its unread "
+                         "places are withdrawn", owner)
+                self._engine.withdraw(owner)
 
     def _hold_for(self, group, rank: int, ranks: int, first: int) -> None:
         """Prefetch waits while a group's ranks are still announcing (at most HOLD s from
@@ -217,3 +245,13 @@ class Placer:
             else:
                 before.append(move)
         return tier, before
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (EPERM: another user's process, alive)
+        return True
+    return True

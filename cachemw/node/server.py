@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from multiprocessing import AuthenticationError
@@ -200,7 +201,8 @@ class SocketServer:
             ops.FILLED_MANY: filled_many,
             ops.ABORT: lambda conn, link, key, reason: node.abort(key, reason, conn),
             ops.REPORT: lambda conn, link, counters, accesses: node.report(counters, accesses),
-            ops.ANNOUNCE: lambda conn, link, items, stream=None: node.announce(items, stream),
+            ops.ANNOUNCE: lambda conn, link, items, stream=None:
+                node.announce(items, stream, peer_pid(conn)),
             ops.DROP: lambda conn, link, key, reason, tier=None: node.drop(key, reason, tier),
             ops.SUPERSEDED: lambda conn, link, url, version, size, block_size:
                 node.superseded(url, version, size, block_size),
@@ -245,3 +247,15 @@ class SocketServer:
                 return
             if op == ops.SHUTDOWN and self.on_shutdown is not None:  # once it is answered
                 threading.Thread(target=self.on_shutdown, daemon=True).start()
+
+
+def peer_pid(conn: Connection) -> int | None:
+    """The pid of the process at the other end of ``conn`` (a Unix socket), as this
+    process's pid namespace sees it: 0 or None where it cannot (another container's)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno())) as s:
+            pid, _, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                         struct.calcsize("3i")))
+    except (OSError, AttributeError):  # (no SO_PEERCRED off Linux)
+        return None
+    return pid or None
