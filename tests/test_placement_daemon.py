@@ -336,6 +336,36 @@ def test_failing_prefetches_are_said_once_a_minute_with_a_count(monkeypatch, cap
     assert "4 more prefetches failed" in caplog.records[-1].getMessage()
 
 
+def test_an_order_announced_and_never_read_gives_the_tier_back_once_its_places_run_out(tmp_path):
+    """Another process announced an order and never read it (a sampler iterated and left,
+    an evaluation loop broken out of): its blocks, prefetched, pushed out the working set
+    of a trainer that announces nothing. Once the order's places ran out (abandoned after
+    ``slack`` reads outside it, then passed), its blocks and the trainer's were all "never
+    read again", and the rule that keeps a block against a newcomer needed no sooner kept
+    the unread blocks for good: 0 hits in 1,800 reads of a working set of 150 blocks
+    (review announce2). Blocks whose announced read never came go first."""
+    placer = placer_of(tmp_path, 4)
+    hot = [f"hot{i}" for i in range(4)]
+    for key in hot:
+        assert placer.miss(key, 100)[0] == "dram"
+    placer.announce([(f"junk{i}", 100) for i in range(10)], pid=os.getpid())
+    fetched = [k for kind, k in kinds(placer.prefetch(1 << 20)) if kind == "Prefetch"]
+    assert fetched == [f"junk{i}" for i in range(4)]  # in the order's name, as announced
+    slack = placer._engine.policy.slack
+    hits = []
+    for n in range(3 * slack + 400):  # the trainer reads its 4 blocks, round after round
+        key = hot[n % 4]
+        if key in placer._engine.placement():
+            placer.hit(key)
+            hits.append(n)
+        else:
+            placer.miss(key, 100)
+        if n % 16 == 0:
+            placer.prefetch(1 << 20)  # the daemon's prefetch pass, which drops old places
+    assert hits and hits[-1] == 3 * slack + 399  # cached again, and kept
+    assert not any(k.startswith("junk") for k in placer._engine.placement())
+
+
 @pytest.mark.timeout(60)
 def test_the_daemon_knows_which_process_is_at_the_other_end_of_a_connection(tmp_path):
     """An announcement is remembered with the pid of the process that sent it, as the
