@@ -60,17 +60,23 @@ def _local(name: str, default: int) -> int:
 def _job() -> str:
     """What the ranks of one training share, so that two trainings at once on a node never
     make one group: torchrun's run id, else the rendezvous address, else the Slurm job
-    step; and the restart (torchrun's restart count). A later run of the same name begins
-    the group anew (the engine sees a rank begin its order in it twice)."""
+    step, else the PMIx namespace of an MPI job (mpirun of Open MPI, as DLIO is run); and
+    the restart (torchrun's restart count). A later run of the same name begins the group
+    anew (the engine sees a rank begin its order in it twice). Ranks started with none
+    of these share the name "local" with any other such job on the node (review
+    announce2): their orders are then laid as one group's."""
     run = os.environ.get("TORCHELASTIC_RUN_ID")
     addr = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     job = os.environ.get("SLURM_JOB_ID")
+    pmix = os.environ.get("PMIX_NAMESPACE")
     if run and run != "none":
         name = run
     elif all(addr):
         name = f"{addr[0]}:{addr[1]}"
+    elif job:
+        name = f"slurm-{job}.{os.environ.get('SLURM_STEP_ID', '')}"
     else:
-        name = f"slurm-{job}.{os.environ.get('SLURM_STEP_ID', '')}" if job else "local"
+        name = f"pmix-{pmix}" if pmix else "local"
     return f"{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 

@@ -359,3 +359,20 @@ def test_dataloader_with_forked_workers_prefetches_the_announced_order(tmp_path,
     stats = wait_for(lambda: (s := daemon_stats(runtime_dir))["counters"].get("prefetched") and s,
                      20, what="the daemon to prefetch the announced order")
     assert stats["counters"]["prefetched"] > 0
+
+
+def test_the_ranks_of_an_mpi_job_are_named_by_its_pmix_namespace(monkeypatch):
+    """Ranks started by mpirun (Open MPI, as DLIO is run) without torchrun's, a
+    rendezvous' or Slurm's variables were all "local": two such jobs on a node made one
+    group (review announce2). Open MPI gives each job's ranks its PMIx namespace."""
+    from cachemw.torch import _job
+
+    for var in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
+                "PMIX_NAMESPACE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    assert _job() == "local/0"
+    monkeypatch.setenv("PMIX_NAMESPACE", "prterun-host-1234@1")
+    assert _job() == "pmix-prterun-host-1234@1/0"
+    monkeypatch.setenv("SLURM_JOB_ID", "77")  # a Slurm step (srun --mpi=pmix sets both)
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert _job() == "slurm-77.0/0"
