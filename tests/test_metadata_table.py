@@ -200,3 +200,41 @@ def test_a_shard_of_an_earlier_format_is_left_to_its_processes(tmp_path):
     with open(old, "rb") as f:
         assert f.read() == b"an earlier format's shard"
     assert MetaTable(d).get("/a")[1]  # the drop, in this release's file
+
+
+@pytest.mark.timeout(60)
+def test_a_child_forked_while_the_table_is_written_does_not_keep_its_lock(tmp_path):
+    """A flock belongs to the open file, which a forked child shares: a trainer forking its
+    DataLoader workers while its fill writer wrote to the table left them holding the
+    lock for their whole life. Every store of the node waited its time in vain, and a
+    worker's exit, draining its stores, took 30 s (review faults7)."""
+    import fcntl
+    import threading
+
+    lock = str(tmp_path / "lock")
+    holding, release = threading.Event(), threading.Event()
+
+    def writer():
+        with metatable._FileLock(lock, 1.0):
+            holding.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert holding.wait(10)
+    child = os.fork()
+    if child == 0:  # a DataLoader worker: lives on, never writes
+        time.sleep(20)
+        os._exit(0)
+    try:
+        release.set()
+        thread.join(10)
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free, the child still alive
+        finally:
+            os.close(fd)
+        assert os.waitpid(child, os.WNOHANG) == (0, 0)
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)

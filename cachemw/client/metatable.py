@@ -437,7 +437,14 @@ def _pwrite_whole(fd: int, data: bytes, at: int) -> None:
 class _FileLock:
     """An exclusive flock on ``path`` for one write (released by the kernel if we die),
     waited for ``wait`` seconds at most (its holder may be a stopped process): then
-    BlockingIOError."""
+    BlockingIOError.
+
+    A flock belongs to the open file, which a forked child shares: a process forked while
+    its fill writer held the lock (a trainer forking its DataLoader workers just after
+    reading) kept it for the child's whole life, since only the parent's thread closes it.
+    Every store of the node's metadata then waited its 0.5 s in vain, and a worker's exit,
+    draining its stores, took up to 30 s (review faults7). A forked child closes its copy
+    at once (``_HELD``), which leaves the lock with the parent."""
 
     def __init__(self, path: str, wait: float) -> None:
         self.path = path
@@ -455,7 +462,26 @@ class _FileLock:
         if not flock_within(self.fd, wait=self.wait, poll=0.001):
             os.close(self.fd)
             raise BlockingIOError(errno.EWOULDBLOCK, os.strerror(errno.EWOULDBLOCK))
+        _HELD.add(self.fd)
         return self
 
     def __exit__(self, *exc) -> None:
+        _HELD.discard(self.fd)
         os.close(self.fd)  # closing drops the lock
+
+
+_HELD: set = set()  # descriptors of the locks this process holds (see _FileLock)
+
+
+def _close_inherited() -> None:
+    """In a forked child: close its copies of the locks its parent held (not unlock: that
+    would drop the parent's lock too)."""
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
