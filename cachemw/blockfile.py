@@ -323,6 +323,8 @@ class HeldBlock:
             os.close(self.fd)
             self.fd = -1
 
+    __del__ = close  # one dropped between its hold and its read's end (an interrupt)
+
 
 def hold_block(path: str, length: int, key: str | None = None) -> HeldBlock | None:
     """The whole block at ``path``, held open with its tail checked (see HeldBlock); None if

@@ -218,7 +218,8 @@ class ClairvoyantPolicy(FurthestFirst):
         """Announced reads that will not be made, (key, position) each (their reader
         stopped its epoch early and announces the next); the places left end before
         ``until`` (at least the cursor), where the next order is laid. A cached block whose
-        next read was one of them gets its next one left, or none."""
+        next read was one of them gets its next one left, or none: EXPIRED, the first to
+        make room (a withdrawn dead order's blocks held the tier as NEVER, diffrev-12)."""
         future, nxt = self._future, self.next
         for key, pos in places:
             q = future.get(key)
@@ -231,6 +232,7 @@ class ClairvoyantPolicy(FurthestFirst):
             nu = self.next_use(key)
             if not q:
                 del future[key]
+                nu = EXPIRED  # its reader will not read it (until announced again)
             if key in nxt and nxt[key] != nu:
                 self.set_next_use(key, nu)
         self._announced = max(until, self._cursor)

@@ -336,6 +336,38 @@ def test_failing_prefetches_are_said_once_a_minute_with_a_count(monkeypatch, cap
     assert "4 more prefetches failed" in caplog.records[-1].getMessage()
 
 
+@pytest.mark.timeout(60)
+def test_a_ddp_job_run_again_under_its_name_is_not_laid_after_its_dead_run_s_order(tmp_path):
+    """A DDP job killed and run again keeps its name (torchrun's default rendezvous
+    address, a requeued Slurm job) in new processes: its dead run's unread places were
+    kept, the owner being the one announcing, and the new order laid after them
+    (diffrev-12). They are withdrawn, and their cached blocks go first."""
+    import subprocess
+    import sys
+
+    owner = "127.0.0.1:29500/0:5000:0"
+    placer = placer_of(tmp_path, 4)
+    old = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+           for _ in range(2)]
+    try:
+        for rank in range(2):
+            placer.announce([(f"old{rank}-{i}", 100) for i in range(2500)],
+                            (f"{owner}:0", rank, 2, 0, False, owner), pid=old[rank].pid)
+        for i in range(50):
+            placer.miss(f"old{i % 2}-{i // 2}", 100)
+    finally:
+        for p in old:
+            p.kill()
+            p.wait()
+    for rank in range(2):  # run again: the same names, new processes
+        placer.announce([(f"new{rank}-{i}", 100) for i in range(8)],
+                        (f"{owner}:0", rank, 2, 0, False, owner), pid=os.getpid())
+    policy = placer._engine.policy
+    assert policy.next_use("new0-0") == policy.cursor
+    fetched = [k for kind, k in kinds(placer.prefetch(1 << 20)) if kind == "Prefetch"]
+    assert fetched == ["new0-0", "new1-0", "new0-1", "new1-1"]  # the ranks interleaved
+
+
 def test_an_order_announced_and_never_read_gives_the_tier_back_once_its_places_run_out(tmp_path):
     """Another process announced an order and never read it (a sampler iterated and left,
     an evaluation loop broken out of): its blocks, prefetched, pushed out the working set

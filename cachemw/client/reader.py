@@ -131,7 +131,7 @@ class BlockReader(Misses):
             if missing:
                 for (where, _), got in zip(missing, self._misses([p for _, p in missing])):
                     data[where] = got
-            out = []
+            out, repaired = [], set()
             for r, ps in enumerate(pieces):
                 parts = [data.pop((r, j)) for j in range(len(ps))]
                 if len(parts) == 1:
@@ -139,7 +139,9 @@ class BlockReader(Misses):
                     continue
                 whole, bad = join_blocks(parts)
                 for j, exc in bad.items():  # damaged: dropped, and the range read anew
-                    self._corrupt(ps[j], parts[j].tier, exc)
+                    if ps[j].key not in repaired:  # (held by two ranges: the fresh copy stays)
+                        repaired.add(ps[j].key)
+                        self._corrupt(ps[j], parts[j].tier, exc)
                 out.append(whole if not bad else
                            self.read_many([requests[r]], join_held=False)[0])
             return out

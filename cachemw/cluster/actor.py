@@ -212,6 +212,7 @@ def _check_given(address: str, where: str, advice: str, error: type) -> None:
     if found == "grpc":
         return
     what = {"none": "nothing accepts a connection there",
+            "unanswered": f"nothing answered a connection within {GIVEN_PATIENCE_S:.0f} s",
             "other": "the server there is not Ray's (it does not speak gRPC)",
             "silent": f"a server accepts connections there but says nothing within "
                       f"{GIVEN_PATIENCE_S:.0f} s (a stopped or hung Ray head, or another "

@@ -241,7 +241,8 @@ def probe(address: str, patience: float) -> str:
     """What listens at ``address``: "grpc" (a server answered the HTTP/2 preface with its
     SETTINGS frame, as Ray's GCS does; also any form Ray resolves itself, and any listener
     under TLS), "silent" (accepted, said nothing within ``patience`` s), "other" (said
-    something else, or closed) or "none" (nothing accepts)."""
+    something else, or closed), "unanswered" (no answer to the connection within
+    ``patience`` s: a host that drops it) or "none" (refused, or no such host)."""
     import socket
 
     host, _, port = address.rpartition(":")
@@ -249,7 +250,13 @@ def probe(address: str, patience: float) -> str:
         return "grpc"
     host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:6379
     try:
-        with socket.create_connection((host, int(port)), timeout=patience) as sock:
+        sock = socket.create_connection((host, int(port)), timeout=patience)
+    except TimeoutError:
+        return "unanswered"
+    except OSError:
+        return "none"
+    try:
+        with sock:
             if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
                 return "grpc"
             sock.settimeout(patience)
@@ -265,7 +272,7 @@ def probe(address: str, patience: float) -> str:
                 head += chunk
             return "grpc" if head[3] == 4 else "other"  # a SETTINGS frame
     except OSError:
-        return "none"
+        return "other"  # (accepted, then reset)
 
 
 def names(state: dict | None, address: str) -> bool:

@@ -120,10 +120,13 @@ class PeerSet:
         for node_id, handle in handles.items():
             if node_id == self.self_id:
                 continue
-            if self.secret and node_id not in self._blocks:
-                asks[node_id, "address"] = handle.address.remote()
-            if node_id in self._suspect_until and self._suspect_until[node_id] <= now:
-                asks[node_id, "ping"] = handle.ping.remote()
+            try:  # (a call that cannot be made is one not answered: that peer only)
+                if self.secret and node_id not in self._blocks:
+                    asks[node_id, "address"] = handle.address.remote()
+                if node_id in self._suspect_until and self._suspect_until[node_id] <= now:
+                    asks[node_id, "ping"] = handle.ping.remote()
+            except self._call_errors:
+                continue
         answers = self._answers(asks)
         members = []
         for node_id in handles:

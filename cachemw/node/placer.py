@@ -118,12 +118,12 @@ class Placer:
                     self._specs, "clairvoyant", announced=True,
                     placement={k: (t, self._sizes[k]) for k, t in current.items()})
                 self.announced = True
-            self._withdraw_gone(owner)
+            self._withdraw_gone()
             self._engine.announce(order, group=group, rank=rank, ranks=ranks, first=first,
                                   replace=replace, owner=owner)
-            if owner is not None and pid:
-                self._announcers.setdefault(owner, set()).add(pid)
-                while len(self._announcers) > self.OWNERS:  # the oldest owners
+            if owner is not None and pid:  # (the latest last: the oldest go first)
+                self._announcers[owner] = self._announcers.pop(owner, set()) | {pid}
+                while len(self._announcers) > self.OWNERS:
                     del self._announcers[next(iter(self._announcers))]
             if group is not None and ranks > 1:  # (once the engine took it as valid)
                 self._hold_for(group, rank, ranks, first)
@@ -131,15 +131,17 @@ class Placer:
     #: owners whose announcing processes are remembered (the latest ones)
     OWNERS = 256
 
-    def _withdraw_gone(self, announcing) -> None:
+    def _withdraw_gone(self) -> None:
         """Withdraw the orders of owners whose announcing processes have all exited (a
         trainer killed mid-epoch: its order's unread rest stayed ahead of every later
         order, which a restarted trainer, a new pid and so another owner, could not
         replace: the next trainer's order was never reached, and prefetch served the dead
-        one's, 0 hits in 14 epochs, review announce2). A pid reused since is taken as
-        alive (the order stays, as it did)."""
+        one's, 0 hits in 14 epochs, review announce2). The announcing owner's own too:
+        a job killed and run again keeps its name (torchrun's default rendezvous address,
+        a requeued Slurm job) in new processes (diffrev-12). A pid reused since is taken
+        as alive (the order stays, as it did)."""
         for owner, pids in list(self._announcers.items()):
-            if owner != announcing and not any(map(_alive, pids)):
+            if not any(map(_alive, pids)):
                 del self._announcers[owner]
                 log.info("the processes that announced order %s have exited: its unread "
                          "places are withdrawn", owner)
