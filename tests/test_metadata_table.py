@@ -222,11 +222,16 @@ def test_a_child_forked_while_the_table_is_written_does_not_keep_its_lock(tmp_pa
     thread = threading.Thread(target=writer)
     thread.start()
     assert holding.wait(10)
+    started, tell = os.pipe()
     child = os.fork()
     if child == 0:  # a DataLoader worker: lives on, never writes
+        os.write(tell, b"x")  # (its fork handlers have run)
         time.sleep(20)
         os._exit(0)
+    os.close(tell)
     try:
+        assert os.read(started, 1) == b"x"  # (a loaded machine may not have run it yet)
+        os.close(started)
         release.set()
         thread.join(10)
         fd = os.open(lock, os.O_RDWR)
