@@ -359,8 +359,9 @@ def _mappable_size(fd: int, path: str, length: int) -> int:
 def join_blocks(parts: list) -> tuple[bytes, dict[int, CorruptBlock]]:
     """``parts`` (bytes, and HeldBlocks) joined, and what is wrong with each held block
     whose bytes in the result are not the ones its tail records, by its index (corrupt:
-    the result is then not to be used). Each held block is mapped only for the join and closed with it, and checked
-    in the result, not before it is copied there: checked on the mapping and copied after
+    the result is then not to be used). Each held block is mapped only for the join and
+    closed with it, and checked in the result, not before it is copied there: checked on
+    the mapping and copied after
     the read's misses were fetched (seconds, on a slow store), a block file damaged in
     place meanwhile came back unchecked, and one truncated killed the reader with SIGBUS
     (review faults7). A truncation within the copy itself still would (the daemon never

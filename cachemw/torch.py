@@ -75,8 +75,10 @@ def _job() -> str:
         name = f"{addr[0]}:{addr[1]}"
     elif job:
         name = f"slurm-{job}.{os.environ.get('SLURM_STEP_ID', '')}"
+    elif pmix:
+        name = f"pmix-{pmix}"
     else:
-        name = f"pmix-{pmix}" if pmix else "local"
+        name = "local"
     return f"{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 

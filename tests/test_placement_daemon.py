@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import fsspec
@@ -26,6 +28,11 @@ def placer_of(tmp_path, blocks: int, size: int = 100) -> Placer:
     tier = TierConfig("dram", str(tmp_path / "dram"), blocks * size, high_watermark=1.0,
                       low_watermark=1.0)
     return Placer((tier,))
+
+
+def _a_process() -> subprocess.Popen:
+    """A process that announces (a trainer), alive until the test kills it."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
 
 def kinds(moves) -> list[tuple[str, str]]:
@@ -51,10 +58,7 @@ def test_the_order_of_a_trainer_that_exited_gives_way_to_the_next_trainer_s(tmp_
     order: no hits for 14 epochs (review announce2). The order of an owner whose
     announcing processes have all exited is withdrawn when another order comes; a live
     one's stays where it is."""
-    import subprocess
-    import sys
-
-    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    first = _a_process()
     try:
         placer = placer_of(tmp_path, 4)
         placer.announce([(f"old{i}", 100) for i in range(5000)],
@@ -342,13 +346,9 @@ def test_a_ddp_job_run_again_under_its_name_is_not_laid_after_its_dead_run_s_ord
     address, a requeued Slurm job) in new processes: its dead run's unread places were
     kept, the owner being the one announcing, and the new order laid after them
     (diffrev-12). They are withdrawn, and their cached blocks go first."""
-    import subprocess
-    import sys
-
     owner = "127.0.0.1:29500/0:5000:0"
     placer = placer_of(tmp_path, 4)
-    old = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-           for _ in range(2)]
+    old = [_a_process() for _ in range(2)]
     try:
         for rank in range(2):
             placer.announce([(f"old{rank}-{i}", 100) for i in range(2500)],
@@ -403,8 +403,6 @@ def test_the_daemon_knows_which_process_is_at_the_other_end_of_a_connection(tmp_
     """An announcement is remembered with the pid of the process that sent it, as the
     daemon sees it (SO_PEERCRED: 0, not known, for another pid namespace's), so that its
     order can be withdrawn once that process is gone."""
-    import subprocess
-    import sys
     from multiprocessing.connection import Listener
 
     from cachemw.node.server import peer_pid

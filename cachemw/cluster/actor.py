@@ -226,9 +226,8 @@ def _connected(ray, address: str | None, runtime_dir: str) -> dict:
     process is, as after ``cachemw.start()`` in it; else the driver's own. Taken for the
     driver's own, ``cachemw.start()`` then ``cachemw.stop()`` in one process stopped the
     daemon and left the private cluster's processes running (review readme8)."""
-    state = local_ray.read_state(runtime_dir) if own_address(address, runtime_dir) is None \
-        else None
-    if state is not None:
+    state = local_ray.read_state(runtime_dir)
+    if state is not None and (address is None or local_ray.names(state, address)):
         try:
             current = ray.get_runtime_context().gcs_address
         except Exception:  # noqa: BLE001 - not known: the driver's own, as before

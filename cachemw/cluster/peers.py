@@ -293,7 +293,6 @@ class PeerSet:
             self.counters["remote_bytes"] += sum(n for n in lengths if n > 0)
         return out
 
-
     def _collect(self, refs: list) -> None:
         """Get each return of a failed call: the error is in every one, and Ray logs an
         "unhandled error" with its traceback for each one never got (one call, up to 86

@@ -38,9 +38,11 @@ def read_http(fs, path: str, start: int, end: int | None, version: str) -> bytes
         parts.append(data)
         unpinned = unpinned or no_validator
         if end is None or last is None or last + 1 >= end:  # all of it (shorter now: a 416)
-            if unpinned:  # no validator (or an ETag on HEAD but none on GET): the version
-                check_after(fs, path, version)  # asked again after the read, once for all
-            return b"".join(parts)  # its parts (a HEAD each, diffrev-11)
+            # no validator (or an ETag on HEAD but none on GET): the version asked again
+            # after the read, once for all its parts (not a HEAD each, diffrev-11)
+            if unpinned:
+                check_after(fs, path, version)
+            return b"".join(parts)
         at = last + 1
     raise OSError(errno.EIO, f"{path}: the server answers ranges of {len(parts[0])} bytes at "
                              f"most: {MOST_PARTS} GETs did not read [{start}, {end})")
